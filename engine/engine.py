@@ -1,0 +1,144 @@
+"""One model replica's step loop: schedule -> run -> sample -> update -> events.
+
+Called only from its DeviceWorker thread. The scheduler is passed in (engine/ never imports
+scheduling/); it owns who runs, this class owns what a step means for each request.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import structlog
+from transformers import PreTrainedTokenizerBase
+
+from engine.detokenizer import TextStream
+from engine.kv_cache import KVCacheManager
+from engine.model_runner import ModelRunner
+from engine.sampler import Sampler
+from engine.types import (
+    FinishReason,
+    GenerationRequest,
+    ScheduledBatch,
+    Sequence,
+    TokenEvent,
+    TokenLogprob,
+)
+
+log = structlog.get_logger(__name__)
+
+
+class StepScheduler(Protocol):
+    kv: KVCacheManager
+    num_preemptions: int
+
+    def add(self, seq: Sequence) -> None: ...
+    def schedule(self) -> ScheduledBatch: ...
+    def finish(self, seq: Sequence) -> None: ...
+    def has_work(self) -> bool: ...
+    @property
+    def num_running(self) -> int: ...
+    @property
+    def num_waiting(self) -> int: ...
+
+
+class RequestState:
+    def __init__(self, seq: Sequence, text: TextStream) -> None:
+        self.seq = seq
+        self.text = text
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        scheduler: StepScheduler,
+        tokenizer: PreTrainedTokenizerBase,
+        eos_token_ids: frozenset[int],
+        max_model_len: int,
+        seed: int = 0,
+    ) -> None:
+        self.runner = runner
+        self.scheduler = scheduler
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+        self.sampler = Sampler(runner.device, seed)
+        self.requests: dict[str, RequestState] = {}
+        self.num_steps = 0
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.requests)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def add_request(self, request: GenerationRequest) -> None:
+        seq = Sequence(request)
+        self.requests[request.request_id] = RequestState(seq, TextStream(self.tokenizer, request.params.stop))
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> bool:
+        state = self.requests.pop(request_id, None)
+        if state is None:
+            return False
+        self.scheduler.finish(state.seq)
+        return True
+
+    def step(self) -> list[TokenEvent]:
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            return []
+        self.num_steps += 1
+        try:
+            sample_seqs, logits = self.runner.execute(batch)
+            tokens, logprobs = self.sampler.sample(logits, sample_seqs)
+        except Exception as exc:  # a failed step fails its batch, not the worker
+            log.exception("engine step failed", num_seqs=len(batch.seqs))
+            return [self._fail(item.seq, exc) for item in batch.seqs]
+        for item in batch.seqs:
+            item.seq.num_computed_tokens += item.num_new_tokens
+        return [self._append_token(seq, t, lp) for seq, t, lp in zip(sample_seqs, tokens, logprobs)]
+
+    def _append_token(self, seq: Sequence, token_id: int, logprob: TokenLogprob | None) -> TokenEvent:
+        state = self.requests[seq.request_id]
+        params = seq.params
+        seq.token_ids.append(token_id)
+        finish = None
+        if token_id in params.stop_token_ids or (token_id in self.eos_token_ids and not params.ignore_eos):
+            finish = FinishReason.STOP
+            text = state.text.flush()
+        else:
+            text, hit_stop = state.text.add_token(token_id)
+            if hit_stop:
+                finish = FinishReason.STOP
+        if finish is None and (seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len):
+            finish = FinishReason.LENGTH
+            text += state.text.flush()
+        if finish is not None:
+            self._release(seq)
+        return TokenEvent(
+            request_id=seq.request_id,
+            text=text,
+            token_ids=[token_id],
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_output_tokens=seq.num_output_tokens,
+            logprobs=[logprob] if logprob is not None else None,
+            finish_reason=finish,
+        )
+
+    def _fail(self, seq: Sequence, exc: Exception) -> TokenEvent:
+        self._release(seq)
+        return TokenEvent(
+            request_id=seq.request_id,
+            text="",
+            token_ids=[],
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_output_tokens=seq.num_output_tokens,
+            finish_reason=FinishReason.ERROR,
+            error=f"engine step failed: {type(exc).__name__}: {exc}",
+        )
+
+    def _release(self, seq: Sequence) -> None:
+        self.requests.pop(seq.request_id, None)
+        self.scheduler.finish(seq)

@@ -1,0 +1,146 @@
+"""Loads an HF model folder (or hub id) into our decoder: config, tokenizer and weights.
+
+Reads safetensors (sharded or not) or PyTorch `.bin` checkpoints and fuses q/k/v and
+gate/up into the layout of `engine.models.llama`. Unsupported architectures fail here,
+at load, with the list of what is supported.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
+
+from engine.models.llama import SUPPORTED_ARCHITECTURES, LlamaForCausalLM
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelLoadError(RuntimeError):
+    pass
+
+
+@dataclass
+class LoadedModel:
+    path: Path
+    model: LlamaForCausalLM
+    tokenizer: PreTrainedTokenizerBase
+    eos_token_ids: frozenset[int]
+    max_model_len: int
+    dtype: torch.dtype
+    device: torch.device
+
+
+def resolve_model_path(source: str) -> Path:
+    """A local folder as is; anything else is treated as a hub id resolved by huggingface_hub."""
+    path = Path(source).expanduser()
+    if path.is_dir():
+        return path.resolve()
+    if path.exists() or source.startswith((".", "/", "~")):
+        raise ModelLoadError(f"model folder {source!r} does not exist")
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(source, allow_patterns=["*.json", "*.safetensors", "*.bin", "*.model", "*.txt"]))
+    except Exception as exc:
+        raise ModelLoadError(f"could not fetch {source!r} from the hub: {exc}") from exc
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in DTYPES:
+        raise ModelLoadError(f"dtype {name!r} is not one of auto, {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def read_checkpoint(path: Path) -> dict[str, torch.Tensor]:
+    files = sorted(path.glob("*.safetensors"))
+    if files:
+        from safetensors.torch import load_file
+
+        tensors: dict[str, torch.Tensor] = {}
+        for file in files:
+            tensors.update(load_file(file))
+        return tensors
+    files = sorted(path.glob("pytorch_model*.bin"))
+    if not files:
+        raise ModelLoadError(f"no *.safetensors or pytorch_model*.bin weights in {path}")
+    tensors = {}
+    for file in files:
+        tensors.update(torch.load(file, map_location="cpu", weights_only=True))
+    return tensors
+
+
+def fuse_weights(hf: dict[str, torch.Tensor], num_layers: int, tied: bool) -> dict[str, torch.Tensor]:
+    """HF parameter names -> ours, concatenating q/k/v and gate/up."""
+    hf = {name.removeprefix("model."): tensor for name, tensor in hf.items()}
+    out = {"embed_tokens.weight": hf["embed_tokens.weight"], "norm.weight": hf["norm.weight"]}
+    out["lm_head.weight"] = hf["embed_tokens.weight"] if tied else hf["lm_head.weight"]
+    for i in range(num_layers):
+        p = f"layers.{i}."
+        for suffix in ("weight", "bias"):
+            parts = [hf.get(f"{p}self_attn.{n}_proj.{suffix}") for n in "qkv"]
+            if parts[0] is not None:
+                out[f"{p}self_attn.qkv_proj.{suffix}"] = torch.cat(parts)
+            gate_up = [hf.get(f"{p}mlp.{n}_proj.{suffix}") for n in ("gate", "up")]
+            if gate_up[0] is not None:
+                out[f"{p}mlp.gate_up_proj.{suffix}"] = torch.cat(gate_up)
+            for name in ("self_attn.o_proj", "mlp.down_proj"):
+                if f"{p}{name}.{suffix}" in hf:
+                    out[f"{p}{name}.{suffix}"] = hf[f"{p}{name}.{suffix}"]
+        for name in ("input_layernorm", "post_attention_layernorm", "self_attn.q_norm", "self_attn.k_norm"):
+            if f"{p}{name}.weight" in hf:
+                out[f"{p}{name}.weight"] = hf[f"{p}{name}.weight"]
+    return out
+
+
+def eos_token_ids(path: Path, hf_config, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
+    ids: set[int] = set()
+    sources = [getattr(hf_config, "eos_token_id", None), tokenizer.eos_token_id]
+    try:
+        sources.append(GenerationConfig.from_pretrained(path).eos_token_id)
+    except OSError:
+        pass  # no generation_config.json
+    for value in sources:
+        if isinstance(value, int):
+            ids.add(value)
+        elif value:
+            ids.update(value)
+    return frozenset(ids)
+
+
+def load_model(source: str, device: str = "cpu", dtype: str = "auto") -> LoadedModel:
+    path = resolve_model_path(source)
+    hf_config = AutoConfig.from_pretrained(path)
+    archs = getattr(hf_config, "architectures", None) or []
+    if not archs or archs[0] not in SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(
+            f"architecture {archs[0] if archs else 'unknown'} of {source!r} is not supported; "
+            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    torch_device = torch.device(device)
+    torch_dtype = resolve_dtype(dtype, torch_device)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(hf_config)
+    weights = fuse_weights(read_checkpoint(path), model.shape.num_layers, model.shape.tie_word_embeddings)
+    weights = {name: t.to(device=torch_device, dtype=torch_dtype) for name, t in weights.items()}
+    missing, unexpected = model.load_state_dict(weights, strict=False, assign=True)
+    if missing or unexpected:
+        raise ModelLoadError(f"checkpoint of {source!r} does not fit the config: missing {missing}, unexpected {unexpected}")
+    if model.shape.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    model.rotary = type(model.rotary)(hf_config, model.shape.head_dim).to(torch_device)
+    model.eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    return LoadedModel(
+        path=path,
+        model=model,
+        tokenizer=tokenizer,
+        eos_token_ids=eos_token_ids(path, hf_config, tokenizer),
+        max_model_len=model.shape.max_position_embeddings,
+        dtype=torch_dtype,
+        device=torch_device,
+    )

@@ -1,0 +1,94 @@
+"""Turns a scheduled batch into logits: packs tokens, owns the KV tensors, runs the model.
+
+The only module that allocates KV memory. Decode tokens are packed first, then prefill
+chunks, so attention can run all decodes as one batched call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention import build_metadata
+from engine.models.llama import LlamaForCausalLM
+from engine.types import ScheduledBatch, ScheduledSeq, Sequence
+
+GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    kv_cache_gib: float = 1.0  # CPU budget
+    gpu_memory_utilization: float = 0.85  # CUDA: share of free memory after the weights
+
+
+def kv_bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
+    s = model.shape
+    return 2 * s.num_layers * block_size * s.num_kv_heads * s.head_dim * torch.tensor([], dtype=dtype).element_size()
+
+
+def num_kv_blocks(model: LlamaForCausalLM, cfg: CacheConfig, device: torch.device, dtype: torch.dtype) -> int:
+    if device.type == "cuda":
+        free_bytes, _ = torch.cuda.mem_get_info(device)
+        budget = free_bytes * cfg.gpu_memory_utilization
+    else:
+        budget = cfg.kv_cache_gib * GIB
+    return max(1, int(budget // kv_bytes_per_block(model, cfg.block_size, dtype)))
+
+
+@dataclass
+class StepInputs:
+    batch_seqs: list[ScheduledSeq]  # in packed order: decodes first
+    sample_seqs: list[Sequence]  # sequences whose last chunk token yields a sample, in logits order
+
+
+class ModelRunner:
+    def __init__(
+        self, model: LlamaForCausalLM, device: torch.device, dtype: torch.dtype, block_size: int, num_blocks: int
+    ) -> None:
+        self.model = model
+        self.device = device
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        s = model.shape
+        num_slots = num_blocks * block_size
+        self.kv_caches = [
+            (
+                torch.zeros(num_slots, s.num_kv_heads, s.head_dim, device=device, dtype=dtype),
+                torch.zeros(num_slots, s.num_kv_heads, s.head_dim, device=device, dtype=dtype),
+            )
+            for _ in range(s.num_layers)
+        ]
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> tuple[list[Sequence], torch.Tensor]:
+        """Returns the sequences to sample for and their logits, [num_samples, vocab] float32."""
+        ordered = sorted(batch.seqs, key=lambda s: s.num_new_tokens != 1)  # stable: decodes first
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slot_mapping: list[int] = []
+        logits_indices: list[int] = []
+        sample_seqs: list[Sequence] = []
+        decodes: list[tuple[list[int], int]] = []
+        prefills: list[tuple[list[int], int, int]] = []
+        bs = self.block_size
+        for item in ordered:
+            seq, start, n = item.seq, item.seq.num_computed_tokens, item.num_new_tokens
+            input_ids.extend(seq.token_ids[start : start + n])
+            positions.extend(range(start, start + n))
+            slot_mapping.extend(seq.block_table[p // bs] * bs + p % bs for p in range(start, start + n))
+            if n == 1:
+                decodes.append((seq.block_table, start + 1))
+            else:
+                prefills.append((seq.block_table, start, n))
+            if item.completes_prefill:
+                logits_indices.append(len(input_ids) - 1)
+                sample_seqs.append(seq)
+        meta = build_metadata(decodes, prefills, slot_mapping, bs, self.model.shape.sliding_window, self.device)
+        as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
+        logits = self.model(
+            as_tensor(input_ids), as_tensor(positions), self.kv_caches, meta, as_tensor(logits_indices)
+        )
+        return sample_seqs, logits

@@ -1,0 +1,199 @@
+"""The Llama decoder family (Llama 2/3, Mistral, Qwen2/2.5, Qwen3) over a packed batch.
+
+Reads like the HF reference on purpose (same RMSNorm and rotary formulas), so greedy
+outputs match `transformers`; differs in layout: fused qkv and gate/up projections, a flat
+[num_tokens, hidden] batch with per-token positions, and paged KV written in place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers.activations import ACT2FN
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from engine.attention import AttentionMetadata, paged_attention
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+
+
+@dataclass(frozen=True)
+class DecoderShape:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    hidden_act: str
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    tie_word_embeddings: bool
+    sliding_window: int | None
+    max_position_embeddings: int
+
+    @classmethod
+    def from_hf_config(cls, config) -> DecoderShape:
+        arch = (getattr(config, "architectures", None) or ["?"])[0]
+        model_type = config.model_type
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        qkv_bias = model_type == "qwen2" or bool(getattr(config, "attention_bias", False))
+        sliding = getattr(config, "sliding_window", None)
+        if model_type == "qwen2" and not getattr(config, "use_sliding_window", False):
+            sliding = None
+        return cls(
+            vocab_size=config.vocab_size,
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            num_layers=config.num_hidden_layers,
+            num_heads=config.num_attention_heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+            head_dim=head_dim,
+            rms_norm_eps=config.rms_norm_eps,
+            hidden_act=config.hidden_act,
+            qkv_bias=qkv_bias,
+            o_bias=model_type not in ("qwen2", "qwen3") and bool(getattr(config, "attention_bias", False)),
+            mlp_bias=bool(getattr(config, "mlp_bias", False)),
+            qk_norm=model_type == "qwen3" or arch == "Qwen3ForCausalLM",
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            sliding_window=sliding,
+            max_position_embeddings=config.max_position_embeddings,
+        )
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin per position, from transformers' own rope init (covers linear, llama3, ...)."""
+
+    def __init__(self, hf_config, head_dim: int) -> None:
+        super().__init__()
+        rope = getattr(hf_config, "rope_parameters", None) or {"rope_type": "default"}
+        rope_type = rope.get("rope_type", "default")
+        if rope_type == "default":
+            base = rope.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+            inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+            self.attention_scaling = 1.0
+        elif rope_type in ("linear", "llama3"):
+            inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config)
+        else:
+            raise ValueError(f"rope type {rope_type!r} is not supported (none, linear, llama3 are)")
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions[:, None].float() * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [num_tokens, head_dim]
+        cos = emb.cos() * self.attention_scaling
+        sin = emb.sin() * self.attention_scaling
+        return cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x * cos + rotate_half(x) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, shape: DecoderShape) -> None:
+        super().__init__()
+        self.shape = shape
+        self.q_size = shape.num_heads * shape.head_dim
+        self.kv_size = shape.num_kv_heads * shape.head_dim
+        self.qkv_proj = nn.Linear(shape.hidden_size, self.q_size + 2 * self.kv_size, bias=shape.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, shape.hidden_size, bias=shape.o_bias)
+        if shape.qk_norm:
+            self.q_norm = RMSNorm(shape.head_dim, shape.rms_norm_eps)
+            self.k_norm = RMSNorm(shape.head_dim, shape.rms_norm_eps)
+        self.scale = shape.head_dim**-0.5
+
+    def forward(self, x, cos, sin, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata):
+        n, s = x.shape[0], self.shape
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(n, s.num_heads, s.head_dim)  # [num_tokens, num_heads, head_dim]
+        k = k.view(n, s.num_kv_heads, s.head_dim)
+        v = v.view(n, s.num_kv_heads, s.head_dim)
+        if s.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        return self.o_proj(out.reshape(n, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, shape: DecoderShape) -> None:
+        super().__init__()
+        self.intermediate_size = shape.intermediate_size
+        self.gate_up_proj = nn.Linear(shape.hidden_size, 2 * shape.intermediate_size, bias=shape.mlp_bias)
+        self.down_proj = nn.Linear(shape.intermediate_size, shape.hidden_size, bias=shape.mlp_bias)
+        self.act = ACT2FN[shape.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(self.act(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, shape: DecoderShape) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
+        self.self_attn = Attention(shape)
+        self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
+        self.mlp = MLP(shape)
+
+    def forward(self, x, cos, sin, kv_cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, hf_config) -> None:
+        super().__init__()
+        self.shape = shape = DecoderShape.from_hf_config(hf_config)
+        self.embed_tokens = nn.Embedding(shape.vocab_size, shape.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(shape) for _ in range(shape.num_layers))
+        self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
+        self.rotary = RotaryEmbedding(hf_config, shape.head_dim)
+        self.lm_head = nn.Linear(shape.hidden_size, shape.vocab_size, bias=False)
+        if shape.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        positions: torch.Tensor,  # [num_tokens]
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+        logits_indices: torch.Tensor,  # [num_samples] which tokens' logits are needed
+    ) -> torch.Tensor:  # [num_samples, vocab_size] float32
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary(positions, x.dtype)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x = layer(x, cos, sin, kv_cache, meta)
+        x = self.norm(x[logits_indices])
+        return self.lm_head(x).float()

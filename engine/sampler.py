@@ -1,0 +1,104 @@
+"""Turns logits into next tokens, vectorised over the batch.
+
+Order: penalties -> greedy argmax, or temperature -> top-k / top-p / min-p -> sample.
+Sampling uses the exponential race (argmax of p / E with E ~ Exp(1)), which draws from p
+exactly and lets each row have its own noise: a seeded request draws its noise from a
+generator seeded by (seed, token position), so its output does not depend on batch
+neighbours or on how many steps ran before (a resumed stream samples the same tokens).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.types import Sequence, TokenLogprob
+
+SEED_STRIDE = 1_000_003
+
+
+def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """Repetition penalty (HF/CTRL style, prompt + output) and OpenAI frequency/presence (output)."""
+    for row, seq in enumerate(seqs):
+        p = seq.params
+        if not p.needs_penalties:
+            continue
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.long, device=logits.device)
+            picked = logits[row, seen]
+            logits[row, seen] = torch.where(picked > 0, picked / p.repetition_penalty, picked * p.repetition_penalty)
+        if (p.frequency_penalty or p.presence_penalty) and seq.num_output_tokens:
+            out = torch.tensor(seq.output_token_ids, dtype=torch.long, device=logits.device)
+            counts = torch.zeros(logits.shape[1], device=logits.device).scatter_add_(
+                0, out, torch.ones_like(out, dtype=torch.float)
+            )
+            logits[row] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
+    return logits
+
+
+def filter_logits(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """Top-k, top-p and min-p, per row; masked entries become -inf."""
+    top_k = torch.tensor([s.params.top_k or logits.shape[1] for s in seqs], device=logits.device)
+    top_p = torch.tensor([s.params.top_p for s in seqs], device=logits.device, dtype=logits.dtype)
+    min_p = torch.tensor([s.params.min_p for s in seqs], device=logits.device, dtype=logits.dtype)
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(logits.shape[1], device=logits.device)[None, :]
+    drop = ranks >= top_k[:, None]
+    probs = sorted_logits.softmax(dim=-1)
+    drop |= (probs.cumsum(dim=-1) - probs) > top_p[:, None]  # keep the token that crosses top_p
+    drop |= probs < min_p[:, None] * probs[:, :1]
+    drop[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+class Sampler:
+    def __init__(self, device: torch.device, seed: int = 0) -> None:
+        self.device = device
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+
+    def _noise(self, probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        for row, seq in enumerate(seqs):
+            if seq.params.seed is not None:
+                gen = torch.Generator(device=self.device)
+                gen.manual_seed((seq.params.seed * SEED_STRIDE + seq.num_tokens) % (2**63))
+                noise[row].exponential_(generator=gen)
+        return noise
+
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[TokenLogprob | None]]:
+        """logits: [num_seqs, vocab] float32, one row per sequence in `seqs`."""
+        want_logprobs = any(s.params.logprobs is not None for s in seqs)
+        raw_logprobs = logits.log_softmax(dim=-1) if want_logprobs else None
+        if any(s.params.needs_penalties for s in seqs):
+            logits = apply_penalties(logits.clone(), seqs)
+        tokens = logits.argmax(dim=-1)
+        random_rows = [i for i, s in enumerate(seqs) if not s.params.is_greedy]
+        if random_rows:
+            rows = torch.tensor(random_rows, device=logits.device)
+            sub_seqs = [seqs[i] for i in random_rows]
+            temps = torch.tensor([s.params.temperature for s in sub_seqs], device=logits.device)
+            sub = logits[rows] / temps[:, None]
+            if any(s.params.top_k or s.params.top_p < 1.0 or s.params.min_p > 0.0 for s in sub_seqs):
+                sub = filter_logits(sub, sub_seqs)
+            probs = sub.softmax(dim=-1)
+            tokens[rows] = (probs / self._noise(probs, sub_seqs)).argmax(dim=-1)
+        token_list = tokens.tolist()
+        return token_list, self._logprobs(raw_logprobs, token_list, seqs)
+
+    @staticmethod
+    def _logprobs(raw: torch.Tensor | None, tokens: list[int], seqs: list[Sequence]) -> list[TokenLogprob | None]:
+        if raw is None:
+            return [None] * len(seqs)
+        out: list[TokenLogprob | None] = []
+        for row, (token, seq) in enumerate(zip(tokens, seqs)):
+            n = seq.params.logprobs
+            if n is None:
+                out.append(None)
+                continue
+            top = []
+            if n:
+                values, ids = raw[row].topk(n)
+                top = list(zip(ids.tolist(), values.tolist()))
+            out.append(TokenLogprob(token, raw[row, token].item(), top))
+        return out

@@ -1,0 +1,154 @@
+"""Plain data exchanged between the API, the scheduler and the engine.
+
+Torch-free on purpose: `scheduling/` and `api/` import this module, and neither may pull in
+torch. Nothing here does work; it only describes requests, sequences, batches and events.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    ERROR = "error"
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling settings, already validated by the API layer."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = None
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: no logprobs; N: chosen token plus N alternatives
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def needs_penalties(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0
+            or self.frequency_penalty != 0.0
+            or self.presence_penalty != 0.0
+        )
+
+
+@dataclass
+class GenerationRequest:
+    """What the API hands to an engine: token ids in, token events out."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_s: float = field(default_factory=time.monotonic)
+
+
+class Sequence:
+    """One request's tokens and KV bookkeeping, as the scheduler and runner see it.
+
+    Invariant: `num_computed_tokens <= len(token_ids)`; the KV cache holds exactly the first
+    `num_computed_tokens` tokens, in the blocks listed by `block_table`.
+    """
+
+    def __init__(self, request: GenerationRequest) -> None:
+        self.request_id = request.request_id
+        self.params = request.params
+        self.arrival_s = request.arrival_s
+        self.token_ids: list[int] = list(request.prompt_token_ids)
+        self.num_prompt_tokens = len(request.prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.block_table: list[int] = []
+        self.status = SequenceStatus.WAITING
+        self.num_preemptions = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence({self.request_id!r}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens}, status={self.status.value})"
+        )
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int
+
+    @property
+    def completes_prefill(self) -> bool:
+        """True when this chunk reaches the last known token, so its logits give a sample."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass
+class ScheduledBatch:
+    """One step's work: every scheduled sequence with how many new tokens it runs."""
+
+    seqs: list[ScheduledSeq]
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.seqs)
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class TokenEvent:
+    """Output of one step for one request: new tokens, the text they complete, maybe the end."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    num_output_tokens: int
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

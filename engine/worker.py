@@ -1,0 +1,109 @@
+"""One thread per device: drain the inbox, step every engine with work, publish events.
+
+The only thread that touches engine, scheduler and KV state. Other threads talk to it
+through `submit` / `abort` (a thread-safe inbox, drained before every step, so an abort
+frees its blocks before the next step runs) and hear back through `emit`, which the
+server wires to `loop.call_soon_threadsafe`. It never blocks on I/O.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import structlog
+
+from engine.engine import LLMEngine
+from engine.types import GenerationRequest, TokenEvent
+
+log = structlog.get_logger(__name__)
+
+Emit = Callable[[list[TokenEvent]], None]
+
+
+@dataclass
+class _Add:
+    engine_id: str
+    request: GenerationRequest
+
+
+@dataclass
+class _Abort:
+    engine_id: str
+    request_id: str
+
+
+@dataclass
+class _Call:
+    fn: Callable[[], None]
+
+
+_STOP = object()
+
+
+class DeviceWorker:
+    def __init__(self, device: str, emit: Emit) -> None:
+        self.device = device
+        self.emit = emit
+        self.engines: dict[str, LLMEngine] = {}
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=f"galley-worker-{device}", daemon=True)
+
+    def attach(self, engine_id: str, engine: LLMEngine) -> None:
+        self.engines[engine_id] = engine
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, engine_id: str, request: GenerationRequest) -> None:
+        self._inbox.put(_Add(engine_id, request))
+
+    def abort(self, engine_id: str, request_id: str) -> None:
+        self._inbox.put(_Abort(engine_id, request_id))
+
+    def call(self, fn: Callable[[], None]) -> None:
+        """Run `fn` on the worker thread between steps (reads of engine state, tests)."""
+        self._inbox.put(_Call(fn))
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self._inbox.put(_STOP)
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+
+    def _has_work(self) -> bool:
+        return any(engine.has_work() for engine in self.engines.values())
+
+    def _run(self) -> None:
+        while True:
+            if not self._drain(block=not self._has_work()):
+                return
+            for engine in self.engines.values():
+                if engine.has_work():
+                    events = engine.step()
+                    if events:
+                        self.emit(events)
+
+    def _drain(self, block: bool) -> bool:
+        """Apply every queued command; False once asked to stop."""
+        try:
+            item = self._inbox.get() if block else self._inbox.get_nowait()
+            while True:
+                if item is _STOP:
+                    return False
+                self._apply(item)
+                item = self._inbox.get_nowait()
+        except queue.Empty:
+            return True
+
+    def _apply(self, item: _Add | _Abort | _Call) -> None:
+        try:
+            if isinstance(item, _Add):
+                self.engines[item.engine_id].add_request(item.request)
+            elif isinstance(item, _Abort):
+                self.engines[item.engine_id].abort(item.request_id)
+            else:
+                item.fn()
+        except Exception:
+            log.exception("worker command failed", device=self.device)

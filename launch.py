@@ -1,0 +1,64 @@
+"""Wires models, engines, schedulers and device workers together.
+
+The one module that imports both `engine/` (torch) and `scheduling/`: the engine receives
+its scheduler and the worker its emit callback from here, so neither imports the other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import structlog
+
+from engine.engine import LLMEngine
+from engine.kv_cache import KVCacheManager
+from engine.loader import LoadedModel, load_model
+from engine.model_runner import CacheConfig, ModelRunner, num_kv_blocks
+from engine.worker import DeviceWorker, Emit
+from scheduling.scheduler import Scheduler, SchedulerConfig
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    devices: tuple[str, ...] = ("cpu",)
+    dtype: str = "auto"
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    seed: int = 0
+    cache: CacheConfig = CacheConfig()
+
+    @property
+    def scheduler(self) -> SchedulerConfig:
+        return SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs)
+
+
+def build_engine(loaded: LoadedModel, cfg: EngineConfig, num_blocks: int | None = None) -> LLMEngine:
+    """An engine for one loaded replica, its KV pool sized from the budget unless given."""
+    if num_blocks is None:
+        num_blocks = num_kv_blocks(loaded.model, cfg.cache, loaded.device, loaded.dtype)
+    block_size = cfg.cache.block_size
+    runner = ModelRunner(loaded.model, loaded.device, loaded.dtype, block_size, num_blocks)
+    max_model_len = min(cfg.max_model_len or loaded.max_model_len, loaded.max_model_len)
+    if max_model_len > num_blocks * block_size:
+        log.warning("KV cache smaller than the context; capping max_model_len",
+                    max_model_len=max_model_len, kv_tokens=num_blocks * block_size)
+        max_model_len = num_blocks * block_size
+    scheduler = Scheduler(cfg.scheduler, KVCacheManager(num_blocks, block_size))
+    return LLMEngine(runner, scheduler, loaded.tokenizer, loaded.eos_token_ids, max_model_len, cfg.seed)
+
+
+def load_replicas(source: str, cfg: EngineConfig) -> list[tuple[str, LoadedModel, LLMEngine]]:
+    """One replica per configured device: (device, loaded model, engine)."""
+    replicas = []
+    for device in cfg.devices:
+        loaded = load_model(source, device=device, dtype=cfg.dtype)
+        replicas.append((device, loaded, build_engine(loaded, cfg)))
+    return replicas
+
+
+def start_workers(devices: tuple[str, ...], emit: Emit) -> list[DeviceWorker]:
+    """One worker per entry of `devices` (the same device may appear twice)."""
+    return [DeviceWorker(f"{device}#{i}", emit) for i, device in enumerate(devices)]

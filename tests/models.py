@@ -1,0 +1,88 @@
+"""Tiny random-weight models and a byte-level BPE tokenizer, built from configs (no hub)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog. " * 3,
+    "To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer.",
+    "Emoji time: 🚀🔥😀👍🏽 and flags 🇫🇷 with text around them 🎉.",
+    "中文文本测试：我们的推理服务器支持流式输出。日本語のテキストも少し。한국어 문장.",
+    "def main():\n    print('hello world')\n    return 42\n",
+    "Numbers 0123456789 and punctuation !?.,;:-_()[]{}<>@#$%^&*",
+]
+COMMON = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    initializer_range=0.1,
+)
+
+
+def build_tokenizer(vocab_size: int = 400) -> PreTrainedTokenizerFast:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(CORPUS * 20, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>"
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def model_for(family: str, vocab_size: int, **overrides):
+    kw = dict(COMMON, vocab_size=vocab_size, **overrides)
+    if family == "llama":
+        return LlamaForCausalLM(LlamaConfig(**kw, tie_word_embeddings=False))
+    if family == "llama3-rope":
+        rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64, "rope_theta": 500000.0}
+        return LlamaForCausalLM(LlamaConfig(**kw, rope_parameters=rope, tie_word_embeddings=True))
+    if family == "mistral":
+        return MistralForCausalLM(MistralConfig(**kw, sliding_window=4096))
+    if family == "qwen2":
+        return Qwen2ForCausalLM(Qwen2Config(**kw, tie_word_embeddings=True))
+    if family == "qwen3":
+        return Qwen3ForCausalLM(Qwen3Config(**kw, head_dim=32, tie_word_embeddings=True))
+    raise ValueError(family)
+
+
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "llama3-rope")
+
+
+def save_tiny_model(family: str, out: Path, seed: int = 0) -> Path:
+    torch.manual_seed(seed)
+    tokenizer = build_tokenizer()
+    model = model_for(family, len(tokenizer))
+    model.generation_config.eos_token_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
