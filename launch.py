@@ -6,6 +6,7 @@ its scheduler and the worker its emit callback from here, so neither imports the
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import structlog
@@ -15,6 +16,7 @@ from engine.kv_cache import KVCacheManager
 from engine.loader import LoadedModel, load_model
 from engine.model_runner import CacheConfig, ModelRunner, num_kv_blocks
 from engine.worker import DeviceWorker, Emit
+from scheduling.router import Replica, Router, ServedModel
 from scheduling.scheduler import Scheduler, SchedulerConfig
 
 log = structlog.get_logger(__name__)
@@ -50,15 +52,33 @@ def build_engine(loaded: LoadedModel, cfg: EngineConfig, num_blocks: int | None 
     return LLMEngine(runner, scheduler, loaded.tokenizer, loaded.eos_token_ids, max_model_len, cfg.seed)
 
 
-def load_replicas(source: str, cfg: EngineConfig) -> list[tuple[str, LoadedModel, LLMEngine]]:
-    """One replica per configured device: (device, loaded model, engine)."""
-    replicas = []
-    for device in cfg.devices:
-        loaded = load_model(source, device=device, dtype=cfg.dtype)
-        replicas.append((device, loaded, build_engine(loaded, cfg)))
-    return replicas
 
 
-def start_workers(devices: tuple[str, ...], emit: Emit) -> list[DeviceWorker]:
-    """One worker per entry of `devices` (the same device may appear twice)."""
-    return [DeviceWorker(f"{device}#{i}", emit) for i, device in enumerate(devices)]
+def start_models(
+    models: list[tuple[str, str]], cfg: EngineConfig, max_waiting: int, router: Router, emit: Emit
+) -> list[DeviceWorker]:
+    """Load every (name, source) on every device, register it with the router, start workers.
+
+    Blocking (loads weights): run it off the event loop. Workers start only after all
+    engines are attached, so no engine is added under a running worker.
+    """
+    workers = [DeviceWorker(f"{device}#{i}", emit) for i, device in enumerate(cfg.devices)]
+    for name, source in models:
+        started = time.monotonic()
+        replicas, tokenizer, max_model_len = [], None, 0
+        for worker, device in zip(workers, cfg.devices):
+            loaded = load_model(source, device=device, dtype=cfg.dtype)
+            engine = build_engine(loaded, cfg)
+            worker.attach(name, engine)
+            replicas.append(Replica(worker, name, worker.device))
+            tokenizer, max_model_len = loaded.tokenizer, engine.max_model_len
+        router.add_model(ServedModel(
+            name=name, tokenizer=tokenizer, max_model_len=max_model_len,
+            max_in_flight_per_replica=cfg.max_num_seqs + max_waiting, replicas=replicas,
+            created=int(time.time()),
+        ))
+        log.info("model loaded", model=name, source=source, devices=list(cfg.devices),
+                 load_s=round(time.monotonic() - started, 2), max_model_len=max_model_len)
+    for worker in workers:
+        worker.start()
+    return workers

@@ -1,0 +1,23 @@
+"""Typed application keys shared by the handlers (aiohttp's AppKey pattern)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+from scheduling.router import Router
+
+
+@dataclass
+class ServerState:
+    """Lifecycle flags the health endpoints report."""
+
+    ready: bool = False
+    draining: bool = False
+    started_s: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+
+ROUTER = web.AppKey("router", Router)
+STATE = web.AppKey("state", ServerState)

@@ -1,0 +1,105 @@
+"""Domain errors and the one middleware that turns any error into OpenAI-shaped JSON.
+
+Every error body is `{"error": {"message", "type", "param", "code"}}` with the right status.
+"""
+
+from __future__ import annotations
+
+import orjson
+import structlog
+from aiohttp import web
+from pydantic import ValidationError
+
+log = structlog.get_logger(__name__)
+
+
+class APIError(Exception):
+    status = 500
+    type = "internal_error"
+    code: str | None = None
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.headers = headers or {}
+        if code is not None:
+            self.code = code
+
+
+class InvalidRequestError(APIError):
+    status = 400
+    type = "invalid_request_error"
+
+
+class NotFoundError(APIError):
+    status = 404
+    type = "not_found_error"
+
+
+class ModelNotFoundError(NotFoundError):
+    type = "invalid_request_error"
+    code = "model_not_found"
+
+
+class PayloadTooLargeError(APIError):
+    status = 413
+    type = "invalid_request_error"
+
+
+class QueueFullError(APIError):
+    status = 429
+    type = "rate_limit_error"
+    code = "queue_full"
+
+
+class ServiceUnavailableError(APIError):
+    status = 503
+    type = "service_unavailable"
+
+
+def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def json_response(body: dict, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(body=orjson.dumps(body), status=status, content_type="application/json", headers=headers)
+
+
+def error_response(exc: APIError) -> web.Response:
+    return json_response(error_body(exc.message, exc.type, exc.param, exc.code), exc.status, exc.headers)
+
+
+def validation_error(exc: ValidationError) -> InvalidRequestError:
+    """The first problem, named by its parameter path (`messages.0.role`)."""
+    first = exc.errors()[0]
+    param = ".".join(str(part) for part in first["loc"]) or None
+    message = first["msg"].removeprefix("Value error, ")
+    return InvalidRequestError(f"{param}: {message}" if param else message, param=param)
+
+
+HTTP_ERROR_TYPES = {
+    400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+    404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
+    429: "rate_limit_error",
+}
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler):
+    try:
+        return await handler(request)
+    except APIError as exc:
+        return error_response(exc)
+    except ValidationError as exc:
+        return error_response(validation_error(exc))
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        type_ = HTTP_ERROR_TYPES.get(exc.status, "server_error" if exc.status >= 500 else "invalid_request_error")
+        message = exc.text if exc.text and not exc.text.startswith(f"{exc.status}:") else exc.reason
+        return json_response(error_body(message, type_), exc.status)
+    except Exception:
+        log.exception("unhandled error", path=request.path)
+        return json_response(error_body("internal server error", "internal_error"), 500)

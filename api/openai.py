@@ -1,0 +1,298 @@
+"""OpenAI-compatible endpoints: /v1/models, /v1/chat/completions, /v1/completions.
+
+Handlers validate with the pydantic schemas, build a `GenerationRequest`, submit it through
+the router and turn token events into OpenAI's exact JSON (streamed as SSE or collected).
+A client that goes away aborts its request, so its KV blocks free within one step.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+import orjson
+import structlog
+from aiohttp import web
+from pydantic import BaseModel
+
+from api.context import ROUTER, STATE
+from api.errors import (
+    InvalidRequestError,
+    ModelNotFoundError,
+    QueueFullError,
+    ServiceUnavailableError,
+    json_response,
+)
+from api.routes import Route
+from api.schemas import (
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    Completion,
+    CompletionRequest,
+    ModelList,
+    SamplingFields,
+)
+from api.sse import open_sse, send_event
+from engine.types import FinishReason, GenerationRequest, SamplingParams, TokenEvent, TokenLogprob
+from scheduling.router import QueueFull, RequestStream, ServedModel
+
+log = structlog.get_logger(__name__)
+T = TypeVar("T", bound=BaseModel)
+
+
+async def parse_body(request: web.Request, schema: type[T]) -> T:
+    raw = await request.read()
+    try:
+        data = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidRequestError(f"request body is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise InvalidRequestError("request body must be a JSON object")
+    return schema.model_validate(data)
+
+
+def served_model(request: web.Request, name: str) -> ServedModel:
+    model = request.app[ROUTER].models.get(name)
+    if model is None and not request.app[STATE].ready:
+        raise ServiceUnavailableError("models are still loading", headers={"Retry-After": "5"})
+    if model is None:
+        raise ModelNotFoundError(f"The model `{name}` does not exist.", param="model")
+    return model
+
+
+def sampling_params(body: SamplingFields, max_tokens: int | None, prompt_len: int, model: ServedModel,
+                    logprobs: int | None) -> SamplingParams:
+    room = model.max_model_len - prompt_len
+    if room <= 0 or (max_tokens is not None and max_tokens > room):
+        asked = f"{prompt_len} in the prompt" + (f" and {max_tokens} for the completion" if max_tokens else "")
+        raise InvalidRequestError(
+            f"This model's maximum context length is {model.max_model_len} tokens, "
+            f"but you requested {prompt_len + (max_tokens or 0)} tokens ({asked}).",
+            param="messages" if isinstance(body, ChatCompletionRequest) else "prompt",
+            code="context_length_exceeded",
+        )
+    vocab = len(model.tokenizer)
+    if body.stop_token_ids and any(not 0 <= t < vocab for t in body.stop_token_ids):
+        raise InvalidRequestError(f"stop_token_ids must be in [0, {vocab})", param="stop_token_ids")
+    return SamplingParams(
+        max_tokens=max_tokens or room,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=body.top_k if body.top_k and body.top_k > 0 else None,
+        min_p=body.min_p,
+        repetition_penalty=body.repetition_penalty,
+        frequency_penalty=body.frequency_penalty,
+        presence_penalty=body.presence_penalty,
+        seed=body.seed,
+        stop=body.stop_list(),
+        stop_token_ids=tuple(body.stop_token_ids or ()),
+        ignore_eos=body.ignore_eos,
+        logprobs=logprobs,
+    )
+
+
+def submit(request: web.Request, model: ServedModel, prompt_ids: list[int], params: SamplingParams) -> RequestStream:
+    generation = GenerationRequest(uuid.uuid4().hex, prompt_ids, params)
+    try:
+        return request.app[ROUTER].submit(model, generation)
+    except QueueFull as exc:
+        raise QueueFullError(f"{exc}; retry shortly", headers={"Retry-After": "1"}) from exc
+
+
+def usage(event: TokenEvent) -> dict:
+    return {
+        "prompt_tokens": event.num_prompt_tokens,
+        "completion_tokens": event.num_output_tokens,
+        "total_tokens": event.num_prompt_tokens + event.num_output_tokens,
+    }
+
+
+def finish_reason(event: TokenEvent) -> str | None:
+    return event.finish_reason.value if event.finish_reason in (FinishReason.STOP, FinishReason.LENGTH) else None
+
+
+@dataclass
+class Collected:
+    text: str = ""
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    last: TokenEvent | None = None
+
+
+async def collect(stream: RequestStream) -> Collected:
+    out = Collected()
+    async for event in stream:
+        out.text += event.text
+        out.logprobs.extend(event.logprobs or [])
+        out.last = event
+    if out.last is not None and out.last.error:
+        raise web.HTTPInternalServerError(text=out.last.error)
+    return out
+
+
+ChunkFn = Callable[[str, list[TokenLogprob], str | None], dict]
+
+
+async def stream_sse(request: web.Request, stream: RequestStream, make_chunk: ChunkFn, base: dict,
+                     include_usage: bool, first: dict | None = None) -> web.StreamResponse:
+    """Write one chunk per event that carries text, then the finish chunk, usage and [DONE]."""
+    response = await open_sse(request, {"X-Request-Id": request["request_id"]})
+    if first is not None:
+        await send_event(response, first)
+    pending: list[TokenLogprob] = []
+    async for event in stream:
+        if event.error:
+            await send_event(response, {"error": {"message": event.error, "type": "internal_error",
+                                                  "param": None, "code": None}})
+            return response
+        pending.extend(event.logprobs or [])
+        if event.text:
+            await send_event(response, make_chunk(event.text, pending, None))
+            pending = []
+        if event.finished:
+            await send_event(response, make_chunk("", pending, finish_reason(event)))
+            if include_usage:
+                await send_event(response, {**base, "choices": [], "usage": usage(event)})
+    await send_event(response, "[DONE]")
+    return response
+
+
+async def with_abort_on_disconnect(request: web.Request, stream: RequestStream, run):
+    try:
+        return await run
+    finally:
+        if not stream.finished:  # client went away (cancelled handler or reset write)
+            request.app[ROUTER].abort(stream)
+
+
+# ---- chat ------------------------------------------------------------------------------
+
+
+def token_text(model: ServedModel, token_id: int) -> str:
+    return model.tokenizer.decode([token_id])
+
+
+def chat_logprobs(model: ServedModel, items: list[TokenLogprob]) -> dict:
+    def entry(token_id: int, logprob: float) -> dict:
+        text = token_text(model, token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    return {"content": [
+        {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in items
+    ]}
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    body = await parse_body(request, ChatCompletionRequest)
+    model = served_model(request, body.model)
+    messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
+    try:
+        rendered = model.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    except Exception as exc:  # jinja raises on conversations the template rejects
+        raise InvalidRequestError(f"the chat template rejected these messages: {exc}", param="messages") from exc
+    prompt_ids = model.tokenizer.encode(rendered, add_special_tokens=False)
+    want_logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    params = sampling_params(body, body.max_completion_tokens or body.max_tokens, len(prompt_ids), model,
+                             want_logprobs)
+    stream = submit(request, model, prompt_ids, params)
+    base = {"id": f"chatcmpl-{stream.request_id}", "created": int(time.time()), "model": model.name}
+
+    if not body.stream:
+        async def run() -> web.Response:
+            out = await collect(stream)
+            choice = {"index": 0, "message": {"role": "assistant", "content": out.text},
+                      "logprobs": chat_logprobs(model, out.logprobs) if body.logprobs else None,
+                      "finish_reason": finish_reason(out.last)}
+            result = {**base, "object": "chat.completion", "choices": [choice], "usage": usage(out.last)}
+            return json_response(result, headers={"X-Request-Id": request["request_id"]})
+        return await with_abort_on_disconnect(request, stream, run())
+
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    chunk_base = {**base, "object": "chat.completion.chunk"}
+    if include_usage:
+        chunk_base["usage"] = None
+
+    def make_chunk(text: str, logprobs: list[TokenLogprob], finish: str | None) -> dict:
+        delta = {"content": text} if text else {}
+        lp = chat_logprobs(model, logprobs) if body.logprobs and logprobs else None
+        return {**chunk_base, "choices": [{"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}]}
+
+    first = {**chunk_base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                        "logprobs": None, "finish_reason": None}]}
+    return await with_abort_on_disconnect(
+        request, stream, stream_sse(request, stream, make_chunk, chunk_base, include_usage, first)
+    )
+
+
+# ---- completions -----------------------------------------------------------------------
+
+
+def completion_logprobs(model: ServedModel, items: list[TokenLogprob], offset: int) -> dict:
+    tokens, offsets = [], []
+    for lp in items:
+        tokens.append(token_text(model, lp.token_id))
+        offsets.append(offset)
+        offset += len(tokens[-1])
+    return {
+        "tokens": tokens,
+        "token_logprobs": [lp.logprob for lp in items],
+        "top_logprobs": [{token_text(model, t): v for t, v in lp.top} for lp in items],
+        "text_offset": offsets,
+    }
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    body = await parse_body(request, CompletionRequest)
+    model = served_model(request, body.model)
+    if isinstance(body.prompt, str):
+        prompt_ids = model.tokenizer.encode(body.prompt)
+    else:
+        vocab = len(model.tokenizer)
+        if any(not 0 <= t < vocab for t in body.prompt):
+            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", param="prompt")
+        prompt_ids = list(body.prompt)
+    params = sampling_params(body, body.max_tokens or 16, len(prompt_ids), model, body.logprobs)
+    stream = submit(request, model, prompt_ids, params)
+    base = {"id": f"cmpl-{stream.request_id}", "object": "text_completion", "created": int(time.time()),
+            "model": model.name}
+
+    if not body.stream:
+        async def run() -> web.Response:
+            out = await collect(stream)
+            lp = completion_logprobs(model, out.logprobs, 0) if body.logprobs is not None else None
+            choice = {"index": 0, "text": out.text, "logprobs": lp, "finish_reason": finish_reason(out.last)}
+            return json_response({**base, "choices": [choice], "usage": usage(out.last)},
+                                 headers={"X-Request-Id": request["request_id"]})
+        return await with_abort_on_disconnect(request, stream, run())
+
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    chunk_base = {**base, "usage": None} if include_usage else base
+    sent = [0]
+
+    def make_chunk(text: str, logprobs: list[TokenLogprob], finish: str | None) -> dict:
+        lp = completion_logprobs(model, logprobs, sent[0]) if body.logprobs is not None and logprobs else None
+        sent[0] += len(text)
+        return {**chunk_base, "choices": [{"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}]}
+
+    return await with_abort_on_disconnect(
+        request, stream, stream_sse(request, stream, make_chunk, chunk_base, include_usage)
+    )
+
+
+async def list_models(request: web.Request) -> web.Response:
+    models = request.app[ROUTER].models.values()
+    data = [{"id": m.name, "object": "model", "created": m.created, "owned_by": "galley",
+             "max_model_len": m.max_model_len} for m in models]
+    return json_response({"object": "list", "data": data})
+
+
+ROUTES = [
+    Route("GET", "/v1/models", list_models, "List the served models", response=ModelList),
+    Route("POST", "/v1/chat/completions", chat_completions, "Create a chat completion",
+          request=ChatCompletionRequest, response=ChatCompletion, stream_response=ChatCompletionChunk),
+    Route("POST", "/v1/completions", completions, "Create a text completion",
+          request=CompletionRequest, response=Completion, stream_response=Completion),
+]

@@ -1,0 +1,23 @@
+"""The route table: one `Route` per endpoint, used to register handlers and to write the spec."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from aiohttp import web
+from pydantic import BaseModel
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@dataclass(frozen=True)
+class Route:
+    method: str
+    path: str
+    handler: Handler
+    summary: str
+    request: type[BaseModel] | None = None
+    response: type[BaseModel] | None = None
+    stream_response: type[BaseModel] | None = None  # SSE events, when the body asks to stream
+    content_type: str = "application/json"

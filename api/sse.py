@@ -1,0 +1,24 @@
+"""Server-sent events: open a stream response and write `data:` events."""
+
+from __future__ import annotations
+
+import orjson
+from aiohttp import web
+
+
+async def open_sse(request: web.Request, headers: dict[str, str] | None = None) -> web.StreamResponse:
+    response = web.StreamResponse(
+        headers={
+            "Content-Type": "text/event-stream",
+            "Cache-Control": "no-cache",
+            "X-Accel-Buffering": "no",  # keep reverse proxies from buffering tokens
+            **(headers or {}),
+        }
+    )
+    await response.prepare(request)
+    return response
+
+
+async def send_event(response: web.StreamResponse, data: dict | str) -> None:
+    payload = data.encode() if isinstance(data, str) else orjson.dumps(data)
+    await response.write(b"data: " + payload + b"\n\n")

@@ -1,0 +1,664 @@
+"""Output tokens/s of one workload through our server, our engine and HF baselines, in one run.
+
+Builds a seeded random-weight Llama of a real shape (default: SmolLM2-135M) with a
+full-vocabulary byte-level tokenizer, saves both to a temp dir, then runs the same workload
+(N concurrent requests, P-token random prompts, O greedy output tokens, EOS ignored) through:
+
+  a   our server over HTTP (streaming /v1/completions, subprocess)   a1  the same, one client
+  b   our engine in-process, no HTTP                                 b1  the same, one request at a time
+  c   HF `generate`, one request at a time (a subset, extrapolated)
+  d   HF `generate` on the static batch of N
+  e   the bare HF forward in a tight loop with DynamicCache (the "roofline")
+  f   transformers' own continuous batching (`generate_batch`)
+
+Modes run one after another; the server is stopped before any in-process mode runs. This
+module measures only: it never changes the server or the engine.
+
+    python bench/throughput.py --quick
+    python bench/throughput.py --modes a,b,e --json bench/results/run.json
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+import argparse  # noqa: E402
+import asyncio  # noqa: E402
+import dataclasses  # noqa: E402
+import itertools  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import platform  # noqa: E402
+import random  # noqa: E402
+import signal  # noqa: E402
+import socket  # noqa: E402
+import subprocess  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+from dataclasses import dataclass, field  # noqa: E402
+
+import aiohttp  # noqa: E402
+import torch  # noqa: E402
+import transformers  # noqa: E402
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers  # noqa: E402
+from transformers import (  # noqa: E402
+    AutoModelForCausalLM,
+    DynamicCache,
+    GenerationConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+)
+
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+ALL_MODES = ("a", "a1", "b", "b1", "c", "d", "e", "f")
+MODE_LABELS = {
+    "a": "galley server, HTTP streaming, N concurrent",
+    "a1": "galley server, HTTP streaming, 1 client",
+    "b": "galley engine in-process, N at once",
+    "b1": "galley engine in-process, 1 at a time",
+    "c": "HF generate, 1 request at a time",
+    "d": "HF generate, static batch of N",
+    "e": "HF forward loop + DynamicCache (roofline)",
+    "f": "HF generate_batch (continuous batching)",
+}
+RATIOS = (("a", "e"), ("a", "c"), ("a", "d"), ("a", "f"), ("b", "e"), ("a", "b"), ("a1", "c"), ("b1", "c"))
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    hidden_size: int = 576
+    num_layers: int = 30
+    num_heads: int = 9
+    num_kv_heads: int = 3
+    intermediate_size: int = 1536
+    vocab_size: int = 49152
+
+    def hf_config(self) -> LlamaConfig:
+        return LlamaConfig(
+            hidden_size=self.hidden_size,
+            num_hidden_layers=self.num_layers,
+            num_attention_heads=self.num_heads,
+            num_key_value_heads=self.num_kv_heads,
+            intermediate_size=self.intermediate_size,
+            vocab_size=self.vocab_size,
+            tie_word_embeddings=True,
+            max_position_embeddings=2048,
+            rope_theta=100000.0,
+            initializer_range=0.02,
+            bos_token_id=None,
+            eos_token_id=0,
+            pad_token_id=0,
+        )
+
+
+@dataclass(frozen=True)
+class Workload:
+    num_requests: int = 32
+    prompt_len: int = 128
+    output_len: int = 128
+    seed: int = 0
+    num_single_requests: int = 2  # a1, b1: requests sent one after another
+    num_hf_sequential: int = 4  # c: requests measured; the rest is extrapolated (0: all)
+    max_num_batched_tokens: int = 2048
+
+    def prompts(self, vocab_size: int) -> list[list[int]]:
+        rng = random.Random(self.seed)
+        low = len(SPECIAL_TOKENS)
+        return [[rng.randrange(low, vocab_size) for _ in range(self.prompt_len)] for _ in range(self.num_requests)]
+
+
+@dataclass
+class ModeResult:
+    mode: str
+    num_requests: int = 0
+    num_output_tokens: int = 0
+    wall_s: float = 0.0
+    note: str = ""
+    error: str | None = None
+    ttft_s: list[float] = field(default_factory=list)
+    itl_s: list[float] = field(default_factory=list)
+    outputs: list[list[int]] = field(default_factory=list)  # per request, for the agreement check
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        return self.num_output_tokens / self.wall_s if self.wall_s > 0 and not self.error else None
+
+    def summary(self) -> dict:
+        out = {k: v for k, v in dataclasses.asdict(self).items() if k not in ("ttft_s", "itl_s", "outputs")}
+        out["label"] = MODE_LABELS[self.mode]
+        out["tokens_per_s"] = self.tokens_per_s
+        for name, values in (("ttft", self.ttft_s), ("itl", self.itl_s)):
+            out[f"{name}_p50_ms"] = percentile_ms(values, 50)
+            out[f"{name}_p99_ms"] = percentile_ms(values, 99)
+        return out
+
+
+@dataclass
+class BenchContext:
+    model_dir: Path
+    shape: ModelShape
+    workload: Workload
+    prompts: list[list[int]]
+    server_args: list[str]
+    _hf_model: LlamaForCausalLM | None = None
+    _engine: object | None = None
+
+    def hf_model(self) -> LlamaForCausalLM:
+        if self._hf_model is None:
+            self._hf_model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32).eval()
+        return self._hf_model
+
+    def engine(self):
+        if self._engine is None:
+            self._engine = build_galley_engine(self.model_dir, self.shape, self.workload)
+        return self._engine
+
+
+def percentile_ms(values: list[float], pct: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    index = min(len(ordered) - 1, max(0, round(pct / 100 * (len(ordered) - 1))))
+    return ordered[index] * 1000
+
+
+def log(message: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+# ---- model and tokenizer ----------------------------------------------------------------
+
+
+def build_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
+    """A byte-level BPE whose vocab covers every model id, so any sampled id decodes to bytes.
+
+    Tokens are the 256 byte symbols, then byte pairs; no merges, since prompts are token ids
+    and only decoding matters here.
+    """
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {token: i for i, token in enumerate([*SPECIAL_TOKENS, *alphabet])}
+    for a, b in itertools.product(alphabet, alphabet):
+        if len(vocab) >= vocab_size:
+            break
+        vocab.setdefault(a + b, len(vocab))
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=SPECIAL_TOKENS[0], pad_token=SPECIAL_TOKENS[0])
+
+
+def save_model(shape: ModelShape, out: Path, seed: int) -> Path:
+    tokenizer = build_tokenizer(shape.vocab_size)
+    assert len(tokenizer) <= shape.vocab_size, "the model must cover every tokenizer id"
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(shape.hf_config())
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    log(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params, tokenizer {len(tokenizer)} ids")
+    return out
+
+
+# ---- (a, a1) our server over HTTP ----------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_server(ctx: BenchContext, port: int, log_path: Path) -> subprocess.Popen:
+    cmd = [sys.executable, "server.py", "--model", f"bench={ctx.model_dir}", "--port", str(port),
+           "--host", "127.0.0.1", *ctx.server_args]
+    log(f"starting server: {' '.join(cmd)}")
+    with log_path.open("wb") as sink:
+        return subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=sink, stderr=subprocess.STDOUT)
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            log("server ignored SIGTERM for 30 s; killing it")
+            proc.kill()
+            proc.wait()
+    log(f"server exited with {proc.returncode}")
+
+
+def log_tail(path: Path, num_lines: int = 15) -> str:
+    lines = path.read_text(errors="replace").splitlines() if path.exists() else []
+    return "\n".join(lines[-num_lines:])
+
+
+async def wait_ready(base_url: str, proc: subprocess.Popen, timeout_s: float = 600) -> None:
+    deadline = time.monotonic() + timeout_s
+    async with aiohttp.ClientSession() as session:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited with {proc.returncode} before /ready")
+            try:
+                async with session.get(f"{base_url}/ready") as resp:
+                    if resp.status == 200:
+                        return
+            except aiohttp.ClientError:
+                pass
+            await asyncio.sleep(0.5)
+    raise RuntimeError(f"server not ready after {timeout_s:.0f} s")
+
+
+@dataclass
+class StreamStats:
+    send_s: float
+    chunk_s: list[float] = field(default_factory=list)  # arrival of each chunk carrying a choice
+    completion_tokens: int | None = None
+    finish_reason: str | None = None
+
+
+async def stream_completion(
+    session: aiohttp.ClientSession, url: str, prompt: list[int], max_tokens: int
+) -> StreamStats:
+    body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    stats = StreamStats(send_s=time.perf_counter())
+    async with session.post(url, json=body) as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"HTTP {resp.status}: {(await resp.text())[:300]}")
+        async for raw in resp.content:
+            line = raw.strip()
+            if not line.startswith(b"data:"):
+                continue
+            payload = line[5:].strip()
+            if payload == b"[DONE]":
+                break
+            chunk = json.loads(payload)
+            if "error" in chunk:
+                raise RuntimeError(f"stream error: {chunk['error']}")
+            if chunk.get("choices"):
+                stats.chunk_s.append(time.perf_counter())
+                stats.finish_reason = chunk["choices"][0].get("finish_reason") or stats.finish_reason
+            if chunk.get("usage"):
+                stats.completion_tokens = chunk["usage"]["completion_tokens"]
+    return stats
+
+
+def stream_result(mode: str, all_stats: list[StreamStats], wall_s: float) -> ModeResult:
+    result = ModeResult(mode, num_requests=len(all_stats), wall_s=wall_s)
+    num_chunks = sum(len(s.chunk_s) for s in all_stats)
+    missing_usage = sum(s.completion_tokens is None for s in all_stats)
+    result.num_output_tokens = sum(s.completion_tokens or len(s.chunk_s) for s in all_stats)
+    for s in all_stats:
+        if s.chunk_s:
+            result.ttft_s.append(s.chunk_s[0] - s.send_s)
+            result.itl_s.extend(b - a for a, b in itertools.pairwise(s.chunk_s))
+    result.note = f"{num_chunks} chunks for {result.num_output_tokens} tokens"
+    if missing_usage:
+        result.note += f"; {missing_usage} streams without usage (counted chunks)"
+    return result
+
+
+async def run_concurrent(base_url: str, prompts: list[list[int]], max_tokens: int) -> tuple[list[StreamStats], float]:
+    url = f"{base_url}/v1/completions"
+    timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as session:
+        start = time.perf_counter()
+        stats = await asyncio.gather(*(stream_completion(session, url, p, max_tokens) for p in prompts))
+        return list(stats), time.perf_counter() - start
+
+
+async def run_sequential(base_url: str, prompts: list[list[int]], max_tokens: int) -> tuple[list[StreamStats], float]:
+    url = f"{base_url}/v1/completions"
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_read=600)) as session:
+        start = time.perf_counter()
+        stats = [await stream_completion(session, url, p, max_tokens) for p in prompts]
+        return stats, time.perf_counter() - start
+
+
+async def server_session(ctx: BenchContext, modes: list[str], base_url: str, proc) -> list[ModeResult]:
+    await wait_ready(base_url, proc)
+    w = ctx.workload
+    await run_sequential(base_url, [ctx.prompts[0][:8]], 4)  # warmup
+    results = []
+    for mode in modes:
+        log(f"mode {mode}: {MODE_LABELS[mode]}")
+        try:
+            if mode == "a":
+                stats, wall_s = await run_concurrent(base_url, ctx.prompts, w.output_len)
+            else:
+                stats, wall_s = await run_sequential(base_url, ctx.prompts[: w.num_single_requests], w.output_len)
+            results.append(stream_result(mode, stats, wall_s))
+        except Exception as exc:
+            results.append(ModeResult(mode, error=f"{type(exc).__name__}: {exc}"))
+    return results
+
+
+def run_server_modes(ctx: BenchContext, modes: list[str]) -> list[ModeResult]:
+    log_path = ctx.model_dir.parent / "server.log"
+    if not (REPO_ROOT / "server.py").exists():
+        return [ModeResult(m, error="server.py does not exist") for m in modes]
+    port = free_port()
+    proc = start_server(ctx, port, log_path)
+    try:
+        results = asyncio.run(server_session(ctx, modes, f"http://127.0.0.1:{port}", proc))
+    except Exception as exc:
+        results = [ModeResult(m, error=f"{type(exc).__name__}: {exc}") for m in modes]
+    finally:
+        stop_server(proc)
+    if any(r.error for r in results):
+        log(f"server log tail:\n{log_tail(log_path)}")
+    return results
+
+
+# ---- (b, b1) our engine in-process ---------------------------------------------------------
+
+
+def build_galley_engine(model_dir: Path, shape: ModelShape, w: Workload):
+    from engine.loader import load_model
+    from engine.model_runner import CacheConfig
+    from launch import EngineConfig, build_engine
+
+    kv_bytes = 2 * shape.num_layers * shape.num_kv_heads * (shape.hidden_size // shape.num_heads) * 4
+    kv_gib = max(1.0, 1.25 * w.num_requests * (w.prompt_len + w.output_len + 16) * kv_bytes / 1024**3)
+    loaded = load_model(str(model_dir), device="cpu", dtype="float32")
+    cfg = EngineConfig(max_num_seqs=max(w.num_requests, 1), max_num_batched_tokens=w.max_num_batched_tokens,
+                       cache=CacheConfig(kv_cache_gib=kv_gib))
+    return build_engine(loaded, cfg)
+
+
+def drive_engine(engine, prompts: list[list[int]], max_tokens: int, tag: str) -> tuple[dict[str, list[int]], list[float], list[float]]:
+    """Adds all prompts, steps until done; returns outputs by request id, TTFTs and inter-token gaps."""
+    from engine.types import GenerationRequest, SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    start = time.perf_counter()
+    outputs: dict[str, list[int]] = {}
+    last_s: dict[str, float] = {}
+    ttft_s, itl_s = [], []
+    for i, prompt in enumerate(prompts):
+        engine.add_request(GenerationRequest(f"{tag}-{i}", list(prompt), params))
+    while engine.has_work():
+        events = engine.step()
+        now = time.perf_counter()
+        for event in events:
+            if event.error:
+                raise RuntimeError(f"request {event.request_id} failed: {event.error}")
+            if event.request_id in last_s:
+                itl_s.append(now - last_s[event.request_id])
+            else:
+                ttft_s.append(now - start)
+            last_s[event.request_id] = now
+            outputs.setdefault(event.request_id, []).extend(event.token_ids)
+    return outputs, ttft_s, itl_s
+
+
+def mode_engine(ctx: BenchContext, mode: str) -> ModeResult:
+    engine = ctx.engine()
+    w = ctx.workload
+    drive_engine(engine, [ctx.prompts[0][:8]], 4, f"warmup-{mode}")
+    groups = [ctx.prompts] if mode == "b" else [[p] for p in ctx.prompts[: w.num_single_requests]]
+    result = ModeResult(mode)
+    start = time.perf_counter()
+    for g, prompts in enumerate(groups):
+        outputs, ttft_s, itl_s = drive_engine(engine, prompts, w.output_len, f"{mode}-{g}")
+        result.outputs.extend(outputs[f"{mode}-{g}-{i}"] for i in range(len(prompts)))
+        result.ttft_s += ttft_s
+        result.itl_s += itl_s
+    result.wall_s = time.perf_counter() - start
+    result.num_requests = len(result.outputs)
+    result.num_output_tokens = sum(len(o) for o in result.outputs)
+    result.note = f"{engine.num_steps} engine steps so far, {engine.scheduler.num_preemptions} preemptions"
+    return result
+
+
+# ---- (c, d, e, f) Hugging Face baselines ---------------------------------------------------
+
+
+def hf_generate(model, input_ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+    attention_mask = torch.ones_like(input_ids)
+    out = model.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=False,
+                         max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, pad_token_id=0)
+    return out[:, input_ids.shape[1] :]
+
+
+def mode_hf_sequential(ctx: BenchContext) -> ModeResult:
+    model, w = ctx.hf_model(), ctx.workload
+    num_measured = w.num_hf_sequential or w.num_requests
+    num_measured = min(num_measured, w.num_requests)
+    hf_generate(model, torch.tensor([ctx.prompts[0][:8]]), 4)  # warmup
+    result = ModeResult("c")
+    start = time.perf_counter()
+    for prompt in ctx.prompts[:num_measured]:
+        result.outputs.append(hf_generate(model, torch.tensor([prompt]), w.output_len)[0].tolist())
+    measured_s = time.perf_counter() - start
+    result.num_requests = w.num_requests
+    result.num_output_tokens = w.output_len * w.num_requests
+    result.wall_s = measured_s * w.num_requests / num_measured
+    if num_measured < w.num_requests:
+        result.note = f"measured {num_measured} of {w.num_requests} requests ({measured_s:.1f} s); wall extrapolated"
+    return result
+
+
+def mode_hf_static_batch(ctx: BenchContext) -> ModeResult:
+    model, w = ctx.hf_model(), ctx.workload
+    hf_generate(model, torch.tensor([p[:8] for p in ctx.prompts[:2]]), 4)  # warmup
+    # All prompts have the same length, so left padding is a no-op; the mask is still passed.
+    start = time.perf_counter()
+    tokens = hf_generate(model, torch.tensor(ctx.prompts), w.output_len)
+    result = ModeResult("d", num_requests=w.num_requests, wall_s=time.perf_counter() - start)
+    result.outputs = tokens.tolist()
+    result.num_output_tokens = tokens.numel()
+    return result
+
+
+@torch.inference_mode()
+def forward_loop(model, prompts: list[list[int]], num_tokens: int) -> torch.Tensor:
+    """Prefill all prompts in one forward, then greedy decode steps; returns [batch, num_tokens]."""
+    cache = DynamicCache(config=model.config)
+    logits = model(input_ids=torch.tensor(prompts), past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+    next_ids = logits[:, -1].argmax(-1, keepdim=True)  # [batch, 1]
+    generated = [next_ids]
+    for _ in range(num_tokens - 1):
+        logits = model(input_ids=next_ids, past_key_values=cache, use_cache=True).logits
+        next_ids = logits[:, -1].argmax(-1, keepdim=True)
+        generated.append(next_ids)
+    return torch.cat(generated, dim=1)
+
+
+def mode_roofline(ctx: BenchContext) -> ModeResult:
+    model, w = ctx.hf_model(), ctx.workload
+    forward_loop(model, [p[:8] for p in ctx.prompts[:2]], 4)  # warmup
+    start = time.perf_counter()
+    tokens = forward_loop(model, ctx.prompts, w.output_len)
+    result = ModeResult("e", num_requests=w.num_requests, wall_s=time.perf_counter() - start)
+    result.outputs = tokens.tolist()
+    result.num_output_tokens = tokens.numel()
+    return result
+
+
+def mode_hf_continuous(ctx: BenchContext) -> ModeResult:
+    from transformers import ContinuousBatchingConfig
+
+    model, w = ctx.hf_model(), ctx.workload
+    page_size = 64
+    pages_per_request = -(-(w.prompt_len + w.output_len) // page_size)
+    cb_config = ContinuousBatchingConfig(
+        page_size=page_size,
+        num_blocks=w.num_requests * pages_per_request + 4,
+        max_batch_tokens=w.max_num_batched_tokens,
+        max_requests_per_batch=w.num_requests,
+        allow_block_sharing=False,
+    )
+    gen_config = GenerationConfig(max_new_tokens=w.output_len, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    start = time.perf_counter()
+    outputs = model.generate_batch(inputs=ctx.prompts, generation_config=gen_config,
+                                   continuous_batching_config=cb_config, warmup=False)
+    result = ModeResult("f", wall_s=time.perf_counter() - start)
+    errors = [o.error for o in outputs.values() if o.error]
+    if errors or len(outputs) != w.num_requests:
+        result.error = f"{len(outputs)}/{w.num_requests} outputs; errors: {errors[:2]}"
+    result.outputs = [list(o.generated_tokens) for o in outputs.values()]
+    result.num_requests = len(outputs)
+    result.num_output_tokens = sum(len(o) for o in result.outputs)
+    result.note = f"attn_implementation={model.config._attn_implementation}, page_size={page_size}, no warmup"
+    return result
+
+
+# ---- orchestration and report --------------------------------------------------------------
+
+
+IN_PROCESS_MODES: dict[str, Callable[[BenchContext], ModeResult]] = {
+    "b": lambda ctx: mode_engine(ctx, "b"),
+    "b1": lambda ctx: mode_engine(ctx, "b1"),
+    "c": mode_hf_sequential,
+    "d": mode_hf_static_batch,
+    "e": mode_roofline,
+    "f": mode_hf_continuous,
+}
+
+
+def run_in_process(ctx: BenchContext, mode: str) -> ModeResult:
+    log(f"mode {mode}: {MODE_LABELS[mode]}")
+    try:
+        result = IN_PROCESS_MODES[mode](ctx)
+    except Exception as exc:
+        result = ModeResult(mode, error=f"{type(exc).__name__}: {str(exc)[:300]}")
+    log(f"mode {mode}: {result.tokens_per_s or 0:.1f} tok/s {result.error or ''}")
+    return result
+
+
+def run_all(ctx: BenchContext, modes: list[str]) -> list[ModeResult]:
+    server_modes = [m for m in modes if m in ("a", "a1")]
+    results = run_server_modes(ctx, server_modes) if server_modes else []
+    results += [run_in_process(ctx, m) for m in modes if m in IN_PROCESS_MODES]
+    return results
+
+
+def agreement(result: ModeResult, reference: ModeResult | None) -> str:
+    """Share of requests whose greedy output equals the roofline's, and the mean common prefix."""
+    if reference is None or not result.outputs or result is reference or not reference.outputs:
+        return ""
+    pairs = list(zip(result.outputs, reference.outputs))
+    same = sum(a == b for a, b in pairs)
+    prefix = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b))) for a, b in pairs]
+    return f"{same}/{len(pairs)} = e, prefix {sum(prefix) / len(prefix):.0f}"
+
+
+def fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def render(results: list[ModeResult], ctx: BenchContext) -> str:
+    by_mode = {r.mode: r for r in results}
+    w, s = ctx.workload, ctx.shape
+    lines = [
+        f"model: Llama hidden={s.hidden_size} layers={s.num_layers} heads={s.num_heads}/{s.num_kv_heads} "
+        f"ffn={s.intermediate_size} vocab={s.vocab_size}, float32, random weights",
+        f"workload: N={w.num_requests} prompt={w.prompt_len} output={w.output_len} (ignore_eos, greedy); "
+        f"single-stream modes: {w.num_single_requests} requests one after another; "
+        f"torch threads={torch.get_num_threads()}, cpus={os.cpu_count()}",
+        "",
+        f"{'mode':<5}{'what':<44}{'tok/s':>9}{'wall s':>9}{'tokens':>8}  {'greedy vs e':<22}note",
+    ]
+    for r in results:
+        note = f"ERROR {r.error}" if r.error else r.note
+        lines.append(f"{r.mode:<5}{MODE_LABELS[r.mode]:<44}{fmt(r.tokens_per_s, '.1f'):>9}"
+                     f"{fmt(r.wall_s or None, '.2f'):>9}{r.num_output_tokens:>8}  "
+                     f"{agreement(r, by_mode.get('e')):<22}{note}")
+    lines += ["", "latency (ms)      TTFT p50   TTFT p99    ITL p50    ITL p99"]
+    for r in results:
+        if r.ttft_s:
+            cells = [percentile_ms(v, p) for v in (r.ttft_s, r.itl_s) for p in (50, 99)]
+            lines.append(f"{r.mode:<16}" + "".join(f"{fmt(c, '.1f'):>11}" for c in cells))
+    lines += ["", "ratios (tok/s)"]
+    for num, den in RATIOS:
+        a, b = by_mode.get(num), by_mode.get(den)
+        if a and b and a.tokens_per_s and b.tokens_per_s:
+            lines.append(f"  {num}/{den:<4} {a.tokens_per_s / b.tokens_per_s:6.2f}   "
+                         f"({MODE_LABELS[num]} / {MODE_LABELS[den]})")
+    return "\n".join(lines)
+
+
+def write_json(path: Path, results: list[ModeResult], ctx: BenchContext) -> None:
+    doc = {
+        "shape": dataclasses.asdict(ctx.shape),
+        "workload": dataclasses.asdict(ctx.workload),
+        "server_args": ctx.server_args,
+        "env": {"torch": torch.__version__, "transformers": transformers.__version__,
+                "python": platform.python_version(), "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads()},
+        "results": [r.summary() for r in results],
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=2))
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="8 requests, 32/32 tokens, 4 layers (unless set)")
+    p.add_argument("--hidden-size", type=int, default=576)
+    p.add_argument("--layers", type=int, default=None, help="default 30 (4 with --quick)")
+    p.add_argument("--heads", type=int, default=9)
+    p.add_argument("--kv-heads", type=int, default=3)
+    p.add_argument("--intermediate-size", type=int, default=1536)
+    p.add_argument("--vocab-size", type=int, default=49152)
+    p.add_argument("--concurrency", type=int, default=None, help="N requests (default 32, 8 with --quick)")
+    p.add_argument("--prompt-len", type=int, default=None, help="default 128 (32 with --quick)")
+    p.add_argument("--output-len", type=int, default=None, help="default 128 (32 with --quick)")
+    p.add_argument("--single-requests", type=int, default=None, help="a1/b1 requests (default 2, 1 with --quick)")
+    p.add_argument("--hf-sequential", type=int, default=None, help="c: requests measured, 0 = all (default 4, 2 quick)")
+    p.add_argument("--max-batched-tokens", type=int, default=2048)
+    p.add_argument("--modes", default=",".join(ALL_MODES), help=f"comma list of {','.join(ALL_MODES)}")
+    p.add_argument("--server-args", default="", help="extra flags for server.py, one string")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", type=Path, default=None, help="write the results here")
+    args = p.parse_args(argv)
+    unknown = set(args.modes.split(",")) - set(ALL_MODES)
+    if unknown:
+        p.error(f"unknown modes {sorted(unknown)}; choose from {','.join(ALL_MODES)}")
+    return args
+
+
+def pick(value: int | None, full: int, quick: int, is_quick: bool) -> int:
+    if value is not None:
+        return value
+    return quick if is_quick else full
+
+
+def make_context(args: argparse.Namespace, model_dir: Path) -> BenchContext:
+    q = args.quick
+    shape = ModelShape(args.hidden_size, pick(args.layers, 30, 4, q), args.heads, args.kv_heads,
+                       args.intermediate_size, args.vocab_size)
+    n = pick(args.concurrency, 32, 8, q)
+    workload = Workload(n, pick(args.prompt_len, 128, 32, q), pick(args.output_len, 128, 32, q), args.seed,
+                        pick(args.single_requests, 2, 1, q), pick(args.hf_sequential, 4, 2, q),
+                        args.max_batched_tokens)
+    server_args = ["--max-num-seqs", str(max(n, 1)), "--max-num-batched-tokens", str(args.max_batched_tokens)]
+    server_args += args.server_args.split()
+    return BenchContext(model_dir, shape, workload, workload.prompts(shape.vocab_size), server_args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(os.cpu_count() or 1)
+    modes = [m for m in ALL_MODES if m in args.modes.split(",")]  # server modes first, always
+    with tempfile.TemporaryDirectory(prefix="galley-bench-") as tmp:
+        ctx = make_context(args, Path(tmp) / "model")
+        save_model(ctx.shape, ctx.model_dir, args.seed)
+        results = run_all(ctx, modes)
+        report = render(results, ctx)
+        if args.json:
+            write_json(args.json, results, ctx)
+    print(report)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

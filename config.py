@@ -1,0 +1,126 @@
+"""Reads `config.toml` into frozen dataclasses; CLI flags override it.
+
+Every option has its default here (the embedded defaults `python server.py` runs with);
+`config.toml` at the repo root documents the same options. Unknown keys are rejected with
+the list of known ones, so a typo never silently falls back to a default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from engine.model_runner import CacheConfig
+from launch import EngineConfig
+
+ROOT = Path(__file__).resolve().parent
+
+
+class ConfigError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    data_dir: str = "data"
+    drain_seconds: float = 30.0
+    log_format: str = "json"  # json | console
+    max_waiting: int = 256  # queued requests per model replica beyond max_num_seqs; then 429
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    path: str
+    kind: str = "generate"
+
+
+@dataclass(frozen=True)
+class GalleyConfig:
+    server: ServerConfig = ServerConfig()
+    engine: EngineConfig = EngineConfig()  # [engine] and [cache] (as engine.cache)
+    models: tuple[ModelSpec, ...] = (ModelSpec("demo", str(ROOT / "models" / "demo")),)
+
+
+def build(cls: type, values: dict[str, Any], section: str):
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ConfigError(f"unknown key(s) {unknown} in [{section}]; known: {sorted(known)}")
+    if "devices" in values:
+        values = {**values, "devices": tuple(values["devices"])}
+    try:
+        return cls(**values)
+    except TypeError as exc:
+        raise ConfigError(f"[{section}]: {exc}") from exc
+
+
+def model_spec(entry: dict[str, Any], base: Path) -> ModelSpec:
+    spec = build(ModelSpec, entry, "models")
+    if spec.kind != "generate":
+        raise ConfigError(f"model {spec.name!r}: kind {spec.kind!r} is not served yet (only 'generate')")
+    local = base / spec.path
+    return dataclasses.replace(spec, path=str(local)) if local.exists() else spec
+
+
+def load_config(path: str | Path | None = None) -> GalleyConfig:
+    """The file's values over the defaults; no file means the embedded defaults."""
+    if path is None:
+        return GalleyConfig()
+    path = Path(path)
+    try:
+        raw = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"cannot read config {path}: {exc}") from exc
+    unknown = sorted(set(raw) - {"server", "engine", "cache", "models"})
+    if unknown:
+        raise ConfigError(f"unknown section(s) {unknown} in {path}; known: server, engine, cache, models")
+    base = path.resolve().parent
+    cache = build(CacheConfig, raw.get("cache", {}), "cache")
+    if "cache" in raw.get("engine", {}):
+        raise ConfigError("put cache options in their own [cache] section")
+    engine = build(EngineConfig, raw.get("engine", {}), "engine")
+    models = raw.get("models", None)
+    return GalleyConfig(
+        server=build(ServerConfig, raw.get("server", {}), "server"),
+        engine=dataclasses.replace(engine, cache=cache),
+        models=GalleyConfig.models if models is None else tuple(model_spec(m, base) for m in models),
+    )
+
+
+def parse_model_flag(value: str) -> ModelSpec:
+    """`NAME=PATH_OR_HF_ID`, or just the path/id (named after its last component)."""
+    name, sep, source = value.partition("=")
+    if not sep:
+        source, name = value, Path(value.rstrip("/")).name
+    if not name or not source:
+        raise ConfigError(f"--model {value!r}: expected PATH, HF_ID or NAME=PATH")
+    return ModelSpec(name=name, path=source)
+
+
+def with_overrides(cfg: GalleyConfig, server: dict[str, Any], engine: dict[str, Any], cache: dict[str, Any],
+                   extra_models: list[str]) -> GalleyConfig:
+    pick = lambda d: {k: v for k, v in d.items() if v is not None}  # noqa: E731
+    new_cache = dataclasses.replace(cfg.engine.cache, **pick(cache))
+    models = list(cfg.models)
+    for flag in extra_models:
+        spec = parse_model_flag(flag)
+        models = [m for m in models if m.name != spec.name] + [spec]
+    return GalleyConfig(
+        server=dataclasses.replace(cfg.server, **pick(server)),
+        engine=dataclasses.replace(cfg.engine, cache=new_cache, **pick(engine)),
+        models=tuple(models),
+    )
+
+
+def as_dict(cfg: GalleyConfig) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+__all__ = ["GalleyConfig", "ServerConfig", "ModelSpec", "ConfigError", "load_config", "with_overrides",
+           "as_dict", "field"]

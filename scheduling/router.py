@@ -1,0 +1,122 @@
+"""Routes generation requests to a model's replicas and token events back to their streams.
+
+Lives on the event loop: `submit` picks the least loaded replica and hands the request to
+its device worker; `dispatch` (called on the loop via `call_soon_threadsafe` with each
+step's events) feeds every request's `RequestStream`. Admission is bounded: past
+`max_num_seqs` running plus `max_waiting` queued per replica, `submit` refuses at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from engine.types import GenerationRequest, TokenEvent
+
+
+class QueueFull(Exception):
+    def __init__(self, model: str, limit: int) -> None:
+        super().__init__(f"model {model!r} has {limit} requests in flight, its limit")
+        self.model = model
+        self.limit = limit
+
+
+class WorkerHandle(Protocol):
+    def submit(self, engine_id: str, request: GenerationRequest) -> None: ...
+    def abort(self, engine_id: str, request_id: str) -> None: ...
+
+
+@dataclass
+class Replica:
+    worker: WorkerHandle
+    engine_id: str
+    device: str
+    num_in_flight: int = 0
+
+
+@dataclass
+class ServedModel:
+    """A generative model as the API sees it: its tokenizer, limits and replicas."""
+
+    name: str
+    tokenizer: Any  # transformers tokenizer: chat template and prompt encoding
+    max_model_len: int
+    max_in_flight_per_replica: int
+    replicas: list[Replica]
+    created: int = 0
+
+    @property
+    def num_in_flight(self) -> int:
+        return sum(r.num_in_flight for r in self.replicas)
+
+    def pick_replica(self) -> Replica:
+        return min(self.replicas, key=lambda r: r.num_in_flight)
+
+
+class RequestStream:
+    """The asyncio end of one generation; iterate it for its token events."""
+
+    def __init__(self, request: GenerationRequest, model: ServedModel, replica: Replica) -> None:
+        self.request = request
+        self.model = model
+        self.replica = replica
+        self.events: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        self.finished = False
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    async def __aiter__(self) -> AsyncIterator[TokenEvent]:
+        while True:
+            event = await self.events.get()
+            yield event
+            if event.finished:
+                return
+
+
+@dataclass
+class Router:
+    models: dict[str, ServedModel] = field(default_factory=dict)
+    streams: dict[str, RequestStream] = field(default_factory=dict)
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self.streams)
+
+    def add_model(self, model: ServedModel) -> None:
+        self.models[model.name] = model
+
+    def submit(self, model: ServedModel, request: GenerationRequest) -> RequestStream:
+        replica = model.pick_replica()
+        if replica.num_in_flight >= model.max_in_flight_per_replica:
+            raise QueueFull(model.name, model.max_in_flight_per_replica * len(model.replicas))
+        stream = RequestStream(request, model, replica)
+        self.streams[request.request_id] = stream
+        replica.num_in_flight += 1
+        replica.worker.submit(replica.engine_id, request)
+        return stream
+
+    def abort(self, stream: RequestStream) -> None:
+        """Cancel a request the client no longer wants; its blocks free before the next step."""
+        if self._close(stream):
+            stream.replica.worker.abort(stream.replica.engine_id, stream.request_id)
+
+    def dispatch(self, events: list[TokenEvent]) -> None:
+        for event in events:
+            stream = self.streams.get(event.request_id)
+            if stream is None:
+                continue  # aborted while the step ran
+            stream.events.put_nowait(event)
+            if event.finished:
+                self._close(stream)
+
+    def _close(self, stream: RequestStream) -> bool:
+        if stream.finished:
+            return False
+        stream.finished = True
+        self.streams.pop(stream.request_id, None)
+        stream.replica.num_in_flight -= 1
+        return True

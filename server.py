@@ -1,0 +1,135 @@
+"""Entry point: `python server.py` serves the demo model on 127.0.0.1:8000.
+
+Parses flags, loads the config, starts the HTTP server (so /health answers while models
+load), loads models on their device workers, then serves until SIGTERM/SIGINT, when it
+drains: /ready turns 503 and in-flight requests finish (up to drain_seconds), exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+import time
+
+import structlog
+from aiohttp import web
+
+from api.app import create_app
+from api.context import ServerState
+from config import ConfigError, GalleyConfig, load_config, with_overrides
+from launch import start_models
+from scheduling.router import Router
+
+log = structlog.get_logger("galley")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="galley: a self-hosted model inference server")
+    p.add_argument("--config", help="path to a config.toml (default: embedded defaults)")
+    p.add_argument("--host", help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="port (default 8000)")
+    p.add_argument("--model", action="append", default=[], metavar="PATH_OR_HF_ID|NAME=PATH",
+                   help="add a generative model (repeatable)")
+    p.add_argument("--device", help="cpu, cuda, cuda:N, or a comma list such as cuda:0,cuda:1")
+    p.add_argument("--data-dir", help="where the server keeps its state (default ./data)")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--max-num-seqs", type=int, help="most sequences running at once per replica")
+    p.add_argument("--max-num-batched-tokens", type=int, help="token budget of one engine step")
+    p.add_argument("--kv-cache-gib", type=float, help="KV cache budget on CPU, GiB")
+    p.add_argument("--log-format", choices=["json", "console"])
+    return p.parse_args(argv)
+
+
+def build_config(args: argparse.Namespace) -> GalleyConfig:
+    cfg = load_config(args.config)
+    devices = tuple(d.strip() for d in args.device.split(",")) if args.device else None
+    return with_overrides(
+        cfg,
+        server={"host": args.host, "port": args.port, "data_dir": args.data_dir, "log_format": args.log_format},
+        engine={"devices": devices, "dtype": args.dtype, "max_num_seqs": args.max_num_seqs,
+                "max_num_batched_tokens": args.max_num_batched_tokens},
+        cache={"kv_cache_gib": args.kv_cache_gib},
+        extra_models=args.model,
+    )
+
+
+def configure_logging(fmt: str) -> None:
+    renderer = structlog.dev.ConsoleRenderer() if fmt == "console" else structlog.processors.JSONRenderer()
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.format_exc_info,
+            renderer,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(logging.INFO),
+        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+    )
+
+
+async def serve(cfg: GalleyConfig) -> int:
+    loop = asyncio.get_running_loop()
+    router, state = Router(), ServerState(started_s=time.monotonic())
+    runner = web.AppRunner(create_app(router, state), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, cfg.server.host, cfg.server.port)
+    await site.start()
+    log.info("listening", url=f"http://{cfg.server.host}:{cfg.server.port}", models=[m.name for m in cfg.models])
+
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    def emit(events) -> None:
+        loop.call_soon_threadsafe(router.dispatch, events)
+
+    models = [(m.name, m.path) for m in cfg.models]
+    loading = loop.run_in_executor(None, start_models, models, cfg.engine, cfg.server.max_waiting, router, emit)
+    done, _ = await asyncio.wait([loading, asyncio.ensure_future(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
+    if loading not in done:
+        await runner.cleanup()
+        return 0
+    try:
+        workers = loading.result()
+    except Exception as exc:
+        log.error("model loading failed", error=str(exc))
+        await runner.cleanup()
+        return 1
+    state.ready = True
+    log.info("ready")
+
+    await stop.wait()
+    state.draining = True
+    deadline = time.monotonic() + cfg.server.drain_seconds
+    log.info("draining", in_flight=router.num_in_flight, drain_seconds=cfg.server.drain_seconds)
+    while router.num_in_flight and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    await runner.cleanup()
+    for worker in workers:
+        worker.stop()
+    log.info("stopped", unfinished=router.num_in_flight)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        cfg = build_config(args)
+    except ConfigError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        return 2
+    configure_logging(cfg.server.log_format)
+    try:
+        import uvloop
+
+        return uvloop.run(serve(cfg))
+    except ImportError:
+        return asyncio.run(serve(cfg))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
