@@ -216,8 +216,11 @@ def free_port() -> int:
 
 
 def start_server(ctx: BenchContext, port: int, log_path: Path) -> subprocess.Popen:
-    cmd = [sys.executable, "server.py", "--model", f"bench={ctx.model_dir}", "--port", str(port),
-           "--host", "127.0.0.1", *ctx.server_args]
+    # An empty model list: the embedded defaults would also load models/demo, which may not exist.
+    config_path = log_path.parent / "server.toml"
+    config_path.write_text("models = []\n")
+    cmd = [sys.executable, "server.py", "--config", str(config_path), "--model", f"bench={ctx.model_dir}",
+           "--port", str(port), "--host", "127.0.0.1", *ctx.server_args]
     log(f"starting server: {' '.join(cmd)}")
     with log_path.open("wb") as sink:
         return subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=sink, stderr=subprocess.STDOUT)
@@ -361,16 +364,20 @@ def run_server_modes(ctx: BenchContext, modes: list[str]) -> list[ModeResult]:
 # ---- (b, b1) our engine in-process ---------------------------------------------------------
 
 
+def kv_cache_gib(shape: ModelShape, w: Workload) -> float:
+    """Room for every request's full context (float32), so neither engine nor server preempts."""
+    kv_bytes_per_token = 2 * shape.num_layers * shape.num_kv_heads * (shape.hidden_size // shape.num_heads) * 4
+    return round(max(1.0, 1.25 * w.num_requests * (w.prompt_len + w.output_len + 16) * kv_bytes_per_token / 1024**3), 2)
+
+
 def build_galley_engine(model_dir: Path, shape: ModelShape, w: Workload):
     from engine.loader import load_model
     from engine.model_runner import CacheConfig
     from launch import EngineConfig, build_engine
 
-    kv_bytes = 2 * shape.num_layers * shape.num_kv_heads * (shape.hidden_size // shape.num_heads) * 4
-    kv_gib = max(1.0, 1.25 * w.num_requests * (w.prompt_len + w.output_len + 16) * kv_bytes / 1024**3)
     loaded = load_model(str(model_dir), device="cpu", dtype="float32")
     cfg = EngineConfig(max_num_seqs=max(w.num_requests, 1), max_num_batched_tokens=w.max_num_batched_tokens,
-                       cache=CacheConfig(kv_cache_gib=kv_gib))
+                       cache=CacheConfig(kv_cache_gib=kv_cache_gib(shape, w)))
     return build_engine(loaded, cfg)
 
 
@@ -406,6 +413,7 @@ def mode_engine(ctx: BenchContext, mode: str) -> ModeResult:
     drive_engine(engine, [ctx.prompts[0][:8]], 4, f"warmup-{mode}")
     groups = [ctx.prompts] if mode == "b" else [[p] for p in ctx.prompts[: w.num_single_requests]]
     result = ModeResult(mode)
+    steps_before, preemptions_before = engine.num_steps, engine.scheduler.num_preemptions
     start = time.perf_counter()
     for g, prompts in enumerate(groups):
         outputs, ttft_s, itl_s = drive_engine(engine, prompts, w.output_len, f"{mode}-{g}")
@@ -415,7 +423,8 @@ def mode_engine(ctx: BenchContext, mode: str) -> ModeResult:
     result.wall_s = time.perf_counter() - start
     result.num_requests = len(result.outputs)
     result.num_output_tokens = sum(len(o) for o in result.outputs)
-    result.note = f"{engine.num_steps} engine steps so far, {engine.scheduler.num_preemptions} preemptions"
+    result.note = (f"{engine.num_steps - steps_before} engine steps, "
+                   f"{engine.scheduler.num_preemptions - preemptions_before} preemptions")
     return result
 
 
@@ -564,7 +573,8 @@ def render(results: list[ModeResult], ctx: BenchContext) -> str:
         f"ffn={s.intermediate_size} vocab={s.vocab_size}, float32, random weights",
         f"workload: N={w.num_requests} prompt={w.prompt_len} output={w.output_len} (ignore_eos, greedy); "
         f"single-stream modes: {w.num_single_requests} requests one after another; "
-        f"torch threads={torch.get_num_threads()}, cpus={os.cpu_count()}",
+        f"torch threads={torch.get_num_threads()}, cpus={os.cpu_count()}, "
+        f"load average now {os.getloadavg()[0]:.1f} (other processes share these cores)",
         "",
         f"{'mode':<5}{'what':<44}{'tok/s':>9}{'wall s':>9}{'tokens':>8}  {'greedy vs e':<22}note",
     ]
@@ -640,14 +650,18 @@ def make_context(args: argparse.Namespace, model_dir: Path) -> BenchContext:
     workload = Workload(n, pick(args.prompt_len, 128, 32, q), pick(args.output_len, 128, 32, q), args.seed,
                         pick(args.single_requests, 2, 1, q), pick(args.hf_sequential, 4, 2, q),
                         args.max_batched_tokens)
-    server_args = ["--max-num-seqs", str(max(n, 1)), "--max-num-batched-tokens", str(args.max_batched_tokens)]
-    server_args += args.server_args.split()
+    server_args = [
+        "--dtype", "float32", "--data-dir", str(model_dir.parent / "server-data"), "--log-format", "console",
+        "--max-num-seqs", str(max(n, 1)), "--max-num-batched-tokens", str(args.max_batched_tokens),
+        "--kv-cache-gib", str(kv_cache_gib(shape, workload)), *args.server_args.split(),
+    ]
     return BenchContext(model_dir, shape, workload, workload.prompts(shape.vocab_size), server_args)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(os.cpu_count() or 1)
+    transformers.utils.logging.disable_progress_bar()
     modes = [m for m in ALL_MODES if m in args.modes.split(",")]  # server modes first, always
     with tempfile.TemporaryDirectory(prefix="galley-bench-") as tmp:
         ctx = make_context(args, Path(tmp) / "model")

@@ -1,0 +1,43 @@
+"""Small factories and drivers shared by the tests."""
+
+from __future__ import annotations
+
+import itertools
+
+from engine.engine import LLMEngine
+from engine.kv_cache import KVCacheManager
+from engine.loader import load_model
+from engine.types import GenerationRequest, SamplingParams, Sequence
+from launch import EngineConfig, build_engine
+
+_ids = itertools.count()
+
+
+def make_seq(num_prompt_tokens: int, max_tokens: int = 8, **params) -> Sequence:
+    request = GenerationRequest(f"r{next(_ids)}", list(range(1, num_prompt_tokens + 1)),
+                                SamplingParams(max_tokens=max_tokens, **params))
+    return Sequence(request)
+
+
+def make_engine(path, num_blocks: int = 256, **engine_kw) -> LLMEngine:
+    return build_engine(load_model(str(path)), EngineConfig(**engine_kw), num_blocks=num_blocks)
+
+
+def run_to_completion(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams,
+                      max_steps: int = 10_000) -> list[list[int]]:
+    """Submit all prompts at once, step until done; the generated ids per prompt, in order."""
+    outputs: dict[str, list[int]] = {}
+    for i, prompt in enumerate(prompts):
+        engine.add_request(GenerationRequest(f"p{i}", prompt, params))
+        outputs[f"p{i}"] = []
+    for _ in range(max_steps):
+        if not engine.has_work():
+            break
+        for event in engine.step():
+            outputs.setdefault(event.request_id, []).extend(event.token_ids)
+    assert not engine.has_work(), "engine did not finish"
+    return [outputs[f"p{i}"] for i in range(len(prompts))]
+
+
+def assert_all_blocks_free(kv: KVCacheManager) -> None:
+    assert kv.num_free_blocks == kv.num_blocks, f"{kv.num_blocks - kv.num_free_blocks} KV blocks leaked"

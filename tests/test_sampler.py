@@ -1,0 +1,80 @@
+"""Sampler behaviour on real logits tensors and through the real engine."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from engine.sampler import Sampler, apply_penalties, filter_logits
+from engine.types import SamplingParams
+from tests.helpers import assert_all_blocks_free, make_engine, make_seq, run_to_completion
+
+
+def seq_with(output: list[int], **params):
+    seq = make_seq(2, **params)
+    seq.token_ids = [5, 6] + output
+    return seq
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative():
+    logits = torch.tensor([[2.0, -2.0, 1.0, 0.5]])
+    seq = seq_with([1], repetition_penalty=2.0)
+    seq.token_ids = [0, 1]
+    out = apply_penalties(logits.clone(), [seq])
+    assert out.tolist() == [[1.0, -4.0, 1.0, 0.5]]
+
+
+def test_frequency_and_presence_penalties_count_output_tokens_only():
+    logits = torch.zeros(1, 4)
+    seq = seq_with([2, 2, 3], frequency_penalty=0.5, presence_penalty=1.0)
+    seq.token_ids = [1, 1] + [2, 2, 3]
+    seq.num_prompt_tokens = 2
+    out = apply_penalties(logits.clone(), [seq])
+    assert out.tolist() == [[0.0, 0.0, -2.0, -1.5]]
+
+
+def test_top_k_top_p_min_p_mask_the_tail():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]] * 3))
+    seqs = [make_seq(1, top_k=2), make_seq(1, top_p=0.7), make_seq(1, min_p=0.2)]
+    kept = torch.isfinite(filter_logits(logits, seqs)).tolist()
+    assert kept == [[True, True, False, False], [True, True, False, False], [True, True, True, False]]
+
+
+def test_top_k_one_is_greedy_and_logprobs_are_reported():
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(1))
+    seqs = [make_seq(1, temperature=1.0, top_k=1, logprobs=3) for _ in range(3)]
+    tokens, logprobs = Sampler(torch.device("cpu")).sample(logits.clone(), seqs)
+    assert tokens == logits.argmax(-1).tolist()
+    for row, lp in enumerate(logprobs):
+        expected = logits[row].log_softmax(-1)
+        assert lp.token_id == tokens[row]
+        assert math.isclose(lp.logprob, expected[tokens[row]].item(), rel_tol=1e-5)
+        assert [t for t, _ in lp.top] == expected.topk(3).indices.tolist()
+
+
+def test_sampling_follows_the_distribution():
+    probs = torch.tensor([0.6, 0.3, 0.1])
+    seqs = [make_seq(1, temperature=1.0) for _ in range(4000)]
+    tokens, _ = Sampler(torch.device("cpu"), seed=3).sample(probs.log().repeat(4000, 1), seqs)
+    freq = torch.bincount(torch.tensor(tokens), minlength=3).float() / 4000
+    assert torch.allclose(freq, probs, atol=0.03)
+
+
+def test_seed_gives_same_output_alone_and_in_a_batch(tiny_models):
+    path = tiny_models["llama"]
+    seeded = SamplingParams(max_tokens=12, temperature=1.0, seed=42, ignore_eos=True)
+    prompt = list(range(3, 20))
+    alone = run_to_completion(make_engine(path), [prompt], seeded)[0]
+    engine = make_engine(path, max_num_batched_tokens=9)
+    from engine.types import GenerationRequest
+
+    noise = SamplingParams(max_tokens=20, temperature=1.0, ignore_eos=True)
+    engine.add_request(GenerationRequest("n1", list(range(40, 70)), noise))
+    engine.add_request(GenerationRequest("n2", list(range(5, 9)), noise))
+    in_batch = run_to_completion(engine, [prompt], seeded)[0]
+    assert in_batch == alone
+    other_seed = run_to_completion(make_engine(path), [prompt], SamplingParams(
+        max_tokens=12, temperature=1.0, seed=43, ignore_eos=True))[0]
+    assert other_seed != alone
+    assert_all_blocks_free(engine.scheduler.kv)
