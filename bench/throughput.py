@@ -122,6 +122,8 @@ class ModeResult:
     wall_s: float = 0.0
     note: str = ""
     error: str | None = None
+    cores_used: float | None = None  # CPU time of this process (and the server) / wall
+    cores_others: float | None = None  # CPU time of every other process on the machine / wall
     ttft_s: list[float] = field(default_factory=list)
     itl_s: list[float] = field(default_factory=list)
     outputs: list[list[int]] = field(default_factory=list)  # per request, for the agreement check
@@ -173,21 +175,57 @@ def log(message: str) -> None:
     print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
+class CpuMeter:
+    """CPU time spent by us (this process plus an optional child) and by everyone else, from /proc.
+
+    The cores are shared with other work, so each figure comes with how busy the rest was.
+    """
+
+    def __init__(self, child_pid: int | None = None) -> None:
+        self.child_pid = child_pid
+        self.start = self._sample()
+
+    def _sample(self) -> tuple[float, float, float]:
+        tick_s = 1 / os.sysconf("SC_CLK_TCK")
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+        busy_s = (sum(fields) - fields[3] - fields[4]) * tick_s  # all but idle and iowait
+        child_s = 0.0
+        if self.child_pid is not None:
+            with open(f"/proc/{self.child_pid}/stat") as f:
+                stat = f.read().rsplit(")", 1)[1].split()
+            child_s = (int(stat[11]) + int(stat[12])) * tick_s  # utime + stime
+        own = os.times()
+        return busy_s, own.user + own.system + child_s, time.perf_counter()
+
+    def stop(self, result: ModeResult) -> None:
+        try:
+            busy_s, ours_s, now = self._sample()
+        except OSError:
+            return
+        wall_s = now - self.start[2]
+        result.cores_used = (ours_s - self.start[1]) / wall_s
+        result.cores_others = max(0.0, (busy_s - self.start[0]) - (ours_s - self.start[1])) / wall_s
+
+
 # ---- model and tokenizer ----------------------------------------------------------------
 
 
 def build_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
-    """A byte-level BPE whose vocab covers every model id, so any sampled id decodes to bytes.
+    """A byte-level BPE whose every id decodes to 1-3 printable ASCII characters.
 
-    Tokens are the 256 byte symbols, then byte pairs; no merges, since prompts are token ids
-    and only decoding matters here.
+    So each sampled id is complete text and streams as its own chunk, as English mostly does
+    with a real tokenizer. (Random byte tokens would end mid-UTF-8 most of the time, and the
+    server rightly holds such text back, which would hide the real time to first token.)
+    No merges: prompts are token ids, and only decoding matters here.
     """
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    vocab = {token: i for i, token in enumerate([*SPECIAL_TOKENS, *alphabet])}
-    for a, b in itertools.product(alphabet, alphabet):
-        if len(vocab) >= vocab_size:
-            break
-        vocab.setdefault(a + b, len(vocab))
+    symbols = [chr(c) for c in range(0x21, 0x7F)] + ["\u0120"]  # ByteLevel spells a space as U+0120
+    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS)}
+    strings = itertools.chain.from_iterable(
+        ("".join(t) for t in itertools.product(symbols, repeat=n)) for n in (1, 2, 3)
+    )
+    for token in itertools.islice(strings, vocab_size - len(vocab)):
+        vocab[token] = len(vocab)
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -222,8 +260,9 @@ def start_server(ctx: BenchContext, port: int, log_path: Path) -> subprocess.Pop
     cmd = [sys.executable, "server.py", "--config", str(config_path), "--model", f"bench={ctx.model_dir}",
            "--port", str(port), "--host", "127.0.0.1", *ctx.server_args]
     log(f"starting server: {' '.join(cmd)}")
+    env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())}  # the same threads as in-process
     with log_path.open("wb") as sink:
-        return subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=sink, stderr=subprocess.STDOUT)
+        return subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=sink, stderr=subprocess.STDOUT, env=env)
 
 
 def stop_server(proc: subprocess.Popen) -> None:
@@ -262,7 +301,7 @@ async def wait_ready(base_url: str, proc: subprocess.Popen, timeout_s: float = 6
 @dataclass
 class StreamStats:
     send_s: float
-    chunk_s: list[float] = field(default_factory=list)  # arrival of each chunk carrying a choice
+    chunk_s: list[float] = field(default_factory=list)  # arrival of each chunk carrying text
     completion_tokens: int | None = None
     finish_reason: str | None = None
 
@@ -286,9 +325,10 @@ async def stream_completion(
             chunk = json.loads(payload)
             if "error" in chunk:
                 raise RuntimeError(f"stream error: {chunk['error']}")
-            if chunk.get("choices"):
-                stats.chunk_s.append(time.perf_counter())
-                stats.finish_reason = chunk["choices"][0].get("finish_reason") or stats.finish_reason
+            for choice in chunk.get("choices") or []:
+                if choice.get("text"):
+                    stats.chunk_s.append(time.perf_counter())
+                stats.finish_reason = choice.get("finish_reason") or stats.finish_reason
             if chunk.get("usage"):
                 stats.completion_tokens = chunk["usage"]["completion_tokens"]
     return stats
@@ -303,7 +343,7 @@ def stream_result(mode: str, all_stats: list[StreamStats], wall_s: float) -> Mod
         if s.chunk_s:
             result.ttft_s.append(s.chunk_s[0] - s.send_s)
             result.itl_s.extend(b - a for a, b in itertools.pairwise(s.chunk_s))
-    result.note = f"{num_chunks} chunks for {result.num_output_tokens} tokens"
+    result.note = f"{num_chunks} text chunks for {result.num_output_tokens} tokens"
     if missing_usage:
         result.note += f"; {missing_usage} streams without usage (counted chunks)"
     return result
@@ -333,6 +373,7 @@ async def server_session(ctx: BenchContext, modes: list[str], base_url: str, pro
     results = []
     for mode in modes:
         log(f"mode {mode}: {MODE_LABELS[mode]}")
+        meter = CpuMeter(proc.pid)
         try:
             if mode == "a":
                 stats, wall_s = await run_concurrent(base_url, ctx.prompts, w.output_len)
@@ -341,6 +382,7 @@ async def server_session(ctx: BenchContext, modes: list[str], base_url: str, pro
             results.append(stream_result(mode, stats, wall_s))
         except Exception as exc:
             results.append(ModeResult(mode, error=f"{type(exc).__name__}: {exc}"))
+        meter.stop(results[-1])
     return results
 
 
@@ -381,7 +423,9 @@ def build_galley_engine(model_dir: Path, shape: ModelShape, w: Workload):
     return build_engine(loaded, cfg)
 
 
-def drive_engine(engine, prompts: list[list[int]], max_tokens: int, tag: str) -> tuple[dict[str, list[int]], list[float], list[float]]:
+def drive_engine(
+    engine, prompts: list[list[int]], max_tokens: int, tag: str
+) -> tuple[dict[str, list[int]], list[float], list[float]]:
     """Adds all prompts, steps until done; returns outputs by request id, TTFTs and inter-token gaps."""
     from engine.types import GenerationRequest, SamplingParams
 
@@ -414,6 +458,7 @@ def mode_engine(ctx: BenchContext, mode: str) -> ModeResult:
     groups = [ctx.prompts] if mode == "b" else [[p] for p in ctx.prompts[: w.num_single_requests]]
     result = ModeResult(mode)
     steps_before, preemptions_before = engine.num_steps, engine.scheduler.num_preemptions
+    meter = CpuMeter()
     start = time.perf_counter()
     for g, prompts in enumerate(groups):
         outputs, ttft_s, itl_s = drive_engine(engine, prompts, w.output_len, f"{mode}-{g}")
@@ -425,6 +470,7 @@ def mode_engine(ctx: BenchContext, mode: str) -> ModeResult:
     result.num_output_tokens = sum(len(o) for o in result.outputs)
     result.note = (f"{engine.num_steps - steps_before} engine steps, "
                    f"{engine.scheduler.num_preemptions - preemptions_before} preemptions")
+    meter.stop(result)
     return result
 
 
@@ -444,6 +490,7 @@ def mode_hf_sequential(ctx: BenchContext) -> ModeResult:
     num_measured = min(num_measured, w.num_requests)
     hf_generate(model, torch.tensor([ctx.prompts[0][:8]]), 4)  # warmup
     result = ModeResult("c")
+    meter = CpuMeter()
     start = time.perf_counter()
     for prompt in ctx.prompts[:num_measured]:
         result.outputs.append(hf_generate(model, torch.tensor([prompt]), w.output_len)[0].tolist())
@@ -453,6 +500,7 @@ def mode_hf_sequential(ctx: BenchContext) -> ModeResult:
     result.wall_s = measured_s * w.num_requests / num_measured
     if num_measured < w.num_requests:
         result.note = f"measured {num_measured} of {w.num_requests} requests ({measured_s:.1f} s); wall extrapolated"
+    meter.stop(result)
     return result
 
 
@@ -460,11 +508,13 @@ def mode_hf_static_batch(ctx: BenchContext) -> ModeResult:
     model, w = ctx.hf_model(), ctx.workload
     hf_generate(model, torch.tensor([p[:8] for p in ctx.prompts[:2]]), 4)  # warmup
     # All prompts have the same length, so left padding is a no-op; the mask is still passed.
+    meter = CpuMeter()
     start = time.perf_counter()
     tokens = hf_generate(model, torch.tensor(ctx.prompts), w.output_len)
     result = ModeResult("d", num_requests=w.num_requests, wall_s=time.perf_counter() - start)
     result.outputs = tokens.tolist()
     result.num_output_tokens = tokens.numel()
+    meter.stop(result)
     return result
 
 
@@ -485,11 +535,13 @@ def forward_loop(model, prompts: list[list[int]], num_tokens: int) -> torch.Tens
 def mode_roofline(ctx: BenchContext) -> ModeResult:
     model, w = ctx.hf_model(), ctx.workload
     forward_loop(model, [p[:8] for p in ctx.prompts[:2]], 4)  # warmup
+    meter = CpuMeter()
     start = time.perf_counter()
     tokens = forward_loop(model, ctx.prompts, w.output_len)
     result = ModeResult("e", num_requests=w.num_requests, wall_s=time.perf_counter() - start)
     result.outputs = tokens.tolist()
     result.num_output_tokens = tokens.numel()
+    meter.stop(result)
     return result
 
 
@@ -507,6 +559,9 @@ def mode_hf_continuous(ctx: BenchContext) -> ModeResult:
         allow_block_sharing=False,
     )
     gen_config = GenerationConfig(max_new_tokens=w.output_len, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    model.generate_batch(inputs=[p[:8] for p in ctx.prompts[:2]], max_new_tokens=4, generation_config=gen_config,
+                         continuous_batching_config=cb_config, warmup=False)
+    meter = CpuMeter()
     start = time.perf_counter()
     outputs = model.generate_batch(inputs=ctx.prompts, generation_config=gen_config,
                                    continuous_batching_config=cb_config, warmup=False)
@@ -517,7 +572,8 @@ def mode_hf_continuous(ctx: BenchContext) -> ModeResult:
     result.outputs = [list(o.generated_tokens) for o in outputs.values()]
     result.num_requests = len(outputs)
     result.num_output_tokens = sum(len(o) for o in result.outputs)
-    result.note = f"attn_implementation={model.config._attn_implementation}, page_size={page_size}, no warmup"
+    result.note = f"attn_implementation={model.config._attn_implementation}, page_size={page_size}, timed call includes manager setup"
+    meter.stop(result)
     return result
 
 
@@ -576,13 +632,15 @@ def render(results: list[ModeResult], ctx: BenchContext) -> str:
         f"torch threads={torch.get_num_threads()}, cpus={os.cpu_count()}, "
         f"load average now {os.getloadavg()[0]:.1f} (other processes share these cores)",
         "",
-        f"{'mode':<5}{'what':<44}{'tok/s':>9}{'wall s':>9}{'tokens':>8}  {'greedy vs e':<22}note",
+        f"{'mode':<5}{'what':<44}{'tok/s':>9}{'wall s':>9}{'tokens':>8}{'cores':>11}  {'greedy vs e':<22}note",
     ]
     for r in results:
         note = f"ERROR {r.error}" if r.error else r.note
+        cores = f"{fmt(r.cores_used, '.1f')}/{fmt(r.cores_others, '.1f')}"
         lines.append(f"{r.mode:<5}{MODE_LABELS[r.mode]:<44}{fmt(r.tokens_per_s, '.1f'):>9}"
-                     f"{fmt(r.wall_s or None, '.2f'):>9}{r.num_output_tokens:>8}  "
+                     f"{fmt(r.wall_s or None, '.2f'):>9}{r.num_output_tokens:>8}{cores:>11}  "
                      f"{agreement(r, by_mode.get('e')):<22}{note}")
+    lines.append("cores: CPU cores busy on average during the timed part, ours (bench + server) / other processes")
     lines += ["", "latency (ms)      TTFT p50   TTFT p99    ITL p50    ITL p99"]
     for r in results:
         if r.ttft_s:
@@ -627,6 +685,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-batched-tokens", type=int, default=2048)
     p.add_argument("--modes", default=",".join(ALL_MODES), help=f"comma list of {','.join(ALL_MODES)}")
     p.add_argument("--server-args", default="", help="extra flags for server.py, one string")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
+                   help="torch threads, in-process and in the server (OMP_NUM_THREADS); default: all cores")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None, help="write the results here")
     args = p.parse_args(argv)
@@ -660,7 +720,7 @@ def make_context(args: argparse.Namespace, model_dir: Path) -> BenchContext:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(args.threads)
     transformers.utils.logging.disable_progress_bar()
     modes = [m for m in ALL_MODES if m in args.modes.split(",")]  # server modes first, always
     with tempfile.TemporaryDirectory(prefix="galley-bench-") as tmp:

@@ -52,7 +52,9 @@ class TextStream:
     """Accumulates a request's output text and releases what is safe to send."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, stops: tuple[str, ...]) -> None:
+        self.tokenizer = tokenizer
         self.detokenizer = IncrementalDetokenizer(tokenizer)
+        self.token_ids: list[int] = []
         self.stops = stops
         self.max_stop_len = max((len(s) for s in stops), default=0)
         self.text = ""
@@ -60,6 +62,7 @@ class TextStream:
 
     def add_token(self, token_id: int) -> tuple[str, bool]:
         """Returns (text to send now, whether a stop string was hit)."""
+        self.token_ids.append(token_id)
         self.text += self.detokenizer.step(token_id)
         if not self.stops:
             return self.flush(), False
@@ -71,6 +74,14 @@ class TextStream:
         delta = self.text[self.num_sent : safe_end]
         self.num_sent = max(self.num_sent, safe_end)
         return delta, False
+
+    def finish(self) -> str:
+        """The rest of the text at the end of generation, including bytes that never formed a
+        whole character (decoded as U+FFFD, exactly as `tokenizer.decode` does)."""
+        full = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
+        if full.startswith(self.text):
+            self.text = full
+        return self.flush()
 
     def flush(self) -> str:
         delta = self.text[self.num_sent :]

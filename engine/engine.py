@@ -107,14 +107,14 @@ class LLMEngine:
         finish = None
         if token_id in params.stop_token_ids or (token_id in self.eos_token_ids and not params.ignore_eos):
             finish = FinishReason.STOP
-            text = state.text.flush()
+            text = state.text.finish()
         else:
             text, hit_stop = state.text.add_token(token_id)
             if hit_stop:
                 finish = FinishReason.STOP
         if finish is None and (seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len):
             finish = FinishReason.LENGTH
-            text += state.text.flush()
+            text += state.text.finish()
         if finish is not None:
             self._release(seq)
         return TokenEvent(

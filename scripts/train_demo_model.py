@@ -22,7 +22,7 @@ What the script does:
 
 Everything is seeded (model init, data order); the only source of run-to-run
 variation is the number of steps that fit into the ``--minutes`` budget. Use
-``--steps`` (with a large ``--minutes``) for a step-exact rerun.
+``--steps`` with a generous ``--minutes`` (e.g. 600) for a step-driven rerun.
 
 Reproduce from the repository root with::
 

@@ -17,7 +17,7 @@ def stream(tokenizer, ids, stops=()):
         if hit:
             break
     if not hit:
-        deltas.append(text.flush())
+        deltas.append(text.finish())
     return deltas, hit
 
 
@@ -62,3 +62,13 @@ def test_partial_stop_suffix_is_held_back():
     assert partial_stop_len("hello wor", ("world",)) == 3
     assert partial_stop_len("hello", ("world",)) == 0
     assert partial_stop_len("ab", ("b", "abc")) == 2
+
+
+def test_unfinished_character_at_the_end_is_flushed_like_decode():
+    tokenizer = build_tokenizer()
+    ids = []
+    for piece in tokenizer.backend_tokenizer.pre_tokenizer.pre_tokenize_str("ok🚀"):
+        ids.extend(tokenizer.convert_tokens_to_ids(list(piece[0])))
+    ids = ids[:-1]  # cut the rocket's last byte
+    deltas, _ = stream(tokenizer, ids)
+    assert "".join(deltas) == tokenizer.decode(ids) and deltas[-1].startswith("\ufffd")

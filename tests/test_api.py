@@ -1,0 +1,265 @@
+"""The real app, the real engine on a tiny model, real clients (openai SDK, aiohttp)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+import openai
+import pytest
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
+from transformers import AutoTokenizer
+
+from api import schemas
+from api.app import create_app
+from engine.model_runner import CacheConfig
+from launch import EngineConfig, start_models
+from scheduling.router import Router
+from tests.test_reference import hf_greedy, prompts
+
+
+async def wait_blocks_free(router: Router, timeout_s: float = 5.0) -> None:
+    """Every KV block of every replica is back in its pool (polled: the worker frees them)."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        leaked = [
+            (r.device, kv.num_blocks - kv.num_free_blocks)
+            for m in router.models.values()
+            for r in m.replicas
+            if (kv := r.worker.engines[r.engine_id].scheduler.kv).num_free_blocks != kv.num_blocks
+        ]
+        if not leaked:
+            return
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"KV blocks not returned: {leaked}")
+        await asyncio.sleep(0.02)
+
+
+async def start_server(aiohttp_server, path, devices=("cpu",), max_num_seqs=32, max_waiting=64, **engine_kw):
+    loop = asyncio.get_running_loop()
+    router = Router()
+    cfg = EngineConfig(devices=devices, max_num_seqs=max_num_seqs, cache=CacheConfig(kv_cache_gib=0.05), **engine_kw)
+    workers = await loop.run_in_executor(
+        None, start_models, [("tiny", str(path))], cfg, max_waiting, router,
+        lambda events: loop.call_soon_threadsafe(router.dispatch, events),
+    )
+    server = await aiohttp_server(create_app(router))  # TestServer cancels handlers on disconnect
+    return server, router, workers
+
+
+@pytest.fixture
+async def served(aiohttp_server, llama_path):
+    server, router, workers = await start_server(aiohttp_server, llama_path)
+    yield server, router
+    await wait_blocks_free(router)
+    for worker in workers:
+        worker.stop()
+
+
+def client(server) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=str(server.make_url("/v1")), api_key="x", max_retries=0)
+
+
+async def test_openai_sdk_lists_models_and_streams_chat(served):
+    server, _ = served
+    sdk = client(server)
+    models = await sdk.models.list()
+    assert [m.id for m in models.data] == ["tiny"]
+    messages = [{"role": "user", "content": "Hello there"}]
+    stream = await sdk.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=12, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+    )
+    chunks = [chunk async for chunk in stream]
+    for chunk in chunks:
+        ChatCompletionChunk.model_validate(chunk.model_dump())
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-2].choices[0].finish_reason == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    whole = await sdk.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+    ChatCompletion.model_validate(whole.model_dump())
+    assert whole.choices[0].message.content == streamed
+    assert whole.usage.prompt_tokens == chunks[-1].usage.prompt_tokens
+
+
+async def test_sixteen_concurrent_streams_match_hf(served, llama_path):
+    server, _ = served
+    sdk = client(server)
+    tokenizer = AutoTokenizer.from_pretrained(llama_path)
+    batch = prompts(16, len(tokenizer), lengths=[5, 30, 12, 21, 8, 3, 17, 26])
+
+    async def one(prompt):
+        text = ""
+        async for chunk in await sdk.completions.create(
+            model="tiny", prompt=prompt, max_tokens=14, temperature=0, stream=True,
+            extra_body={"ignore_eos": True},
+        ):
+            # openai's Completion type has no null finish_reason, which streamed chunks carry
+            schemas.Completion.model_validate(chunk.model_dump())
+            assert chunk.object == "text_completion"
+            text += chunk.choices[0].text
+        return text
+
+    texts = await asyncio.gather(*(one(p) for p in batch))
+    expected = [tokenizer.decode(hf_greedy(llama_path, p, 14), skip_special_tokens=True) for p in batch]
+    assert texts == expected
+
+
+async def test_stop_string_and_seed_over_http(served):
+    server, _ = served
+    sdk = client(server)
+    base = dict(model="tiny", prompt="The quick brown", max_tokens=20, temperature=0,
+                extra_body={"ignore_eos": True})
+    full = (await sdk.completions.create(**base)).choices[0].text
+    stop = full[5:8]
+    cut = await sdk.completions.create(**base, stop=[stop])
+    assert cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].text == full[: full.index(stop)]
+    seeded = dict(base, temperature=1.0, seed=7)
+    a = (await sdk.completions.create(**seeded)).choices[0].text
+    b = (await sdk.completions.create(**seeded)).choices[0].text
+    assert a == b
+
+
+async def test_logprobs_shapes(served):
+    server, _ = served
+    sdk = client(server)
+    chat = await sdk.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=0,
+        logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True})
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 4 and all(len(c.top_logprobs) == 3 for c in content)
+    assert all(c.logprob <= 0 and c.logprob == max(t.logprob for t in c.top_logprobs) for c in content)
+    comp = await sdk.completions.create(model="tiny", prompt="hi", max_tokens=3, temperature=0, logprobs=2,
+                                        extra_body={"ignore_eos": True})
+    lp = comp.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 3
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "needle"),
+    [
+        ({"model": "tiny", "prompt": "x", "temperature": 3}, 400, "temperature"),
+        ({"model": "tiny", "prompt": "x", "top_p": 0}, 400, "top_p"),
+        ({"model": "tiny", "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+        ({"model": "tiny", "prompt": "x", "bogus": 1}, 400, "bogus"),
+        ({"model": "tiny", "prompt": "x", "max_tokens": 10_000}, 400, "maximum context length is 512"),
+        ({"model": "tiny", "prompt": [1, 2, 99999]}, 400, "prompt"),
+        ({"model": "tiny", "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+        ({"model": "nope", "prompt": "x"}, 404, "nope"),
+        ({"prompt": "x"}, 400, "model"),
+    ],
+)
+async def test_bad_input_gets_openai_shaped_error(served, body, status, needle):
+    server, _ = served
+    async with aiohttp.ClientSession() as session:
+        async with session.post(server.make_url("/v1/completions"), json=body) as resp:
+            data = await resp.json()
+    assert resp.status == status
+    assert set(data["error"]) == {"message", "type", "param", "code"}
+    assert needle in data["error"]["message"]
+
+
+async def test_long_prompt_error_names_the_numbers(served):
+    server, _ = served
+    async with aiohttp.ClientSession() as session:
+        resp = await session.post(server.make_url("/v1/completions"),
+                                  json={"model": "tiny", "prompt": [3 + i % 300 for i in range(597)]})
+        error = (await resp.json())["error"]
+    assert resp.status == 400 and error["code"] == "context_length_exceeded"
+    assert "512" in error["message"] and "597" in error["message"]
+
+
+async def test_malformed_and_oversized_bodies(served):
+    server, _ = served
+    async with aiohttp.ClientSession() as session:
+        resp = await session.post(server.make_url("/v1/chat/completions"), data=b"{not json")
+        assert resp.status == 400 and "JSON" in (await resp.json())["error"]["message"]
+        resp = await session.post(server.make_url("/v1/chat/completions"), data=b"[1]")
+        assert resp.status == 400
+        resp = await session.post(server.make_url("/v1/completions"), data=b"x" * (9 * 1024 * 1024))
+        assert resp.status == 413 and "error" in await resp.json()
+        resp = await session.get(server.make_url("/v1/nothing"))
+        assert resp.status == 404 and "error" in await resp.json()
+
+
+async def test_client_disconnect_aborts_and_frees_blocks(served):
+    server, router = served
+    body = {"model": "tiny", "prompt": "go", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    async with aiohttp.ClientSession() as session:
+        resp = await session.post(server.make_url("/v1/completions"), json=body)
+        seen = 0
+        async for line in resp.content:
+            seen += line.startswith(b"data: ")
+            if seen >= 5:
+                break
+        resp.close()
+    await wait_blocks_free(router)
+    assert router.num_in_flight == 0
+    # a non-streaming request whose client gives up is aborted too
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=0.3)) as session:
+        with pytest.raises(asyncio.TimeoutError):
+            await session.post(server.make_url("/v1/completions"), json={**body, "stream": False})
+    await wait_blocks_free(router)
+    assert router.num_in_flight == 0
+
+
+async def test_queue_bound_answers_429_with_retry_after(aiohttp_server, llama_path):
+    server, router, workers = await start_server(aiohttp_server, llama_path, max_num_seqs=1, max_waiting=0)
+    body = {"model": "tiny", "prompt": "go", "max_tokens": 300, "ignore_eos": True, "stream": True}
+    try:
+        async with aiohttp.ClientSession() as session:
+            first = await session.post(server.make_url("/v1/completions"), json=body)
+            assert first.status == 200
+            second = await session.post(server.make_url("/v1/completions"), json=body)
+            assert second.status == 429
+            assert second.headers["Retry-After"] == "1"
+            assert (await second.json())["error"]["code"] == "queue_full"
+            first.close()
+        await wait_blocks_free(router)
+    finally:
+        for worker in workers:
+            worker.stop()
+
+
+async def test_two_workers_share_the_load_and_match_hf(aiohttp_server, llama_path):
+    server, router, workers = await start_server(aiohttp_server, llama_path, devices=("cpu", "cpu"))
+    try:
+        sdk = client(server)
+        tokenizer = AutoTokenizer.from_pretrained(llama_path)
+        batch = prompts(6, len(tokenizer))
+        results = await asyncio.gather(*(sdk.completions.create(
+            model="tiny", prompt=p, max_tokens=8, temperature=0, extra_body={"ignore_eos": True}) for p in batch))
+        expected = [tokenizer.decode(hf_greedy(llama_path, p, 8), skip_special_tokens=True) for p in batch]
+        assert [r.choices[0].text for r in results] == expected
+        steps = [w.engines["tiny"].num_steps for w in workers]
+        assert all(s > 0 for s in steps), steps
+        await wait_blocks_free(router)
+    finally:
+        for worker in workers:
+            worker.stop()
+
+
+async def test_openapi_spec_matches_the_schemas(served):
+    server, _ = served
+    async with aiohttp.ClientSession() as session:
+        spec = await (await session.get(server.make_url("/openapi.json"))).json()
+    assert {"/v1/models", "/v1/chat/completions", "/v1/completions", "/health", "/ready"} <= set(spec["paths"])
+    chat = spec["components"]["schemas"]["ChatCompletionRequest"]
+    assert chat["properties"]["temperature"]["maximum"] == 2.0
+    assert chat["additionalProperties"] is False
+    ref = spec["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]
+    assert ref["schema"]["$ref"].endswith("/ChatCompletionRequest")
+    json.dumps(spec)
+
+
+async def test_health_and_ready(served):
+    server, _ = served
+    async with aiohttp.ClientSession() as session:
+        assert (await session.get(server.make_url("/health"))).status == 200
+        ready = await session.get(server.make_url("/ready"))
+        assert ready.status == 200 and (await ready.json())["status"] == "ok"
