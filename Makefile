@@ -1,0 +1,25 @@
+# `make serve` and `make test` install what they need first (idempotent: torch is installed
+# only when missing, so a CUDA build you already have stays).
+PYTHON ?= python
+TORCH_CPU ?= torch==2.13.0
+
+.PHONY: install serve test lint bench train-demo
+
+install:
+	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install -q "$(TORCH_CPU)"
+	@$(PYTHON) -m pip install -q -e '.[test]'
+
+serve: install
+	$(PYTHON) server.py
+
+test: install
+	$(PYTHON) -m pytest -q
+
+lint:
+	$(PYTHON) -m ruff check . && $(PYTHON) -m ruff format --check .
+
+bench: install
+	$(PYTHON) bench/throughput.py
+
+train-demo: install
+	$(PYTHON) scripts/train_demo_model.py
