@@ -11,6 +11,7 @@ from aiohttp import web
 from api import health, openai
 from api.context import ROUTER, STATE, ServerState
 from api.errors import error_middleware, json_response
+from api.metrics import METRICS, Metrics, metrics_endpoint
 from api.openapi import build_spec
 from api.routes import Route
 from scheduling.router import Router
@@ -46,6 +47,7 @@ def create_app(router: Router, state: ServerState | None = None) -> web.Applicat
     app = web.Application(middlewares=[request_context, error_middleware], client_max_size=MAX_BODY_BYTES)
     app[ROUTER] = router
     app[STATE] = state or ServerState(ready=True)
+    app[METRICS] = Metrics(router)
     routes = all_routes()
     for route in routes:
         app.router.add_route(route.method, route.path, route.handler)
@@ -55,4 +57,5 @@ def create_app(router: Router, state: ServerState | None = None) -> web.Applicat
         return json_response(spec)
 
     app.router.add_get("/openapi.json", openapi)
+    app.router.add_get("/metrics", metrics_endpoint)
     return app

@@ -19,6 +19,7 @@ from aiohttp import web
 from pydantic import BaseModel
 
 from api.context import ROUTER, STATE
+from api.metrics import METRICS
 from api.errors import (
     InvalidRequestError,
     ModelNotFoundError,
@@ -100,6 +101,7 @@ def submit(request: web.Request, model: ServedModel, prompt_ids: list[int], para
     try:
         return request.app[ROUTER].submit(model, generation)
     except QueueFull as exc:
+        request.app[METRICS].rejected.labels(model.name, "queue_full").inc()
         raise QueueFullError(f"{exc}; retry shortly", headers={"Retry-After": "1"}) from exc
 
 
@@ -122,9 +124,9 @@ class Collected:
     last: TokenEvent | None = None
 
 
-async def collect(stream: RequestStream) -> Collected:
+async def collect(request: web.Request, stream: RequestStream) -> Collected:
     out = Collected()
-    async for event in stream:
+    async for event in request.app[METRICS].observe(stream):
         out.text += event.text
         out.logprobs.extend(event.logprobs or [])
         out.last = event
@@ -143,7 +145,7 @@ async def stream_sse(request: web.Request, stream: RequestStream, make_chunk: Ch
     if first is not None:
         await send_event(response, first)
     pending: list[TokenLogprob] = []
-    async for event in stream:
+    async for event in request.app[METRICS].observe(stream):
         if event.error:
             await send_event(response, {"error": {"message": event.error, "type": "internal_error",
                                                   "param": None, "code": None}})
@@ -166,6 +168,7 @@ async def with_abort_on_disconnect(request: web.Request, stream: RequestStream, 
     finally:
         if not stream.finished:  # client went away (cancelled handler or reset write)
             request.app[ROUTER].abort(stream)
+            request.app[METRICS].requests.labels(stream.model.name, "abort").inc()
 
 
 # ---- chat ------------------------------------------------------------------------------
@@ -202,7 +205,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
     if not body.stream:
         async def run() -> web.Response:
-            out = await collect(stream)
+            out = await collect(request, stream)
             choice = {"index": 0, "message": {"role": "assistant", "content": out.text},
                       "logprobs": chat_logprobs(model, out.logprobs) if body.logprobs else None,
                       "finish_reason": finish_reason(out.last)}
@@ -261,7 +264,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
     if not body.stream:
         async def run() -> web.Response:
-            out = await collect(stream)
+            out = await collect(request, stream)
             lp = completion_logprobs(model, out.logprobs, 0) if body.logprobs is not None else None
             choice = {"index": 0, "text": out.text, "logprobs": lp, "finish_reason": finish_reason(out.last)}
             return json_response({**base, "choices": [choice], "usage": usage(out.last)},

@@ -18,29 +18,29 @@ import torch.nn.functional as F
 class PrefillChunk:
     start: int  # first token of the chunk in the flat batch
     end: int
-    context_slots: torch.Tensor | None  # [context_len] slots to read; None: chunk is the whole context
-    mask: torch.Tensor | None  # [1, 1, chunk_len, context_len] bool; None: plain causal
+    block_table: torch.Tensor | None  # [num_blocks] to read; None: the chunk is the whole context
+    mask: torch.Tensor | None  # [1, 1, chunk_len, num_blocks * block_size] bool; None: plain causal
 
 
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] where each token's K/V is written
+    block_size: int
     num_decodes: int
-    decode_slots: torch.Tensor | None  # [num_decodes, max_context_len]
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_context_len] bool
+    decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks], padded with block 0
+    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] bool
     prefills: list[PrefillChunk]
 
 
-def context_slots(block_table: list[int], num_tokens: int, block_size: int) -> list[int]:
-    return [block_table[pos // block_size] * block_size + pos % block_size for pos in range(num_tokens)]
-
-
 def visible_mask(
-    query_positions: torch.Tensor, context_len: int, sliding_window: int | None
+    query_positions: torch.Tensor, num_keys: int, context_len: torch.Tensor | int, sliding_window: int | None
 ) -> torch.Tensor:
-    """[num_queries, context_len] bool: may query at position p see key position k?"""
-    keys = torch.arange(context_len, device=query_positions.device)
-    mask = keys[None, :] <= query_positions[:, None]
+    """[num_queries, num_keys] bool: may the query at position p see the key at position k?
+
+    Keys at or past `context_len` are padding of the last block and never visible.
+    """
+    keys = torch.arange(num_keys, device=query_positions.device)
+    mask = (keys[None, :] <= query_positions[:, None]) & (keys[None, :] < context_len)
     if sliding_window is not None:
         mask &= query_positions[:, None] - keys[None, :] < sliding_window
     return mask
@@ -55,37 +55,51 @@ def build_metadata(
     device: torch.device,
 ) -> AttentionMetadata:
     """decode_contexts: (block_table, context_len); prefill_chunks: (block_table, start_pos, chunk_len)."""
-    decode_slots = decode_mask = None
+    decode_tables = decode_mask = None
     if decode_contexts:
-        max_len = max(ctx for _, ctx in decode_contexts)
-        rows = [context_slots(table, ctx, block_size) + [0] * (max_len - ctx) for table, ctx in decode_contexts]
-        decode_slots = torch.tensor(rows, dtype=torch.long, device=device)
+        num_blocks = [cdiv(ctx, block_size) for _, ctx in decode_contexts]
+        width = max(num_blocks)
+        rows = [table[:n] + [0] * (width - n) for (table, _), n in zip(decode_contexts, num_blocks)]
+        decode_tables = torch.tensor(rows, dtype=torch.long, device=device)
         last = torch.tensor([ctx - 1 for _, ctx in decode_contexts], device=device)
-        mask = torch.arange(max_len, device=device)[None, :] <= last[:, None]
-        if sliding_window is not None:
-            mask &= last[:, None] - torch.arange(max_len, device=device)[None, :] < sliding_window
-        decode_mask = mask[:, None, None, :]
+        decode_mask = visible_mask(last, width * block_size, last[:, None] + 1, sliding_window)[:, None, None, :]
 
     prefills = []
     offset = len(decode_contexts)
     for table, start_pos, chunk_len in prefill_chunks:
         context_len = start_pos + chunk_len
-        slots = mask = None
-        needs_window = sliding_window is not None and context_len > sliding_window
-        if start_pos > 0 or needs_window:
-            slots = torch.tensor(context_slots(table, context_len, block_size), device=device)
+        blocks = mask = None
+        if start_pos > 0 or (sliding_window is not None and context_len > sliding_window):
+            n = cdiv(context_len, block_size)
+            blocks = torch.tensor(table[:n], dtype=torch.long, device=device)
             positions = torch.arange(start_pos, context_len, device=device)
-            mask = visible_mask(positions, context_len, sliding_window)[None, None]
-        prefills.append(PrefillChunk(offset, offset + chunk_len, slots, mask))
+            mask = visible_mask(positions, n * block_size, context_len, sliding_window)[None, None]
+        prefills.append(PrefillChunk(offset, offset + chunk_len, blocks, mask))
         offset += chunk_len
 
     return AttentionMetadata(
         slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=device),
+        block_size=block_size,
         num_decodes=len(decode_contexts),
-        decode_slots=decode_slots,
+        decode_block_tables=decode_tables,
         decode_mask=decode_mask,
         prefills=prefills,
     )
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor, block_size: int) -> torch.Tensor:
+    """[..., max_blocks] block ids -> [..., kv_heads, max_blocks * block_size, head_dim].
+
+    Copies whole blocks (contiguous runs of block_size tokens), far cheaper than per-slot indexing.
+    """
+    blocks = cache.view(-1, block_size, *cache.shape[1:])  # [num_blocks, block_size, kv_heads, head_dim]
+    picked = blocks.index_select(0, block_tables.reshape(-1))
+    picked = picked.view(*block_tables.shape[:-1], block_tables.shape[-1] * block_size, *cache.shape[1:])
+    return picked.transpose(-3, -2)
 
 
 def paged_attention(
@@ -102,19 +116,19 @@ def paged_attention(
     out = torch.empty_like(q)
     nd = meta.num_decodes
     if nd:
-        keys = k_cache[meta.decode_slots].transpose(1, 2)  # [nd, kv_heads, ctx, head_dim]
-        values = v_cache[meta.decode_slots].transpose(1, 2)
+        keys = gather_blocks(k_cache, meta.decode_block_tables, meta.block_size)  # [nd, kv_heads, ctx, head_dim]
+        values = gather_blocks(v_cache, meta.decode_block_tables, meta.block_size)
         out[:nd] = F.scaled_dot_product_attention(
             q[:nd, :, None, :], keys, values, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True
         ).squeeze(2)
     for chunk in meta.prefills:
         query = q[chunk.start : chunk.end].transpose(0, 1)[None]  # [1, heads, chunk, head_dim]
-        if chunk.context_slots is None:
+        if chunk.block_table is None:
             keys = k[chunk.start : chunk.end].transpose(0, 1)[None]
             values = v[chunk.start : chunk.end].transpose(0, 1)[None]
         else:
-            keys = k_cache[chunk.context_slots].transpose(0, 1)[None]
-            values = v_cache[chunk.context_slots].transpose(0, 1)[None]
+            keys = gather_blocks(k_cache, chunk.block_table, meta.block_size)[None]
+            values = gather_blocks(v_cache, chunk.block_table, meta.block_size)[None]
         result = F.scaled_dot_product_attention(
             query, keys, values, attn_mask=chunk.mask, is_causal=chunk.mask is None,
             scale=scale, enable_gqa=True,

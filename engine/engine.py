@@ -16,6 +16,7 @@ from engine.kv_cache import KVCacheManager
 from engine.model_runner import ModelRunner
 from engine.sampler import Sampler
 from engine.types import (
+    EngineStats,
     FinishReason,
     GenerationRequest,
     ScheduledBatch,
@@ -65,6 +66,7 @@ class LLMEngine:
         self.sampler = Sampler(runner.device, seed)
         self.requests: dict[str, RequestState] = {}
         self.num_steps = 0
+        self.num_batched_tokens = 0
 
     @property
     def num_unfinished(self) -> int:
@@ -72,6 +74,18 @@ class LLMEngine:
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
+
+    def stats(self) -> EngineStats:
+        kv = self.scheduler.kv
+        return EngineStats(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            kv_blocks_used=kv.num_blocks - kv.num_free_blocks,
+            kv_blocks_total=kv.num_blocks,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_steps=self.num_steps,
+            num_batched_tokens=self.num_batched_tokens,
+        )
 
     def add_request(self, request: GenerationRequest) -> None:
         seq = Sequence(request)
@@ -90,6 +104,7 @@ class LLMEngine:
         if not batch.seqs:
             return []
         self.num_steps += 1
+        self.num_batched_tokens += batch.num_tokens
         try:
             sample_seqs, logits = self.runner.execute(batch)
             tokens, logprobs = self.sampler.sample(logits, sample_seqs)

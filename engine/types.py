@@ -152,3 +152,16 @@ class TokenEvent:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of one replica's engine for metrics; read across threads, so only numbers."""
+
+    num_running: int
+    num_waiting: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    num_preemptions: int
+    num_steps: int
+    num_batched_tokens: int  # summed over all steps

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import structlog
 
 from engine.engine import LLMEngine
-from engine.types import GenerationRequest, TokenEvent
+from engine.types import EngineStats, GenerationRequest, TokenEvent
 
 log = structlog.get_logger(__name__)
 
@@ -62,6 +62,10 @@ class DeviceWorker:
 
     def abort(self, engine_id: str, request_id: str) -> None:
         self._inbox.put(_Abort(engine_id, request_id))
+
+    def stats(self, engine_id: str) -> EngineStats:
+        """A snapshot for metrics, read from another thread: plain ints, possibly a step old."""
+        return self.engines[engine_id].stats()
 
     def call(self, fn: Callable[[], None]) -> None:
         """Run `fn` on the worker thread between steps (reads of engine state, tests)."""

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from engine.types import GenerationRequest, TokenEvent
+from engine.types import EngineStats, GenerationRequest, TokenEvent
 
 
 class QueueFull(Exception):
@@ -26,6 +26,7 @@ class QueueFull(Exception):
 class WorkerHandle(Protocol):
     def submit(self, engine_id: str, request: GenerationRequest) -> None: ...
     def abort(self, engine_id: str, request_id: str) -> None: ...
+    def stats(self, engine_id: str) -> EngineStats: ...
 
 
 @dataclass

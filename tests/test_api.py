@@ -208,6 +208,31 @@ async def test_client_disconnect_aborts_and_frees_blocks(served):
     assert router.num_in_flight == 0
 
 
+def scrape(text: str) -> dict[tuple[str, tuple], float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
+            for family in text_string_to_metric_families(text) for sample in family.samples}
+
+
+async def test_metrics_count_what_happened(served):
+    server, _ = served
+    sdk = client(server)
+    for max_tokens in (3, 5):
+        await sdk.completions.create(model="tiny", prompt="hi", max_tokens=max_tokens, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    async with aiohttp.ClientSession() as session:
+        text = await (await session.get(server.make_url("/metrics"))).text()
+    m = scrape(text)
+    model = (("model", "tiny"),)
+    assert m[("galley_requests_total", (("finish_reason", "length"), ("model", "tiny")))] == 2
+    assert m[("galley_generation_tokens_total", model)] == 8
+    assert m[("galley_time_to_first_token_seconds_count", model)] == 2
+    assert m[("galley_inter_token_latency_seconds_count", model)] == 6
+    assert m[("galley_kv_blocks_total", (("model", "tiny"), ("replica", "cpu#0")))] > 0
+    assert m[("galley_engine_steps_total", (("model", "tiny"), ("replica", "cpu#0")))] >= 5
+
+
 async def test_queue_bound_answers_429_with_retry_after(aiohttp_server, llama_path):
     server, router, workers = await start_server(aiohttp_server, llama_path, max_num_seqs=1, max_waiting=0)
     body = {"model": "tiny", "prompt": "go", "max_tokens": 300, "ignore_eos": True, "stream": True}
@@ -220,6 +245,8 @@ async def test_queue_bound_answers_429_with_retry_after(aiohttp_server, llama_pa
             assert second.headers["Retry-After"] == "1"
             assert (await second.json())["error"]["code"] == "queue_full"
             first.close()
+            text = await (await session.get(server.make_url("/metrics"))).text()
+            assert scrape(text)[("galley_rejected_total", (("model", "tiny"), ("reason", "queue_full")))] == 1
         await wait_blocks_free(router)
     finally:
         for worker in workers:

@@ -1,0 +1,96 @@
+"""Prometheus metrics (`GET /metrics`): per-request latencies and tokens, engine gauges.
+
+Each app owns its own `CollectorRegistry` (tests build several apps in one process). Engine
+gauges are read at scrape time from each replica's `EngineStats` snapshot.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from engine.types import TokenEvent
+from scheduling.router import RequestStream, Router
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class EngineCollector:
+    """Reads replica snapshots when Prometheus scrapes; nothing is updated on the hot path."""
+
+    def __init__(self, router: Router) -> None:
+        self.router = router
+
+    def collect(self):
+        labels = ["model", "replica"]
+        gauges = {
+            "num_running": GaugeMetricFamily("galley_requests_running", "Sequences in the running batch", labels=labels),
+            "num_waiting": GaugeMetricFamily("galley_requests_waiting", "Sequences waiting to run", labels=labels),
+            "kv_blocks_used": GaugeMetricFamily("galley_kv_blocks_used", "KV cache blocks in use", labels=labels),
+            "kv_blocks_total": GaugeMetricFamily("galley_kv_blocks_total", "KV cache blocks in the pool", labels=labels),
+        }
+        counters = {
+            "num_preemptions": CounterMetricFamily("galley_preemptions", "Sequences preempted for KV space",
+                                                   labels=labels),
+            "num_steps": CounterMetricFamily("galley_engine_steps", "Engine steps run", labels=labels),
+            "num_batched_tokens": CounterMetricFamily("galley_batched_tokens", "Tokens run through the model",
+                                                      labels=labels),
+        }
+        for model in self.router.models.values():
+            for replica in model.replicas:
+                stats = replica.worker.stats(replica.engine_id)
+                for name, family in {**gauges, **counters}.items():
+                    family.add_metric([model.name, replica.device], getattr(stats, name))
+        yield from gauges.values()
+        yield from counters.values()
+
+
+class Metrics:
+    def __init__(self, router: Router) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("galley_requests", "Finished generation requests", ["model", "finish_reason"],
+                                registry=r)
+        self.rejected = Counter("galley_rejected", "Requests refused at admission", ["model", "reason"], registry=r)
+        self.prompt_tokens = Counter("galley_prompt_tokens", "Prompt tokens of finished requests", ["model"],
+                                     registry=r)
+        self.generation_tokens = Counter("galley_generation_tokens", "Generated tokens", ["model"], registry=r)
+        self.ttft = Histogram("galley_time_to_first_token_seconds", "Arrival to first token", ["model"],
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("galley_inter_token_latency_seconds", "Gap between consecutive token events",
+                             ["model"], buckets=LATENCY_BUCKETS, registry=r)
+        self.duration = Histogram("galley_request_duration_seconds", "Arrival to last token", ["model"],
+                                  buckets=LATENCY_BUCKETS, registry=r)
+        self.registry.register(EngineCollector(router))
+
+    async def observe(self, stream: RequestStream) -> AsyncIterator[TokenEvent]:
+        """Pass a stream's events through, recording its latencies and tokens."""
+        model, arrival = stream.model.name, time.monotonic()
+        last: float | None = None
+        event = None
+        async for event in stream:
+            now = time.monotonic()
+            if event.token_ids:
+                if last is None:
+                    self.ttft.labels(model).observe(now - arrival)
+                else:
+                    self.itl.labels(model).observe(now - last)
+                last = now
+            yield event
+        if event is not None and event.finished:
+            self.duration.labels(model).observe(time.monotonic() - arrival)
+            self.requests.labels(model, event.finish_reason.value).inc()
+            self.prompt_tokens.labels(model).inc(event.num_prompt_tokens)
+            self.generation_tokens.labels(model).inc(event.num_output_tokens)
+
+
+METRICS = web.AppKey("metrics", Metrics)
+
+
+async def metrics_endpoint(request: web.Request) -> web.Response:
+    body = generate_latest(request.app[METRICS].registry)
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
