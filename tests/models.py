@@ -86,3 +86,31 @@ def save_tiny_model(family: str, out: Path, seed: int = 0) -> Path:
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
+
+
+def save_scripted_model(out: Path, text: str) -> list[int]:
+    """A Llama whose greedy output is scripted: from each token of `text` it predicts the next.
+
+    Attention and MLP outputs are zeroed, so the last hidden state is the current token's
+    embedding; the LM head row of each successor is its predecessor's embedding, and random
+    64-d embeddings are near-orthogonal, so argmax picks the successor. Returns the ids of
+    `text` (which must not repeat a token).
+    """
+    tokenizer = build_tokenizer()
+    ids = tokenizer.encode(text)
+    assert len(set(ids)) == len(ids), "scripted text must not repeat a token"
+    torch.manual_seed(0)
+    model = model_for("llama", len(tokenizer))
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        emb = torch.randn(len(tokenizer), model.config.hidden_size)
+        model.model.embed_tokens.weight.copy_(emb)
+        head = torch.randn(len(tokenizer), model.config.hidden_size) * 0.1
+        for current, successor in zip(ids, ids[1:]):
+            head[successor] = emb[current]
+        model.lm_head.weight.copy_(head)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return ids

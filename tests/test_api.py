@@ -290,3 +290,25 @@ async def test_health_and_ready(served):
         assert (await session.get(server.make_url("/health"))).status == 200
         ready = await session.get(server.make_url("/ready"))
         assert ready.status == 200 and (await ready.json())["status"] == "ok"
+
+
+async def test_multibyte_text_streams_whole_characters(aiohttp_server, tmp_path):
+    from tests.models import save_scripted_model
+
+    text = "Hi 🚀 and 中文 ok"
+    ids = save_scripted_model(tmp_path / "scripted", text)
+    server, router, workers = await start_server(aiohttp_server, tmp_path / "scripted")
+    try:
+        deltas = []
+        async for chunk in await client(server).completions.create(
+            model="tiny", prompt=ids[:1], max_tokens=len(ids) - 1, temperature=0, stream=True,
+            extra_body={"ignore_eos": True},
+        ):
+            deltas.append(chunk.choices[0].text)
+        assert "".join(deltas) == text[1:]
+        assert any("🚀" in d for d in deltas)  # the 4-byte character arrives whole, in one delta
+        assert all("\ufffd" not in d for d in deltas)
+        await wait_blocks_free(router)
+    finally:
+        for worker in workers:
+            worker.stop()
