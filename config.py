@@ -117,10 +117,3 @@ def with_overrides(cfg: GalleyConfig, server: dict[str, Any], engine: dict[str, 
         models=tuple(models),
     )
 
-
-def as_dict(cfg: GalleyConfig) -> dict[str, Any]:
-    return dataclasses.asdict(cfg)
-
-
-__all__ = ["GalleyConfig", "ServerConfig", "ModelSpec", "ConfigError", "load_config", "with_overrides",
-           "as_dict", "field"]

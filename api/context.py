@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from aiohttp import web
 
@@ -16,7 +16,6 @@ class ServerState:
     ready: bool = False
     draining: bool = False
     started_s: float = 0.0
-    extra: dict = field(default_factory=dict)
 
 
 ROUTER = web.AppKey("router", Router)

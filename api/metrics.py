@@ -27,18 +27,18 @@ class EngineCollector:
 
     def collect(self):
         labels = ["model", "replica"]
+        gauge = lambda name, doc: GaugeMetricFamily(name, doc, labels=labels)  # noqa: E731
+        counter = lambda name, doc: CounterMetricFamily(name, doc, labels=labels)  # noqa: E731
         gauges = {
-            "num_running": GaugeMetricFamily("galley_requests_running", "Sequences in the running batch", labels=labels),
-            "num_waiting": GaugeMetricFamily("galley_requests_waiting", "Sequences waiting to run", labels=labels),
-            "kv_blocks_used": GaugeMetricFamily("galley_kv_blocks_used", "KV cache blocks in use", labels=labels),
-            "kv_blocks_total": GaugeMetricFamily("galley_kv_blocks_total", "KV cache blocks in the pool", labels=labels),
+            "num_running": gauge("galley_requests_running", "Sequences in the running batch"),
+            "num_waiting": gauge("galley_requests_waiting", "Sequences waiting to run"),
+            "kv_blocks_used": gauge("galley_kv_blocks_used", "KV cache blocks in use"),
+            "kv_blocks_total": gauge("galley_kv_blocks_total", "KV cache blocks in the pool"),
         }
         counters = {
-            "num_preemptions": CounterMetricFamily("galley_preemptions", "Sequences preempted for KV space",
-                                                   labels=labels),
-            "num_steps": CounterMetricFamily("galley_engine_steps", "Engine steps run", labels=labels),
-            "num_batched_tokens": CounterMetricFamily("galley_batched_tokens", "Tokens run through the model",
-                                                      labels=labels),
+            "num_preemptions": counter("galley_preemptions", "Sequences preempted for KV space"),
+            "num_steps": counter("galley_engine_steps", "Engine steps run"),
+            "num_batched_tokens": counter("galley_batched_tokens", "Tokens run through the model"),
         }
         for model in self.router.models.values():
             for replica in model.replicas:

@@ -19,7 +19,6 @@ from aiohttp import web
 from pydantic import BaseModel
 
 from api.context import ROUTER, STATE
-from api.metrics import METRICS
 from api.errors import (
     InvalidRequestError,
     ModelNotFoundError,
@@ -27,6 +26,7 @@ from api.errors import (
     ServiceUnavailableError,
     json_response,
 )
+from api.metrics import METRICS
 from api.routes import Route
 from api.schemas import (
     ChatCompletion,

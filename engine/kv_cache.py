@@ -42,6 +42,3 @@ class KVCacheManager:
         self.pool.free(seq.block_table)
         seq.block_table = []
         seq.num_computed_tokens = 0
-
-    def max_tokens_fitting(self, num_blocks: int | None = None) -> int:
-        return (self.pool.num_blocks if num_blocks is None else num_blocks) * self.block_size

@@ -129,7 +129,9 @@ def load_model(source: str, device: str = "cpu", dtype: str = "auto") -> LoadedM
     weights = {name: t.to(device=torch_device, dtype=torch_dtype) for name, t in weights.items()}
     missing, unexpected = model.load_state_dict(weights, strict=False, assign=True)
     if missing or unexpected:
-        raise ModelLoadError(f"checkpoint of {source!r} does not fit the config: missing {missing}, unexpected {unexpected}")
+        raise ModelLoadError(
+            f"checkpoint of {source!r} does not fit its config: missing {missing}, unexpected {unexpected}"
+        )
     if model.shape.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.rotary = type(model.rotary)(hf_config, model.shape.head_dim).to(torch_device)

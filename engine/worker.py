@@ -35,11 +35,6 @@ class _Abort:
     request_id: str
 
 
-@dataclass
-class _Call:
-    fn: Callable[[], None]
-
-
 _STOP = object()
 
 
@@ -66,10 +61,6 @@ class DeviceWorker:
     def stats(self, engine_id: str) -> EngineStats:
         """A snapshot for metrics, read from another thread: plain ints, possibly a step old."""
         return self.engines[engine_id].stats()
-
-    def call(self, fn: Callable[[], None]) -> None:
-        """Run `fn` on the worker thread between steps (reads of engine state, tests)."""
-        self._inbox.put(_Call(fn))
 
     def stop(self, timeout_s: float = 10.0) -> None:
         self._inbox.put(_STOP)
@@ -101,13 +92,11 @@ class DeviceWorker:
         except queue.Empty:
             return True
 
-    def _apply(self, item: _Add | _Abort | _Call) -> None:
+    def _apply(self, item: _Add | _Abort) -> None:
         try:
             if isinstance(item, _Add):
                 self.engines[item.engine_id].add_request(item.request)
-            elif isinstance(item, _Abort):
-                self.engines[item.engine_id].abort(item.request_id)
             else:
-                item.fn()
+                self.engines[item.engine_id].abort(item.request_id)
         except Exception:
             log.exception("worker command failed", device=self.device)
