@@ -48,6 +48,21 @@ class PayloadTooLargeError(APIError):
     type = "invalid_request_error"
 
 
+class AuthenticationError(APIError):
+    status = 401
+    type = "authentication_error"
+
+
+class PermissionDeniedError(APIError):
+    status = 403
+    type = "permission_error"
+
+
+class RateLimitError(APIError):
+    status = 429
+    type = "rate_limit_error"
+
+
 class QueueFullError(APIError):
     status = 429
     type = "rate_limit_error"
