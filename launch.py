@@ -16,6 +16,8 @@ from engine.kv_cache import KVCacheManager
 from engine.loader import LoadedModel, load_model
 from engine.model_runner import CacheConfig, ModelRunner, num_kv_blocks
 from engine.worker import DeviceWorker, Emit
+from scheduling.fair_queue import FairQueue, FairShareConfig
+from scheduling.queue import FifoQueue
 from scheduling.router import Replica, Router, ServedModel
 from scheduling.scheduler import Scheduler, SchedulerConfig
 
@@ -30,6 +32,8 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     seed: int = 0
+    policy: str = "fair"  # fair (priority classes + per-tenant fair share) | fifo
+    fair_share: FairShareConfig = FairShareConfig()
     cache: CacheConfig = CacheConfig()
 
     @property
@@ -48,7 +52,8 @@ def build_engine(loaded: LoadedModel, cfg: EngineConfig, num_blocks: int | None 
         log.warning("KV cache smaller than the context; capping max_model_len",
                     max_model_len=max_model_len, kv_tokens=num_blocks * block_size)
         max_model_len = num_blocks * block_size
-    scheduler = Scheduler(cfg.scheduler, KVCacheManager(num_blocks, block_size))
+    queue = FairQueue(cfg.fair_share) if cfg.policy == "fair" else FifoQueue()
+    scheduler = Scheduler(cfg.scheduler, KVCacheManager(num_blocks, block_size), queue)
     return LLMEngine(runner, scheduler, loaded.tokenizer, loaded.eos_token_ids, max_model_len, cfg.seed)
 
 

@@ -47,6 +47,19 @@ class EngineCollector:
                     family.add_metric([model.name, replica.device], getattr(stats, name))
         yield from gauges.values()
         yield from counters.values()
+        yield self._queue_depth()
+
+    def _queue_depth(self) -> GaugeMetricFamily:
+        depth = GaugeMetricFamily("galley_queue_depth", "Waiting sequences by priority and tenant",
+                                  labels=["model", "priority", "tenant"])
+        for model in self.router.models.values():
+            totals: dict[tuple[str, str], int] = {}
+            for replica in model.replicas:
+                for key, count in replica.worker.stats(replica.engine_id).waiting_by_class.items():
+                    totals[key] = totals.get(key, 0) + count
+            for (priority, tenant), count in sorted(totals.items()):
+                depth.add_metric([model.name, priority, tenant], count)
+        return depth
 
 
 class Metrics:
@@ -55,10 +68,13 @@ class Metrics:
         r = self.registry
         self.requests = Counter("galley_requests", "Finished generation requests", ["model", "finish_reason"],
                                 registry=r)
+        self.admitted = Counter("galley_admitted", "Requests admitted to a model's queue",
+                                ["model", "tenant", "priority"], registry=r)
         self.rejected = Counter("galley_rejected", "Requests refused at admission", ["model", "reason"], registry=r)
-        self.prompt_tokens = Counter("galley_prompt_tokens", "Prompt tokens of finished requests", ["model"],
-                                     registry=r)
-        self.generation_tokens = Counter("galley_generation_tokens", "Generated tokens", ["model"], registry=r)
+        self.prompt_tokens = Counter("galley_prompt_tokens", "Prompt tokens of finished requests",
+                                     ["model", "tenant"], registry=r)
+        self.generation_tokens = Counter("galley_generation_tokens", "Generated tokens of finished requests",
+                                         ["model", "tenant"], registry=r)
         self.ttft = Histogram("galley_time_to_first_token_seconds", "Arrival to first token", ["model"],
                               buckets=LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("galley_inter_token_latency_seconds", "Gap between consecutive token events",
@@ -84,8 +100,9 @@ class Metrics:
         if event is not None and event.finished:
             self.duration.labels(model).observe(time.monotonic() - arrival)
             self.requests.labels(model, event.finish_reason.value).inc()
-            self.prompt_tokens.labels(model).inc(event.num_prompt_tokens)
-            self.generation_tokens.labels(model).inc(event.num_output_tokens)
+            tenant = stream.request.tenant
+            self.prompt_tokens.labels(model, tenant).inc(event.num_prompt_tokens)
+            self.generation_tokens.labels(model, tenant).inc(event.num_output_tokens)
 
 
 METRICS = web.AppKey("metrics", Metrics)

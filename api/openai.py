@@ -7,9 +7,10 @@ A client that goes away aborts its request, so its KV blocks free within one ste
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -22,7 +23,9 @@ from api.context import ROUTER, STATE
 from api.errors import (
     InvalidRequestError,
     ModelNotFoundError,
+    PermissionDeniedError,
     QueueFullError,
+    RateLimitError,
     ServiceUnavailableError,
     json_response,
 )
@@ -38,7 +41,8 @@ from api.schemas import (
     SamplingFields,
 )
 from api.sse import open_sse, send_event
-from engine.types import FinishReason, GenerationRequest, SamplingParams, TokenEvent, TokenLogprob
+from engine.types import FinishReason, GenerationRequest, Priority, SamplingParams, TokenEvent, TokenLogprob
+from scheduling.admission import Rejected, TenantLimits
 from scheduling.router import QueueFull, RequestStream, ServedModel
 
 log = structlog.get_logger(__name__)
@@ -65,8 +69,8 @@ def served_model(request: web.Request, name: str) -> ServedModel:
     return model
 
 
-def sampling_params(body: SamplingFields, max_tokens: int | None, prompt_len: int, model: ServedModel,
-                    logprobs: int | None) -> SamplingParams:
+def sampling_params(request: web.Request, body: SamplingFields, max_tokens: int | None, prompt_len: int,
+                    model: ServedModel, logprobs: int | None) -> SamplingParams:
     room = model.max_model_len - prompt_len
     if room <= 0 or (max_tokens is not None and max_tokens > room):
         asked = f"{prompt_len} in the prompt" + (f" and {max_tokens} for the completion" if max_tokens else "")
@@ -76,6 +80,11 @@ def sampling_params(body: SamplingFields, max_tokens: int | None, prompt_len: in
             param="messages" if isinstance(body, ChatCompletionRequest) else "prompt",
             code="context_length_exceeded",
         )
+    cap = getattr(tenant_of(request), "max_tokens", None)
+    if cap is not None and max_tokens is not None and max_tokens > cap:
+        raise InvalidRequestError(f"max_tokens is {max_tokens}, over this API key's cap of {cap}", param="max_tokens")
+    if cap is not None:
+        room = min(room, cap)
     vocab = len(model.tokenizer)
     if body.stop_token_ids and any(not 0 <= t < vocab for t in body.stop_token_ids):
         raise InvalidRequestError(f"stop_token_ids must be in [0, {vocab})", param="stop_token_ids")
@@ -96,13 +105,67 @@ def sampling_params(body: SamplingFields, max_tokens: int | None, prompt_len: in
     )
 
 
-def submit(request: web.Request, model: ServedModel, prompt_ids: list[int], params: SamplingParams) -> RequestStream:
-    generation = GenerationRequest(uuid.uuid4().hex, prompt_ids, params)
+def tenant_of(request: web.Request):
+    """The caller's tenant (set by the auth middleware); the default tenant without auth."""
+    return request.get("tenant")
+
+
+def check_access(request: web.Request, model_name: str, priority: str) -> None:
+    tenant = tenant_of(request)
+    if tenant is None:
+        return
+    if not tenant.allows_model(model_name):
+        raise PermissionDeniedError(f"tenant {tenant.name!r} may not use model {model_name!r}", param="model")
+    if not tenant.allows_priority(priority):
+        raise PermissionDeniedError(
+            f"tenant {tenant.name!r} may use priority up to {tenant.max_priority!r}, not {priority!r}",
+            param="priority",
+        )
+
+
+def tenant_limits(request: web.Request) -> tuple[TenantLimits, float]:
+    tenant = tenant_of(request)
+    if tenant is None:
+        return TenantLimits(), 1.0
+    limits = TenantLimits(tenant.name, tenant.max_concurrent, tenant.requests_per_minute, tenant.tokens_per_minute)
+    return limits, tenant.weight
+
+
+def submit(request: web.Request, model: ServedModel, prompt_ids: list[int], params: SamplingParams,
+           priority: str) -> RequestStream:
+    limits, weight = tenant_limits(request)
+    generation = GenerationRequest(uuid.uuid4().hex, prompt_ids, params, tenant=limits.name,
+                                   priority=Priority[priority.upper()], weight=weight)
+    metrics = request.app[METRICS]
     try:
-        return request.app[ROUTER].submit(model, generation)
+        stream = request.app[ROUTER].submit(model, generation, limits)
     except QueueFull as exc:
-        request.app[METRICS].rejected.labels(model.name, "queue_full").inc()
+        metrics.rejected.labels(model.name, "queue_full").inc()
         raise QueueFullError(f"{exc}; retry shortly", headers={"Retry-After": "1"}) from exc
+    except Rejected as exc:
+        metrics.rejected.labels(model.name, exc.reason).inc()
+        raise RateLimitError(str(exc), code=exc.reason, headers={"Retry-After": str(exc.retry_after_s)}) from exc
+    metrics.admitted.labels(model.name, limits.name, priority).inc()
+    return stream
+
+
+async def scheduled_events(request: web.Request, stream: RequestStream) -> AsyncIterator[TokenEvent]:
+    """The stream's events; if the first does not come within the queue timeout, abort with 503."""
+    events = request.app[METRICS].observe(stream)
+    timeout_s = request.app[ROUTER].queue_timeout_s
+    try:
+        first = await asyncio.wait_for(anext(events), timeout_s)
+    except TimeoutError:
+        request.app[ROUTER].abort(stream)
+        request.app[METRICS].rejected.labels(stream.model.name, "queue_timeout").inc()
+        raise ServiceUnavailableError(
+            f"the request waited {timeout_s:g}s without being scheduled (queue_timeout_seconds); "
+            "the server is overloaded, retry later",
+            code="queue_timeout", headers={"Retry-After": "5"},
+        ) from None
+    yield first
+    async for event in events:
+        yield event
 
 
 def usage(event: TokenEvent) -> dict:
@@ -126,7 +189,7 @@ class Collected:
 
 async def collect(request: web.Request, stream: RequestStream) -> Collected:
     out = Collected()
-    async for event in request.app[METRICS].observe(stream):
+    async for event in scheduled_events(request, stream):
         out.text += event.text
         out.logprobs.extend(event.logprobs or [])
         out.last = event
@@ -135,17 +198,29 @@ async def collect(request: web.Request, stream: RequestStream) -> Collected:
     return out
 
 
+async def prepend(first: TokenEvent, rest: AsyncIterator[TokenEvent]) -> AsyncIterator[TokenEvent]:
+    yield first
+    async for event in rest:
+        yield event
+
+
 ChunkFn = Callable[[str, list[TokenLogprob], str | None], dict]
 
 
 async def stream_sse(request: web.Request, stream: RequestStream, make_chunk: ChunkFn, base: dict,
                      include_usage: bool, first: dict | None = None) -> web.StreamResponse:
-    """Write one chunk per event that carries text, then the finish chunk, usage and [DONE]."""
+    """Write one chunk per event that carries text, then the finish chunk, usage and [DONE].
+
+    The response starts with the first token, so a request that times out in the queue
+    still gets a plain HTTP error.
+    """
+    events = scheduled_events(request, stream)
+    first_event = await anext(events)
     response = await open_sse(request, {"X-Request-Id": request["request_id"]})
     if first is not None:
         await send_event(response, first)
     pending: list[TokenLogprob] = []
-    async for event in request.app[METRICS].observe(stream):
+    async for event in prepend(first_event, events):
         if event.error:
             await send_event(response, {"error": {"message": event.error, "type": "internal_error",
                                                   "param": None, "code": None}})
@@ -191,6 +266,7 @@ def chat_logprobs(model: ServedModel, items: list[TokenLogprob]) -> dict:
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = await parse_body(request, ChatCompletionRequest)
     model = served_model(request, body.model)
+    check_access(request, model.name, body.priority)
     messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
     try:
         rendered = model.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
@@ -198,9 +274,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         raise InvalidRequestError(f"the chat template rejected these messages: {exc}", param="messages") from exc
     prompt_ids = model.tokenizer.encode(rendered, add_special_tokens=False)
     want_logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    params = sampling_params(body, body.max_completion_tokens or body.max_tokens, len(prompt_ids), model,
+    params = sampling_params(request, body, body.max_completion_tokens or body.max_tokens, len(prompt_ids), model,
                              want_logprobs)
-    stream = submit(request, model, prompt_ids, params)
+    stream = submit(request, model, prompt_ids, params, body.priority)
     base = {"id": f"chatcmpl-{stream.request_id}", "created": int(time.time()), "model": model.name}
 
     if not body.stream:
@@ -250,6 +326,7 @@ def completion_logprobs(model: ServedModel, items: list[TokenLogprob], offset: i
 async def completions(request: web.Request) -> web.StreamResponse:
     body = await parse_body(request, CompletionRequest)
     model = served_model(request, body.model)
+    check_access(request, model.name, body.priority)
     if isinstance(body.prompt, str):
         prompt_ids = model.tokenizer.encode(body.prompt)
     else:
@@ -257,8 +334,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
         if any(not 0 <= t < vocab for t in body.prompt):
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", param="prompt")
         prompt_ids = list(body.prompt)
-    params = sampling_params(body, body.max_tokens or 16, len(prompt_ids), model, body.logprobs)
-    stream = submit(request, model, prompt_ids, params)
+    params = sampling_params(request, body, body.max_tokens or 16, len(prompt_ids), model, body.logprobs)
+    stream = submit(request, model, prompt_ids, params, body.priority)
     base = {"id": f"cmpl-{stream.request_id}", "object": "text_completion", "created": int(time.time()),
             "model": model.name}
 

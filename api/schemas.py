@@ -57,6 +57,9 @@ class SamplingFields(Strict):
     repetition_penalty: float = Field(1.0, gt=0.0, le=2.0, description="vLLM extension.")
     ignore_eos: bool = Field(False, description="vLLM extension: keep generating past EOS.")
     stop_token_ids: list[int] | None = Field(None, description="vLLM extension.")
+    priority: Literal["high", "normal", "low"] = Field(
+        "normal", description="galley extension: scheduling class, capped by the API key's tenant."
+    )
 
     @field_validator("stop")
     @classmethod

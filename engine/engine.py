@@ -6,7 +6,7 @@ scheduling/); it owns who runs, this class owns what a step means for each reque
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 import structlog
 from transformers import PreTrainedTokenizerBase
@@ -30,6 +30,7 @@ log = structlog.get_logger(__name__)
 
 class StepScheduler(Protocol):
     kv: KVCacheManager
+    waiting: Any  # a scheduling.queue.WaitingQueue; only depth_by_class() is read here
     num_preemptions: int
 
     def add(self, seq: Sequence) -> None: ...
@@ -67,6 +68,7 @@ class LLMEngine:
         self.requests: dict[str, RequestState] = {}
         self.num_steps = 0
         self.num_batched_tokens = 0
+        self.last_stats = self.stats()
 
     @property
     def num_unfinished(self) -> int:
@@ -74,6 +76,10 @@ class LLMEngine:
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
+
+    def refresh_stats(self) -> None:
+        """Snapshot the numbers metrics read from other threads (called by the worker thread)."""
+        self.last_stats = self.stats()
 
     def stats(self) -> EngineStats:
         kv = self.scheduler.kv
@@ -85,6 +91,7 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             num_steps=self.num_steps,
             num_batched_tokens=self.num_batched_tokens,
+            waiting_by_class=self.scheduler.waiting.depth_by_class(),
         )
 
     def add_request(self, request: GenerationRequest) -> None:

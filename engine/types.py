@@ -17,6 +17,14 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
+class Priority(enum.IntEnum):
+    """Lower value runs first; strict between classes (aging aside)."""
+
+    HIGH = 0
+    NORMAL = 1
+    LOW = 2
+
+
 class FinishReason(enum.StrEnum):
     STOP = "stop"
     LENGTH = "length"
@@ -63,6 +71,9 @@ class GenerationRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_s: float = field(default_factory=time.monotonic)
+    tenant: str = "default"
+    priority: Priority = Priority.NORMAL
+    weight: float = 1.0  # the tenant's fair-share weight
 
 
 class Sequence:
@@ -76,6 +87,11 @@ class Sequence:
         self.request_id = request.request_id
         self.params = request.params
         self.arrival_s = request.arrival_s
+        self.tenant = request.tenant
+        self.priority = request.priority
+        self.weight = request.weight
+        self.enqueued_s = request.arrival_s  # when it last started waiting (aging)
+        self.num_output_at_admission = 0  # for the fair-share quantum
         self.token_ids: list[int] = list(request.prompt_token_ids)
         self.num_prompt_tokens = len(request.prompt_token_ids)
         self.num_computed_tokens = 0
@@ -165,3 +181,4 @@ class EngineStats:
     num_preemptions: int
     num_steps: int
     num_batched_tokens: int  # summed over all steps
+    waiting_by_class: dict[tuple[str, str], int] = field(default_factory=dict)  # (priority, tenant) -> count

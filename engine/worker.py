@@ -59,8 +59,8 @@ class DeviceWorker:
         self._inbox.put(_Abort(engine_id, request_id))
 
     def stats(self, engine_id: str) -> EngineStats:
-        """A snapshot for metrics, read from another thread: plain ints, possibly a step old."""
-        return self.engines[engine_id].stats()
+        """A snapshot for metrics, taken by the worker thread after each step and inbox drain."""
+        return self.engines[engine_id].last_stats
 
     def stop(self, timeout_s: float = 10.0) -> None:
         self._inbox.put(_STOP)
@@ -79,6 +79,7 @@ class DeviceWorker:
                     events = engine.step()
                     if events:
                         self.emit(events)
+                engine.refresh_stats()
 
     def _drain(self, block: bool) -> bool:
         """Apply every queued command; False once asked to stop."""

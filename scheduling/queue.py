@@ -1,7 +1,8 @@
-"""The order in which waiting sequences are admitted.
+"""The order in which waiting sequences are admitted, and who is preempted first.
 
-The scheduler only talks to the `WaitingQueue` protocol; FIFO is the policy for now and the
-tenancy work swaps in a priority / fair-share queue behind the same five methods.
+The scheduler talks only to the `WaitingQueue` protocol. `FifoQueue` is plain arrival order
+(newest preempted first); `scheduling.fair_queue.FairQueue` adds priority classes and
+per-tenant fair share behind the same methods.
 """
 
 from __future__ import annotations
@@ -21,6 +22,21 @@ class WaitingQueue(Protocol):
     def remove(self, seq: Sequence) -> None: ...
     def __len__(self) -> int: ...
     def __iter__(self) -> Iterator[Sequence]: ...
+
+    def charge(self, seq: Sequence, num_prompt_tokens: int, num_output_tokens: int) -> None:
+        """Account service a sequence received this step."""
+
+    def on_finish(self, seq: Sequence) -> None:
+        """A sequence left the system (finished or aborted)."""
+
+    def pick_victim(self, running: list[Sequence]) -> Sequence:
+        """Which running sequence to preempt when KV blocks run out."""
+
+    def preempt_for(self, waiting: Sequence, running: list[Sequence]) -> Sequence | None:
+        """A running sequence to preempt so `waiting` can be admitted now, if policy says so."""
+
+    def depth_by_class(self) -> dict[tuple[str, str], int]:
+        """Waiting sequences per (priority, tenant), for metrics."""
 
 
 class FifoQueue:
@@ -49,3 +65,22 @@ class FifoQueue:
 
     def __iter__(self) -> Iterator[Sequence]:
         return iter(self._items)
+
+    def charge(self, seq: Sequence, num_prompt_tokens: int, num_output_tokens: int) -> None:
+        pass
+
+    def on_finish(self, seq: Sequence) -> None:
+        pass
+
+    def pick_victim(self, running: list[Sequence]) -> Sequence:
+        return running[-1]  # the newest
+
+    def preempt_for(self, waiting: Sequence, running: list[Sequence]) -> Sequence | None:
+        return None  # FIFO never preempts to admit
+
+    def depth_by_class(self) -> dict[tuple[str, str], int]:
+        counts: dict[tuple[str, str], int] = {}
+        for seq in self._items:
+            key = (seq.priority.name.lower(), seq.tenant)
+            counts[key] = counts.get(key, 0) + 1
+        return counts

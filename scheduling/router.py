@@ -3,7 +3,8 @@
 Lives on the event loop: `submit` picks the least loaded replica and hands the request to
 its device worker; `dispatch` (called on the loop via `call_soon_threadsafe` with each
 step's events) feeds every request's `RequestStream`. Admission is bounded: past
-`max_num_seqs` running plus `max_waiting` queued per replica, `submit` refuses at once.
+`max_num_seqs` running plus `max_waiting` queued per replica, `submit` refuses at once,
+after the tenant's own limits (`scheduling.admission`) have let the request through.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from engine.types import EngineStats, GenerationRequest, TokenEvent
+from scheduling.admission import Admission, TenantLimits, Ticket
 
 
 class QueueFull(Exception):
@@ -59,12 +61,14 @@ class ServedModel:
 class RequestStream:
     """The asyncio end of one generation; iterate it for its token events."""
 
-    def __init__(self, request: GenerationRequest, model: ServedModel, replica: Replica) -> None:
+    def __init__(self, request: GenerationRequest, model: ServedModel, replica: Replica, ticket: Ticket) -> None:
         self.request = request
         self.model = model
         self.replica = replica
+        self.ticket = ticket
         self.events: asyncio.Queue[TokenEvent] = asyncio.Queue()
         self.finished = False
+        self.num_tokens_used = len(request.prompt_token_ids)
 
     @property
     def request_id(self) -> str:
@@ -82,6 +86,8 @@ class RequestStream:
 class Router:
     models: dict[str, ServedModel] = field(default_factory=dict)
     streams: dict[str, RequestStream] = field(default_factory=dict)
+    admission: Admission = field(default_factory=Admission)
+    queue_timeout_s: float = 600.0  # a request not scheduled by then gets 503
 
     @property
     def num_in_flight(self) -> int:
@@ -90,11 +96,18 @@ class Router:
     def add_model(self, model: ServedModel) -> None:
         self.models[model.name] = model
 
-    def submit(self, model: ServedModel, request: GenerationRequest) -> RequestStream:
+    def submit(self, model: ServedModel, request: GenerationRequest,
+               limits: TenantLimits | None = None) -> RequestStream:
+        """Admit (tenant limits, then the model's queue bound) and hand to the least loaded replica.
+
+        Raises `scheduling.admission.Rejected` or `QueueFull`, having changed nothing.
+        """
         replica = model.pick_replica()
         if replica.num_in_flight >= model.max_in_flight_per_replica:
             raise QueueFull(model.name, model.max_in_flight_per_replica * len(model.replicas))
-        stream = RequestStream(request, model, replica)
+        estimate = len(request.prompt_token_ids) + request.params.max_tokens
+        ticket = self.admission.admit(limits or TenantLimits(request.tenant), estimate)
+        stream = RequestStream(request, model, replica, ticket)
         self.streams[request.request_id] = stream
         replica.num_in_flight += 1
         replica.worker.submit(replica.engine_id, request)
@@ -110,6 +123,7 @@ class Router:
             stream = self.streams.get(event.request_id)
             if stream is None:
                 continue  # aborted while the step ran
+            stream.num_tokens_used = event.num_prompt_tokens + event.num_output_tokens
             stream.events.put_nowait(event)
             if event.finished:
                 self._close(stream)
@@ -120,4 +134,5 @@ class Router:
         stream.finished = True
         self.streams.pop(stream.request_id, None)
         stream.replica.num_in_flight -= 1
+        self.admission.release(stream.ticket, stream.num_tokens_used)
         return True

@@ -4,7 +4,9 @@ One token budget per step, no separate prefill and decode phases (the vLLM v1 id
 running sequences go first (a decode costs one token, an unfinished prefill takes what the
 budget leaves), then waiting sequences in queue order, chunked to fit the budget. When the
 KV pool runs dry the newest running sequence is preempted: its blocks are freed and it goes
-back to the front of the queue with its generated tokens, to be recomputed later.
+back to the front of the queue with its generated tokens, to be recomputed later. Which
+sequence is preempted, and whether a waiting one may preempt a running one to get in, is
+the queue's policy (FIFO never does; the fair queue does for priority and fair share).
 """
 
 from __future__ import annotations
@@ -54,52 +56,78 @@ class Scheduler:
         budget = self._schedule_running(batch, self.config.max_num_batched_tokens)
         if not batch.preempted:
             self._schedule_waiting(batch, budget)
+        for item in batch.seqs:
+            self._charge(item)
         return batch
 
     def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
-        index = 0
-        while index < len(self.running) and budget > 0:
-            seq = self.running[index]
+        for seq in list(self.running):
+            if budget <= 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this loop
             num_new = min(seq.num_uncomputed_tokens, budget)
-            if not self._make_room(seq, num_new, batch):
-                break  # `seq` itself was preempted; everything after it is gone too
-            self.kv.allocate(seq, num_new)
-            batch.seqs.append(ScheduledSeq(seq, num_new))
-            budget -= num_new
-            index += 1
+            while not self.kv.can_allocate(seq, num_new):
+                victim = self.waiting.pick_victim(self.running)
+                budget += self._preempt(victim, batch)
+                if victim is seq:
+                    break
+            else:
+                self.kv.allocate(seq, num_new)
+                batch.seqs.append(ScheduledSeq(seq, num_new))
+                budget -= num_new
         return budget
 
-    def _make_room(self, seq: Sequence, num_new: int, batch: ScheduledBatch) -> bool:
-        """Preempt the newest running sequences until `seq` fits; False if `seq` was one."""
-        while not self.kv.can_allocate(seq, num_new):
-            victim = self.running.pop()
-            self._preempt(victim)
-            batch.preempted.append(victim)
-            if victim is seq:
-                return False
-        return True
-
     def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
-        while budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while budget > 0:
             seq = self.waiting.peek()
             if seq is None:
                 return
             num_new = min(seq.num_uncomputed_tokens, budget)
-            if not self.kv.can_allocate(seq, num_new):
-                return
+            if len(self.running) >= self.config.max_num_seqs or not self.kv.can_allocate(seq, num_new):
+                if not self._preempt_to_admit(seq, num_new, batch):
+                    return
+                budget = self.config.max_num_batched_tokens - batch.num_tokens
+                continue
             self.waiting.pop()
             self.kv.allocate(seq, num_new)
             seq.status = SequenceStatus.RUNNING
+            seq.num_output_at_admission = seq.num_output_tokens
             self.running.append(seq)
             batch.seqs.append(ScheduledSeq(seq, num_new))
             budget -= num_new
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _preempt_to_admit(self, seq: Sequence, num_new: int, batch: ScheduledBatch) -> bool:
+        """Preempt what the queue's policy allows until `seq` fits; False if it still does not."""
+        while len(self.running) >= self.config.max_num_seqs or not self.kv.can_allocate(seq, num_new):
+            victim = self.waiting.preempt_for(seq, self.running)
+            if victim is None:
+                return False
+            self._preempt(victim, batch)
+        return True
+
+    def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> int:
+        """Free `seq` and requeue it at the front; returns the budget it held in this batch."""
+        returned = 0
+        for item in batch.seqs:
+            if item.seq is seq:
+                batch.seqs.remove(item)
+                returned = item.num_new_tokens
+                break
+        self.running.remove(seq)
         self.kv.free(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.push_front(seq)
+        batch.preempted.append(seq)
+        return returned
+
+    def _charge(self, item: ScheduledSeq) -> None:
+        """Service this step gives: chunk tokens inside the prompt count as prompt, the rest as output."""
+        start = item.seq.num_computed_tokens
+        num_prompt = max(0, min(start + item.num_new_tokens, item.seq.num_prompt_tokens) - start)
+        self.waiting.charge(item.seq, num_prompt, item.num_new_tokens - num_prompt)
 
     def finish(self, seq: Sequence) -> None:
         """Release a sequence that is done (or aborted), wherever it is."""
@@ -109,3 +137,4 @@ class Scheduler:
             self.waiting.remove(seq)
         self.kv.free(seq)
         seq.status = SequenceStatus.FINISHED
+        self.waiting.on_finish(seq)

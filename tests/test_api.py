@@ -226,7 +226,8 @@ async def test_metrics_count_what_happened(served):
     m = scrape(text)
     model = (("model", "tiny"),)
     assert m[("galley_requests_total", (("finish_reason", "length"), ("model", "tiny")))] == 2
-    assert m[("galley_generation_tokens_total", model)] == 8
+    assert m[("galley_generation_tokens_total", (("model", "tiny"), ("tenant", "default")))] == 8
+    assert m[("galley_admitted_total", (("model", "tiny"), ("priority", "normal"), ("tenant", "default")))] == 2
     assert m[("galley_time_to_first_token_seconds_count", model)] == 2
     assert m[("galley_inter_token_latency_seconds_count", model)] == 6
     assert m[("galley_kv_blocks_total", (("model", "tiny"), ("replica", "cpu#0")))] > 0
