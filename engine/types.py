@@ -92,6 +92,7 @@ class Sequence:
         self.weight = request.weight
         self.enqueued_s = request.arrival_s  # when it last started waiting (aging)
         self.num_output_at_admission = 0  # for the fair-share quantum
+        self.num_prompt_tokens_charged = 0  # fair-share service already counted for the prompt
         self.token_ids: list[int] = list(request.prompt_token_ids)
         self.num_prompt_tokens = len(request.prompt_token_ids)
         self.num_computed_tokens = 0

@@ -29,12 +29,12 @@ class FairShareConfig:
 
 
 class FairQueue:
-    """Invariant: `_waiting[tenant]` holds that tenant's waiting sequences in admission order."""
+    """Invariant: `_waiting[(tenant, priority)]` holds those waiting sequences in arrival order."""
 
     def __init__(self, config: FairShareConfig = FairShareConfig(), clock: Callable[[], float] = time.monotonic):
         self.config = config
         self.clock = clock
-        self._waiting: dict[str, deque[Sequence]] = {}
+        self._waiting: dict[tuple[str, Priority], deque[Sequence]] = {}
         self.counters: dict[str, float] = {}
         self._active: dict[str, int] = {}  # unfinished sequences per tenant, waiting or running
         self._len = 0
@@ -46,13 +46,13 @@ class FairQueue:
             self._lift_returning_tenant(seq.tenant)
         self._active[seq.tenant] = self._active.get(seq.tenant, 0) + 1
         seq.enqueued_s = self.clock()
-        self._waiting.setdefault(seq.tenant, deque()).append(seq)
+        self._line(seq).append(seq)
         self._len += 1
 
     def push_front(self, seq: Sequence) -> None:
         """A preempted sequence: first in its tenant's line, keeping its place in time."""
         seq.enqueued_s = min(seq.enqueued_s, self.clock())
-        self._waiting.setdefault(seq.tenant, deque()).appendleft(seq)
+        self._line(seq).appendleft(seq)
         self._len += 1
 
     def peek(self) -> Sequence | None:
@@ -62,12 +62,12 @@ class FairQueue:
     def pop(self) -> Sequence:
         seq = self.peek()
         assert seq is not None, "pop from an empty queue"
-        self._waiting[seq.tenant].popleft()
+        self._line(seq).popleft()
         self._len -= 1
         return seq
 
     def remove(self, seq: Sequence) -> None:
-        self._waiting[seq.tenant].remove(seq)
+        self._line(seq).remove(seq)
         self._len -= 1
 
     def __len__(self) -> int:
@@ -87,8 +87,8 @@ class FairQueue:
         self._active[seq.tenant] -= 1
         if not self._active[seq.tenant]:
             del self._active[seq.tenant]
-            if not self._waiting.get(seq.tenant):
-                self._waiting.pop(seq.tenant, None)
+            for key in [k for k, line in self._waiting.items() if k[0] == seq.tenant and not line]:
+                del self._waiting[key]
 
     def pick_victim(self, running: list[Sequence]) -> Sequence:
         return max(running, key=self._victim_key)
@@ -126,6 +126,9 @@ class FairQueue:
         return counts
 
     # -- helpers ------------------------------------------------------------------------------
+
+    def _line(self, seq: Sequence) -> deque[Sequence]:
+        return self._waiting.setdefault((seq.tenant, seq.priority), deque())
 
     def _admission_key(self, seq: Sequence) -> tuple:
         return (self.effective_priority(seq), self.counters.get(seq.tenant, 0.0), seq.enqueued_s)

@@ -124,10 +124,13 @@ class Scheduler:
         return returned
 
     def _charge(self, item: ScheduledSeq) -> None:
-        """Service this step gives: chunk tokens inside the prompt count as prompt, the rest as output."""
-        start = item.seq.num_computed_tokens
-        num_prompt = max(0, min(start + item.num_new_tokens, item.seq.num_prompt_tokens) - start)
-        self.waiting.charge(item.seq, num_prompt, item.num_new_tokens - num_prompt)
+        """Service this step gives the tenant: prompt tokens prefilled for the first time and
+        the token it samples. Recomputing after a preemption is the server's cost, not theirs."""
+        seq = item.seq
+        end = min(seq.num_computed_tokens + item.num_new_tokens, seq.num_prompt_tokens)
+        num_prompt = max(0, end - seq.num_prompt_tokens_charged)
+        seq.num_prompt_tokens_charged += num_prompt
+        self.waiting.charge(seq, num_prompt, 1 if item.completes_prefill else 0)
 
     def finish(self, seq: Sequence) -> None:
         """Release a sequence that is done (or aborted), wherever it is."""
