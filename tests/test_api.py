@@ -313,3 +313,53 @@ async def test_multibyte_text_streams_whole_characters(aiohttp_server, tmp_path)
     finally:
         for worker in workers:
             worker.stop()
+
+
+async def test_overload_gives_only_200s_and_429s_and_health_stays_up(aiohttp_server, llama_path):
+    server, router, workers = await start_server(aiohttp_server, llama_path, max_num_seqs=4, max_waiting=8)
+    # long enough that no admitted request finishes before all 40 have arrived
+    body = {"model": "tiny", "prompt": "go", "max_tokens": 200, "ignore_eos": True, "temperature": 0}
+    try:
+        async with aiohttp.ClientSession() as session:
+            async def one():
+                async with session.post(server.make_url("/v1/completions"), json=body) as resp:
+                    return resp.status, resp.headers.get("Retry-After"), await resp.json()
+
+            async def health():
+                async with session.get(server.make_url("/health")) as resp:
+                    return resp.status
+
+            results, health_status = await asyncio.gather(asyncio.gather(*(one() for _ in range(40))), health())
+        statuses = sorted(status for status, _, _ in results)
+        assert set(statuses) == {200, 429}
+        assert statuses.count(200) == 12  # 4 running + 8 waiting
+        for status, retry_after, data in results:
+            if status == 429:
+                assert retry_after == "1" and data["error"]["code"] == "queue_full"
+            else:
+                assert data["usage"]["completion_tokens"] == 200 and data["choices"][0]["finish_reason"] == "length"
+        assert health_status == 200
+        await wait_blocks_free(router)
+    finally:
+        for worker in workers:
+            worker.stop()
+
+
+async def test_queue_timeout_gives_503_and_frees_the_slot(aiohttp_server, llama_path):
+    server, router, workers = await start_server(aiohttp_server, llama_path, max_num_seqs=1)
+    router.queue_timeout_s = 0.3
+    long = {"model": "tiny", "prompt": "go", "max_tokens": 500, "ignore_eos": True, "stream": True}
+    try:
+        async with aiohttp.ClientSession() as session:
+            first = await session.post(server.make_url("/v1/completions"), json=long)
+            await first.content.readline()
+            second = await session.post(server.make_url("/v1/completions"), json={**long, "stream": False})
+            data = await second.json()
+            assert second.status == 503 and data["error"]["code"] == "queue_timeout"
+            assert "queue_timeout_seconds" in data["error"]["message"]
+            first.close()
+        await wait_blocks_free(router)
+        assert router.num_in_flight == 0
+    finally:
+        for worker in workers:
+            worker.stop()
