@@ -34,6 +34,12 @@ class ServerConfig:
 
 
 @dataclass(frozen=True)
+class AuthConfig:
+    enabled: bool = False  # require API keys on /v1/* and /api/*; off: the server binds only to loopback
+    admin_key: str = ""  # env GALLEY_ADMIN_KEY wins; "": the key generated on first start
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     name: str
     path: str
@@ -43,6 +49,7 @@ class ModelSpec:
 @dataclass(frozen=True)
 class GalleyConfig:
     server: ServerConfig = ServerConfig()
+    auth: AuthConfig = AuthConfig()
     engine: EngineConfig = EngineConfig()  # [engine] and [cache] (as engine.cache)
     models: tuple[ModelSpec, ...] = (ModelSpec("demo", str(ROOT / "models" / "demo")),)
 
@@ -77,9 +84,9 @@ def load_config(path: str | Path | None = None) -> GalleyConfig:
         raw = tomllib.loads(path.read_text())
     except (OSError, tomllib.TOMLDecodeError) as exc:
         raise ConfigError(f"cannot read config {path}: {exc}") from exc
-    unknown = sorted(set(raw) - {"server", "engine", "cache", "models"})
+    unknown = sorted(set(raw) - {"server", "auth", "engine", "cache", "models"})
     if unknown:
-        raise ConfigError(f"unknown section(s) {unknown} in {path}; known: server, engine, cache, models")
+        raise ConfigError(f"unknown section(s) {unknown} in {path}; known: server, auth, engine, cache, models")
     base = path.resolve().parent
     cache = build(CacheConfig, raw.get("cache", {}), "cache")
     if "cache" in raw.get("engine", {}):
@@ -88,6 +95,7 @@ def load_config(path: str | Path | None = None) -> GalleyConfig:
     models = raw.get("models", None)
     return GalleyConfig(
         server=build(ServerConfig, raw.get("server", {}), "server"),
+        auth=build(AuthConfig, raw.get("auth", {}), "auth"),
         engine=dataclasses.replace(engine, cache=cache),
         models=GalleyConfig.models if models is None else tuple(model_spec(m, base) for m in models),
     )
@@ -104,7 +112,7 @@ def parse_model_flag(value: str) -> ModelSpec:
 
 
 def with_overrides(cfg: GalleyConfig, server: dict[str, Any], engine: dict[str, Any], cache: dict[str, Any],
-                   extra_models: list[str]) -> GalleyConfig:
+                   extra_models: list[str], auth: dict[str, Any] | None = None) -> GalleyConfig:
     pick = lambda d: {k: v for k, v in d.items() if v is not None}  # noqa: E731
     new_cache = dataclasses.replace(cfg.engine.cache, **pick(cache))
     models = list(cfg.models)
@@ -113,6 +121,7 @@ def with_overrides(cfg: GalleyConfig, server: dict[str, Any], engine: dict[str, 
         models = [m for m in models if m.name != spec.name] + [spec]
     return GalleyConfig(
         server=dataclasses.replace(cfg.server, **pick(server)),
+        auth=dataclasses.replace(cfg.auth, **pick(auth or {})),
         engine=dataclasses.replace(cfg.engine, cache=new_cache, **pick(engine)),
         models=tuple(models),
     )

@@ -9,19 +9,25 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ipaddress
 import logging
+import os
 import signal
+import sqlite3
 import sys
 import time
+from pathlib import Path
 
 import structlog
 from aiohttp import web
 
 from api.app import create_app
+from api.auth import resolve_admin_key
 from api.context import ServerState
 from config import ConfigError, GalleyConfig, load_config, with_overrides
 from launch import start_models
 from scheduling.router import Router
+from storage.db import Database
 
 log = structlog.get_logger("galley")
 
@@ -31,6 +37,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--config", help="path to a config.toml (default: embedded defaults)")
     p.add_argument("--host", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="port (default 8000)")
+    p.add_argument("--auth", action="store_true", default=None,
+                   help="require API keys on /v1 and /api (needed to bind beyond loopback)")
     p.add_argument("--model", action="append", default=[], metavar="PATH_OR_HF_ID|NAME=PATH",
                    help="add a generative model (repeatable)")
     p.add_argument("--device", help="cpu, cuda, cuda:N, or a comma list such as cuda:0,cuda:1")
@@ -53,7 +61,30 @@ def build_config(args: argparse.Namespace) -> GalleyConfig:
                 "max_num_batched_tokens": args.max_num_batched_tokens},
         cache={"kv_cache_gib": args.kv_cache_gib},
         extra_models=args.model,
+        auth={"enabled": args.auth},
     )
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def open_database(cfg: GalleyConfig) -> tuple[Database, str]:
+    """The data dir's database and the admin key's hash; a newly generated admin key is shown once."""
+    db = Database(Path(cfg.server.data_dir) / "galley.db")
+    try:
+        admin_key_hash, new_key = resolve_admin_key(db, os.environ.get("GALLEY_ADMIN_KEY") or cfg.auth.admin_key)
+    except BaseException:
+        db.close()
+        raise
+    if new_key is not None:  # on stderr, never through the logger
+        print(f"admin key (shown once): {new_key}", file=sys.stderr, flush=True)
+    return db, admin_key_hash
 
 
 def configure_logging(fmt: str) -> None:
@@ -71,10 +102,11 @@ def configure_logging(fmt: str) -> None:
     )
 
 
-async def serve(cfg: GalleyConfig) -> int:
+async def serve(cfg: GalleyConfig, db: Database, admin_key_hash: str) -> int:
     loop = asyncio.get_running_loop()
     router, state = Router(), ServerState(started_s=time.monotonic())
-    runner = web.AppRunner(create_app(router, state), handler_cancellation=True, access_log=None)
+    app = create_app(router, state, db=db, auth_enabled=cfg.auth.enabled, admin_key_hash=admin_key_hash)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, cfg.server.host, cfg.server.port)
     await site.start()
@@ -122,13 +154,25 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
+    if not cfg.auth.enabled and not is_loopback(cfg.server.host):
+        print(f"refusing to listen on {cfg.server.host} without auth: pass --auth (API keys required) "
+              "or bind to a loopback address such as 127.0.0.1", file=sys.stderr)
+        return 2
     configure_logging(cfg.server.log_format)
     try:
-        import uvloop
+        db, admin_key_hash = open_database(cfg)
+    except (OSError, sqlite3.Error) as exc:
+        print(f"cannot open the database in {cfg.server.data_dir}: {exc}", file=sys.stderr)
+        return 2
+    try:
+        try:
+            import uvloop
 
-        return uvloop.run(serve(cfg))
-    except ImportError:
-        return asyncio.run(serve(cfg))
+            return uvloop.run(serve(cfg, db, admin_key_hash))
+        except ImportError:
+            return asyncio.run(serve(cfg, db, admin_key_hash))
+    finally:
+        db.close()
 
 
 if __name__ == "__main__":

@@ -2,19 +2,24 @@
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 import time
 import uuid
+from pathlib import Path
 
 import structlog
 from aiohttp import web
 
-from api import health, openai
+from api import admin, health, openai
+from api.auth import AUTH, DATABASE, Auth, TenantDirectory, auth_middleware
 from api.context import ROUTER, STATE, ServerState
 from api.errors import error_middleware, json_response
 from api.metrics import METRICS, Metrics, metrics_endpoint
 from api.openapi import build_spec
 from api.routes import Route
 from scheduling.router import Router
+from storage.db import Database
 
 log = structlog.get_logger(__name__)
 
@@ -40,11 +45,29 @@ async def request_context(request: web.Request, handler):
 
 
 def all_routes() -> list[Route]:
-    return [*health.ROUTES, *openai.ROUTES]
+    return [*health.ROUTES, *openai.ROUTES, *admin.ROUTES]
 
 
-def create_app(router: Router, state: ServerState | None = None) -> web.Application:
-    app = web.Application(middlewares=[request_context, error_middleware], client_max_size=MAX_BODY_BYTES)
+def temporary_database(app: web.Application) -> Database:
+    """For callers with no data dir (tests): a throwaway database, closed and removed at cleanup."""
+    folder = Path(tempfile.mkdtemp(prefix="galley-"))
+    db = Database(folder / "galley.db")
+
+    async def remove(app: web.Application) -> None:
+        db.close()
+        shutil.rmtree(folder, ignore_errors=True)
+
+    app.on_cleanup.append(remove)
+    return db
+
+
+def create_app(router: Router, state: ServerState | None = None, *, db: Database | None = None,
+               auth_enabled: bool = False, admin_key_hash: str | None = None) -> web.Application:
+    """The app; `db` stays open after cleanup (its owner closes it). No admin key: the admin API refuses all."""
+    app = web.Application(middlewares=[request_context, error_middleware, auth_middleware],
+                          client_max_size=MAX_BODY_BYTES)
+    app[DATABASE] = db if db is not None else temporary_database(app)
+    app[AUTH] = Auth(auth_enabled, TenantDirectory.load(app[DATABASE]), admin_key_hash)
     app[ROUTER] = router
     app[STATE] = state or ServerState(ready=True)
     app[METRICS] = Metrics(router)

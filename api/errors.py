@@ -43,6 +43,11 @@ class ModelNotFoundError(NotFoundError):
     code = "model_not_found"
 
 
+class ConflictError(APIError):
+    status = 409
+    type = "conflict_error"
+
+
 class PayloadTooLargeError(APIError):
     status = 413
     type = "invalid_request_error"

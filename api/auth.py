@@ -1,0 +1,161 @@
+"""Who is calling: API keys -> tenants, the admin key, and the middleware that checks them.
+
+Owns the in-memory `TenantDirectory` (the DB's tenants and unrevoked keys), loaded once at
+startup and updated by the admin handlers the moment each write commits, so a request never
+waits on SQLite and a revoked key is refused at once. Every request gets `request["tenant"]`
+(the `default` tenant when auth is off). Keys are never logged and only their sha256 hashes
+are compared (`hmac.compare_digest`).
+"""
+
+from __future__ import annotations
+
+import hmac
+import secrets
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+from api.errors import AuthenticationError, PermissionDeniedError
+from storage import tenants
+from storage.db import Database
+from storage.tenants import DEFAULT_TENANT, ApiKey, Tenant, hash_key, key_prefix
+
+TENANT = "tenant"  # request[TENANT]: the caller's Tenant
+ADMIN_KEY_SETTING = "admin_key_hash"
+TENANT_PATHS = ("/v1/", "/api/")
+ADMIN_PATH = "/admin/api/"
+
+
+@dataclass
+class TenantDirectory:
+    """Tenants and unrevoked keys, as committed. Invariant: `default` is present; each key's tenant is."""
+
+    tenants: dict[str, Tenant]
+    keys: dict[str, tuple[str, str]] = field(default_factory=dict)  # prefix -> (key sha256 hex, tenant)
+
+    @classmethod
+    def load(cls, db: Database) -> TenantDirectory:
+        listed = db.read(tenants.list_tenants)
+        active = db.read(tenants.active_keys)
+        return cls({t.name: t for t in listed}, {key.prefix: (digest, key.tenant) for key, digest in active})
+
+    @property
+    def default(self) -> Tenant:
+        return self.tenants[DEFAULT_TENANT]
+
+    def tenant_for_key(self, key: str) -> Tenant | None:
+        """The tenant of an unrevoked key; None for anything else."""
+        entry = self.keys.get(key_prefix(key) or "")
+        if entry is None or not hmac.compare_digest(entry[0], hash_key(key)):
+            return None
+        return self.tenants.get(entry[1])
+
+    def put_tenant(self, tenant: Tenant) -> None:
+        self.tenants[tenant.name] = tenant
+
+    def remove_tenant(self, name: str) -> None:
+        self.tenants.pop(name, None)
+        self.keys = {prefix: entry for prefix, entry in self.keys.items() if entry[1] != name}
+
+    def add_key(self, key: ApiKey, key_hash: str) -> None:
+        self.keys[key.prefix] = (key_hash, key.tenant)
+
+    def revoke_key(self, prefix: str) -> None:
+        self.keys.pop(prefix, None)
+
+
+@dataclass
+class Auth:
+    """What the middleware needs: whether tenant keys are required, the directory, the admin key's hash."""
+
+    enabled: bool
+    directory: TenantDirectory
+    admin_key_hash: str | None  # None: no admin key, the admin API refuses everyone
+
+
+AUTH = web.AppKey("auth", Auth)
+DATABASE = web.AppKey("database", Database)
+
+
+def resolve_admin_key(db: Database, configured: str) -> tuple[str, str | None]:
+    """(hash of the admin key, plaintext to show once or None).
+
+    A configured key (env or config) wins; else the hash stored by an earlier start; else a new
+    key is generated, its hash stored, and its plaintext returned for the caller to show once.
+    """
+    if configured:
+        return hash_key(configured), None
+    stored = db.read(lambda d: tenants.get_setting(d, ADMIN_KEY_SETTING))
+    if stored is not None:
+        return stored, None
+    key = f"{tenants.KEY_SCHEME}_admin_{secrets.token_urlsafe(32)}"
+    digest = hash_key(key)
+    stored = db.write(lambda d: tenants.set_setting(d, ADMIN_KEY_SETTING, digest, overwrite=False)).result()
+    return stored, key if stored == digest else None
+
+
+def bearer_token(request: web.Request) -> str:
+    header = request.headers.get("Authorization")
+    if header is None:
+        raise unauthorized("Missing API key: send it as `Authorization: Bearer <key>`.", "missing_api_key")
+    scheme, _, token = header.partition(" ")
+    token = token.strip()
+    if scheme.lower() != "bearer" or not token:
+        raise unauthorized("Malformed Authorization header: expected `Bearer <key>`.", "invalid_authorization")
+    return token
+
+
+def unauthorized(message: str, code: str) -> AuthenticationError:
+    return AuthenticationError(message, code=code, headers={"WWW-Authenticate": "Bearer"})
+
+
+def authenticate_tenant(request: web.Request, directory: TenantDirectory) -> Tenant:
+    tenant = directory.tenant_for_key(bearer_token(request))
+    if tenant is None:
+        raise unauthorized("Invalid API key: unknown or revoked.", "invalid_api_key")
+    return tenant
+
+
+def authenticate_admin(request: web.Request, auth: Auth) -> None:
+    token = bearer_token(request)
+    if auth.admin_key_hash is not None and hmac.compare_digest(auth.admin_key_hash, hash_key(token)):
+        return
+    if auth.directory.tenant_for_key(token) is not None:
+        raise PermissionDeniedError("The admin API needs the admin key; this is a tenant key.",
+                                    code="admin_key_required")
+    raise unauthorized("Invalid admin key.", "invalid_api_key")
+
+
+@web.middleware
+async def auth_middleware(request: web.Request, handler):
+    auth = request.app[AUTH]
+    request[TENANT] = auth.directory.default
+    if request.path.startswith(ADMIN_PATH):
+        authenticate_admin(request, auth)
+    elif auth.enabled and request.path.startswith(TENANT_PATHS):
+        request[TENANT] = authenticate_tenant(request, auth.directory)
+    return await handler(request)
+
+
+# ---- for handlers ----------------------------------------------------------------------
+
+
+def tenant_of(request: web.Request) -> Tenant:
+    return request[TENANT]
+
+
+def check_model_access(request: web.Request, model_name: str) -> None:
+    """403 unless the caller's tenant may use `model_name`."""
+    tenant = tenant_of(request)
+    if not tenant.allows_model(model_name):
+        raise PermissionDeniedError(f"Tenant `{tenant.name}` may not use the model `{model_name}`.",
+                                    param="model", code="model_not_allowed")
+
+
+def check_priority_access(request: web.Request, priority: str) -> None:
+    """403 unless the caller's tenant may ask for `priority` (high/normal/low)."""
+    tenant = tenant_of(request)
+    if not tenant.allows_priority(priority):
+        raise PermissionDeniedError(
+            f"Tenant `{tenant.name}` may use priority `{tenant.max_priority}` at most, not `{priority}`.",
+            param="priority", code="priority_not_allowed")
