@@ -15,6 +15,7 @@ from typing import Any
 
 from engine.model_runner import CacheConfig
 from launch import EngineConfig
+from scheduling.fair_queue import FairShareConfig
 
 ROOT = Path(__file__).resolve().parent
 
@@ -30,7 +31,21 @@ class ServerConfig:
     data_dir: str = "data"
     drain_seconds: float = 30.0
     log_format: str = "json"  # json | console
+
+
+@dataclass(frozen=True)
+class SchedulingConfig:
+    policy: str = "fair"  # fair (priority classes + per-tenant fair share) | fifo
     max_waiting: int = 256  # queued requests per model replica beyond max_num_seqs; then 429
+    queue_timeout_seconds: float = 600.0  # not scheduled by then: 503
+    w_in: float = 1.0  # fair-share cost of a prompt token
+    w_out: float = 2.0  # fair-share cost of a generated token
+    aging_seconds: float = 30.0  # a request waiting this long is promoted one priority class
+    fair_quantum_tokens: int = 32  # tokens a sequence keeps before fair-share preemption
+
+    @property
+    def fair_share(self) -> FairShareConfig:
+        return FairShareConfig(self.w_in, self.w_out, self.aging_seconds, self.fair_quantum_tokens)
 
 
 @dataclass(frozen=True)
@@ -50,7 +65,8 @@ class ModelSpec:
 class GalleyConfig:
     server: ServerConfig = ServerConfig()
     auth: AuthConfig = AuthConfig()
-    engine: EngineConfig = EngineConfig()  # [engine] and [cache] (as engine.cache)
+    scheduling: SchedulingConfig = SchedulingConfig()
+    engine: EngineConfig = EngineConfig()  # [engine], [cache] (as engine.cache), policy from [scheduling]
     models: tuple[ModelSpec, ...] = (ModelSpec("demo", str(ROOT / "models" / "demo")),)
 
 
@@ -84,19 +100,25 @@ def load_config(path: str | Path | None = None) -> GalleyConfig:
         raw = tomllib.loads(path.read_text())
     except (OSError, tomllib.TOMLDecodeError) as exc:
         raise ConfigError(f"cannot read config {path}: {exc}") from exc
-    unknown = sorted(set(raw) - {"server", "auth", "engine", "cache", "models"})
+    sections = ("server", "auth", "scheduling", "engine", "cache", "models")
+    unknown = sorted(set(raw) - set(sections))
     if unknown:
-        raise ConfigError(f"unknown section(s) {unknown} in {path}; known: server, auth, engine, cache, models")
+        raise ConfigError(f"unknown section(s) {unknown} in {path}; known: {', '.join(sections)}")
     base = path.resolve().parent
     cache = build(CacheConfig, raw.get("cache", {}), "cache")
-    if "cache" in raw.get("engine", {}):
-        raise ConfigError("put cache options in their own [cache] section")
+    for nested in ("cache", "policy", "fair_share"):
+        if nested in raw.get("engine", {}):
+            raise ConfigError(f"{nested!r} does not belong in [engine]; see config.toml for its section")
     engine = build(EngineConfig, raw.get("engine", {}), "engine")
+    scheduling = build(SchedulingConfig, raw.get("scheduling", {}), "scheduling")
+    if scheduling.policy not in ("fair", "fifo"):
+        raise ConfigError(f"[scheduling] policy must be 'fair' or 'fifo', not {scheduling.policy!r}")
     models = raw.get("models", None)
     return GalleyConfig(
         server=build(ServerConfig, raw.get("server", {}), "server"),
         auth=build(AuthConfig, raw.get("auth", {}), "auth"),
-        engine=dataclasses.replace(engine, cache=cache),
+        scheduling=scheduling,
+        engine=dataclasses.replace(engine, cache=cache, policy=scheduling.policy, fair_share=scheduling.fair_share),
         models=GalleyConfig.models if models is None else tuple(model_spec(m, base) for m in models),
     )
 
@@ -122,6 +144,7 @@ def with_overrides(cfg: GalleyConfig, server: dict[str, Any], engine: dict[str, 
     return GalleyConfig(
         server=dataclasses.replace(cfg.server, **pick(server)),
         auth=dataclasses.replace(cfg.auth, **pick(auth or {})),
+        scheduling=cfg.scheduling,
         engine=dataclasses.replace(cfg.engine, cache=new_cache, **pick(engine)),
         models=tuple(models),
     )

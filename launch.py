@@ -80,6 +80,7 @@ def start_models(
         router.add_model(ServedModel(
             name=name, tokenizer=tokenizer, max_model_len=max_model_len,
             max_in_flight_per_replica=cfg.max_num_seqs + max_waiting, replicas=replicas,
+            vocab_size=max(loaded.model.shape.vocab_size, len(tokenizer)),
             created=int(time.time()),
         ))
         log.info("model loaded", model=name, source=source, devices=list(cfg.devices),

@@ -104,7 +104,8 @@ def configure_logging(fmt: str) -> None:
 
 async def serve(cfg: GalleyConfig, db: Database, admin_key_hash: str) -> int:
     loop = asyncio.get_running_loop()
-    router, state = Router(), ServerState(started_s=time.monotonic())
+    router = Router(queue_timeout_s=cfg.scheduling.queue_timeout_seconds)
+    state = ServerState(started_s=time.monotonic())
     app = create_app(router, state, db=db, auth_enabled=cfg.auth.enabled, admin_key_hash=admin_key_hash)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
@@ -120,7 +121,7 @@ async def serve(cfg: GalleyConfig, db: Database, admin_key_hash: str) -> int:
         loop.call_soon_threadsafe(router.dispatch, events)
 
     models = [(m.name, m.path) for m in cfg.models]
-    loading = loop.run_in_executor(None, start_models, models, cfg.engine, cfg.server.max_waiting, router, emit)
+    loading = loop.run_in_executor(None, start_models, models, cfg.engine, cfg.scheduling.max_waiting, router, emit)
     done, _ = await asyncio.wait([loading, asyncio.ensure_future(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
     if loading not in done:
         await runner.cleanup()

@@ -12,19 +12,18 @@ import dataclasses
 from collections.abc import Callable
 from typing import Annotated, Any, Literal, TypeVar
 
-import orjson
 import sqlite_utils
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from api.auth import AUTH, DATABASE, TenantDirectory
-from api.errors import ConflictError, InvalidRequestError, NotFoundError, json_response
+from api.errors import ConflictError, NotFoundError, json_response
 from api.routes import Route
+from api.validation import parse_body
 from storage import tenants
 from storage.tenants import DEFAULT_TENANT, ApiKey, Tenant, hash_key
 
 T = TypeVar("T")
-B = TypeVar("B", bound=BaseModel)
 
 Priority = Literal["high", "normal", "low"]
 Limit = Annotated[int, Field(ge=1)] | None
@@ -118,16 +117,6 @@ def key_json(key: ApiKey) -> dict[str, Any]:
 
 
 # ---- plumbing --------------------------------------------------------------------------
-
-
-async def parse_body(request: web.Request, schema: type[B]) -> B:
-    try:
-        data = orjson.loads(await request.read())
-    except orjson.JSONDecodeError as exc:
-        raise InvalidRequestError(f"request body is not valid JSON: {exc}") from exc
-    if not isinstance(data, dict):
-        raise InvalidRequestError("request body must be a JSON object")
-    return schema.model_validate(data)
 
 
 async def commit(request: web.Request, fn: Callable[[sqlite_utils.Database], T],

@@ -12,18 +12,15 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import TypeVar
 
-import orjson
 import structlog
 from aiohttp import web
-from pydantic import BaseModel
 
+from api.auth import check_model_access, check_priority_access, tenant_of
 from api.context import ROUTER, STATE
 from api.errors import (
     InvalidRequestError,
     ModelNotFoundError,
-    PermissionDeniedError,
     QueueFullError,
     RateLimitError,
     ServiceUnavailableError,
@@ -41,23 +38,12 @@ from api.schemas import (
     SamplingFields,
 )
 from api.sse import open_sse, send_event
+from api.validation import parse_body
 from engine.types import FinishReason, GenerationRequest, Priority, SamplingParams, TokenEvent, TokenLogprob
 from scheduling.admission import Rejected, TenantLimits
 from scheduling.router import QueueFull, RequestStream, ServedModel
 
 log = structlog.get_logger(__name__)
-T = TypeVar("T", bound=BaseModel)
-
-
-async def parse_body(request: web.Request, schema: type[T]) -> T:
-    raw = await request.read()
-    try:
-        data = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise InvalidRequestError(f"request body is not valid JSON: {exc}") from exc
-    if not isinstance(data, dict):
-        raise InvalidRequestError("request body must be a JSON object")
-    return schema.model_validate(data)
 
 
 def served_model(request: web.Request, name: str) -> ServedModel:
@@ -80,12 +66,12 @@ def sampling_params(request: web.Request, body: SamplingFields, max_tokens: int 
             param="messages" if isinstance(body, ChatCompletionRequest) else "prompt",
             code="context_length_exceeded",
         )
-    cap = getattr(tenant_of(request), "max_tokens", None)
+    cap = tenant_of(request).max_tokens
     if cap is not None and max_tokens is not None and max_tokens > cap:
         raise InvalidRequestError(f"max_tokens is {max_tokens}, over this API key's cap of {cap}", param="max_tokens")
     if cap is not None:
         room = min(room, cap)
-    vocab = len(model.tokenizer)
+    vocab = model.vocab_size
     if body.stop_token_ids and any(not 0 <= t < vocab for t in body.stop_token_ids):
         raise InvalidRequestError(f"stop_token_ids must be in [0, {vocab})", param="stop_token_ids")
     return SamplingParams(
@@ -105,28 +91,8 @@ def sampling_params(request: web.Request, body: SamplingFields, max_tokens: int 
     )
 
 
-def tenant_of(request: web.Request):
-    """The caller's tenant (set by the auth middleware); the default tenant without auth."""
-    return request.get("tenant")
-
-
-def check_access(request: web.Request, model_name: str, priority: str) -> None:
-    tenant = tenant_of(request)
-    if tenant is None:
-        return
-    if not tenant.allows_model(model_name):
-        raise PermissionDeniedError(f"tenant {tenant.name!r} may not use model {model_name!r}", param="model")
-    if not tenant.allows_priority(priority):
-        raise PermissionDeniedError(
-            f"tenant {tenant.name!r} may use priority up to {tenant.max_priority!r}, not {priority!r}",
-            param="priority",
-        )
-
-
 def tenant_limits(request: web.Request) -> tuple[TenantLimits, float]:
     tenant = tenant_of(request)
-    if tenant is None:
-        return TenantLimits(), 1.0
     limits = TenantLimits(tenant.name, tenant.max_concurrent, tenant.requests_per_minute, tenant.tokens_per_minute)
     return limits, tenant.weight
 
@@ -266,7 +232,8 @@ def chat_logprobs(model: ServedModel, items: list[TokenLogprob]) -> dict:
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = await parse_body(request, ChatCompletionRequest)
     model = served_model(request, body.model)
-    check_access(request, model.name, body.priority)
+    check_model_access(request, model.name)
+    check_priority_access(request, body.priority)
     messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
     try:
         rendered = model.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
@@ -326,11 +293,12 @@ def completion_logprobs(model: ServedModel, items: list[TokenLogprob], offset: i
 async def completions(request: web.Request) -> web.StreamResponse:
     body = await parse_body(request, CompletionRequest)
     model = served_model(request, body.model)
-    check_access(request, model.name, body.priority)
+    check_model_access(request, model.name)
+    check_priority_access(request, body.priority)
     if isinstance(body.prompt, str):
         prompt_ids = model.tokenizer.encode(body.prompt)
     else:
-        vocab = len(model.tokenizer)
+        vocab = model.vocab_size
         if any(not 0 <= t < vocab for t in body.prompt):
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", param="prompt")
         prompt_ids = list(body.prompt)
@@ -363,7 +331,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 
 async def list_models(request: web.Request) -> web.Response:
-    models = request.app[ROUTER].models.values()
+    tenant = tenant_of(request)
+    models = [m for m in request.app[ROUTER].models.values() if tenant.allows_model(m.name)]
     data = [{"id": m.name, "object": "model", "created": m.created, "owned_by": "galley",
              "max_model_len": m.max_model_len} for m in models]
     return json_response({"object": "list", "data": data})

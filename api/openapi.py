@@ -9,8 +9,9 @@ from api.routes import Route
 from api.schemas import ErrorResponse
 
 REF = "#/components/schemas/{model}"
-ERROR_STATUSES = {"400": "Invalid request", "404": "Not found", "413": "Body too large",
-                  "429": "Overloaded; see Retry-After", "503": "Not ready or draining"}
+ERROR_STATUSES = {"400": "Invalid request", "401": "Missing or unknown API key",
+                  "403": "Not allowed for this key", "404": "Not found", "413": "Body too large",
+                  "429": "Overloaded or over a limit; see Retry-After", "503": "Not ready, draining or queue timeout"}
 
 
 def build_spec(routes: list[Route], title: str, version: str) -> dict:
@@ -28,7 +29,12 @@ def build_spec(routes: list[Route], title: str, version: str) -> dict:
         "openapi": "3.1.0",
         "info": {"title": title, "version": version},
         "paths": paths,
-        "components": {"schemas": schema.get("$defs", {})},
+        "components": {
+            "schemas": schema.get("$defs", {}),
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer",
+                                           "description": "A tenant API key (or the admin key on /admin/api)"}},
+        },
+        "security": [{"bearer": []}],
     }
 
 

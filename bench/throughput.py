@@ -120,9 +120,7 @@ class Workload:
     def prompts(self, vocab_size: int) -> list[list[int]]:
         rng = random.Random(self.seed)
         low = len(SPECIAL_TOKENS)
-        return [
-            [rng.randrange(low, vocab_size) for _ in range(self.prompt_len)] for _ in range(self.num_requests)
-        ]
+        return [[rng.randrange(low, vocab_size) for _ in range(self.prompt_len)] for _ in range(self.num_requests)]
 
     def kv_cache_gib(self, shape: ModelShape) -> float:
         """Room for every request's whole context, so neither engine nor server preempts."""
@@ -223,9 +221,7 @@ def build_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token=SPECIAL_TOKENS[0], pad_token=SPECIAL_TOKENS[0]
-    )
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=SPECIAL_TOKENS[0], pad_token=SPECIAL_TOKENS[0])
 
 
 def save_model(shape: ModelShape, out: Path, seed: int) -> None:
@@ -371,9 +367,7 @@ def stream_result(mode: str, all_stats: list[StreamStats], wall_s: float) -> Mod
         if s.chunk_s:
             result.ttft_s.append(s.chunk_s[0] - s.send_s)
             result.itl_s.extend(b - a for a, b in itertools.pairwise(s.chunk_s))
-    result.note = (
-        f"{sum(len(s.chunk_s) for s in all_stats)} text chunks for {result.num_output_tokens} tokens"
-    )
+    result.note = f"{sum(len(s.chunk_s) for s in all_stats)} text chunks for {result.num_output_tokens} tokens"
     if missing := sum(s.completion_tokens is None for s in all_stats):
         result.note += f"; {missing} streams without usage (counted chunks)"
     return result
@@ -387,15 +381,15 @@ async def send_requests(
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as session:
         start = time.perf_counter()
         if concurrent:
-            stats = list(
-                await asyncio.gather(*(stream_completion(session, url, p, max_tokens) for p in prompts))
-            )
+            stats = list(await asyncio.gather(*(stream_completion(session, url, p, max_tokens) for p in prompts)))
         else:
             stats = [await stream_completion(session, url, p, max_tokens) for p in prompts]
         return stats, time.perf_counter() - start
 
 
-async def server_session(ctx: BenchContext, modes: list[str], base_url: str, proc) -> list[ModeResult]:
+async def server_session(
+    ctx: BenchContext, modes: list[str], base_url: str, proc: subprocess.Popen
+) -> list[ModeResult]:
     await wait_ready(base_url, proc)
     w = ctx.workload
     await send_requests(base_url, [ctx.prompts[0][:8]], 4, concurrent=False)  # warmup
@@ -478,8 +472,7 @@ def mode_engine(ctx: BenchContext, mode: str) -> ModeResult:
     result.num_requests = len(result.outputs)
     result.num_output_tokens = sum(len(o) for o in result.outputs)
     result.note = (
-        f"{engine.num_steps - steps_before} steps, "
-        f"{engine.scheduler.num_preemptions - preemptions_before} preemptions"
+        f"{engine.num_steps - steps_before} steps, {engine.scheduler.num_preemptions - preemptions_before} preemptions"
     )
     return result
 
@@ -533,9 +526,7 @@ def mode_hf_static_batch(ctx: BenchContext) -> ModeResult:
 def forward_loop(model: LlamaForCausalLM, prompts: list[list[int]], num_tokens: int) -> torch.Tensor:
     """One batched prefill forward, then greedy decode steps on the cache; [batch, num_tokens]."""
     cache = DynamicCache(config=model.config)
-    logits = model(
-        input_ids=torch.tensor(prompts), past_key_values=cache, use_cache=True, logits_to_keep=1
-    ).logits
+    logits = model(input_ids=torch.tensor(prompts), past_key_values=cache, use_cache=True, logits_to_keep=1).logits
     next_ids = logits[:, -1].argmax(-1, keepdim=True)  # [batch, 1]
     generated = [next_ids]
     for _ in range(num_tokens - 1):
@@ -570,9 +561,7 @@ def mode_hf_continuous(ctx: BenchContext) -> ModeResult:
         max_requests_per_batch=w.num_requests,
         allow_block_sharing=False,
     )
-    gen_config = GenerationConfig(
-        max_new_tokens=w.output_len, do_sample=False, eos_token_id=-1, pad_token_id=0
-    )
+    gen_config = GenerationConfig(max_new_tokens=w.output_len, do_sample=False, eos_token_id=-1, pad_token_id=0)
     batch = lambda prompts, **kw: model.generate_batch(  # noqa: E731
         inputs=prompts, generation_config=gen_config, continuous_batching_config=cb_config, warmup=False, **kw
     )
@@ -586,9 +575,7 @@ def mode_hf_continuous(ctx: BenchContext) -> ModeResult:
         result.error = f"{len(outputs)}/{w.num_requests} outputs; errors: {errors}"
     result.outputs = [list(o.generated_tokens) for o in outputs]
     result.num_output_tokens = sum(len(o) for o in result.outputs)
-    result.note = (
-        f"attn={model.config._attn_implementation}, page_size={page_size}; timed call includes setup"
-    )
+    result.note = f"attn={model.config._attn_implementation}, page_size={page_size}; timed call includes setup"
     return result
 
 
@@ -650,14 +637,14 @@ def render(results: list[ModeResult], ctx: BenchContext) -> str:
         f"torch {torch.__version__}, transformers {transformers.__version__}, "
         f"threads={torch.get_num_threads()}, cpus={os.cpu_count()}, load avg {os.getloadavg()[0]:.1f}",
         "",
-        f"{'mode':<5}{'what':<44}{'tok/s':>8}{'wall s':>9}{'tokens':>8}{'cores':>10}  {'same as e':<17}note",
+        f"{'mode':<5}{'what':<44}{'tok/s':>8}{'wall s':>9}{'tokens':>8}{'cores':>10}  {'same as e':<19}note",
     ]
     for r in results:
         cores = f"{fmt(r.cores_ours, '.1f')}/{fmt(r.cores_others, '.1f')}"
         lines.append(
             f"{r.mode:<5}{MODE_LABELS[r.mode]:<44}{fmt(r.tokens_per_s, '.1f'):>8}"
             f"{fmt(r.wall_s or None, '.2f'):>9}{r.num_output_tokens:>8}{cores:>10}  "
-            f"{agreement(r, by_mode.get('e')):<17}{f'ERROR {r.error}' if r.error else r.note}"
+            f"{agreement(r, by_mode.get('e')):<19}{f'ERROR {r.error}' if r.error else r.note}"
         )
     lines.append("cores: CPU cores busy during the timed part, ours (bench + server) / other processes")
     lines += ["", f"{'latency ms':<12}{'TTFT p50':>10}{'TTFT p99':>10}{'ITL p50':>10}{'ITL p99':>10}"]
@@ -707,12 +694,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=None, help="default 128 (32 with --quick)")
     p.add_argument("--output-len", type=int, default=None, help="default 128 (32 with --quick)")
     p.add_argument("--single-requests", type=int, default=None, help="a1/b1 requests (default 2; 1 quick)")
-    p.add_argument(
-        "--hf-sequential", type=int, default=None, help="c: requests timed, 0: all (default 4; 2 quick)"
-    )
-    p.add_argument(
-        "--max-batched-tokens", type=int, default=2048, help="token budget of one step (b, f, server)"
-    )
+    p.add_argument("--hf-sequential", type=int, default=None, help="c: requests timed, 0: all (default 4; 2 quick)")
+    p.add_argument("--max-batched-tokens", type=int, default=2048, help="token budget of one step (b, f, server)")
     p.add_argument("--modes", default=",".join(ALL_MODES), help=f"comma list of {','.join(ALL_MODES)}")
     p.add_argument(
         "--threads",

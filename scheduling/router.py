@@ -48,6 +48,7 @@ class ServedModel:
     max_model_len: int
     max_in_flight_per_replica: int
     replicas: list[Replica]
+    vocab_size: int = 0  # the model's (may exceed the tokenizer's: padded embeddings)
     created: int = 0
 
     @property

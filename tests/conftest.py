@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import pytest
 
+from storage.db import Database
 from tests.models import FAMILIES, save_tiny_model
 
 
@@ -14,3 +15,11 @@ def tiny_models(tmp_path_factory) -> dict:
 @pytest.fixture(scope="session")
 def llama_path(tiny_models):
     return tiny_models["llama"]
+
+
+@pytest.fixture
+async def db(tmp_path):
+    """A real SQLite file in the test's data dir."""
+    database = Database(tmp_path / "data" / "galley.db")
+    yield database
+    database.close()

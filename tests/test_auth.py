@@ -52,13 +52,6 @@ def make_app(db: Database | None, router: Router | None = None, auth_enabled: bo
 
 
 @pytest.fixture
-async def db(tmp_path):
-    database = Database(tmp_path / "data" / "galley.db")
-    yield database
-    database.close()
-
-
-@pytest.fixture
 async def api(aiohttp_server, db):
     server = await aiohttp_server(make_app(db))
     async with aiohttp.ClientSession(base_url=server.make_url("/")) as session:
