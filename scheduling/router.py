@@ -49,6 +49,7 @@ class ServedModel:
     max_in_flight_per_replica: int
     replicas: list[Replica]
     vocab_size: int = 0  # the model's (may exceed the tokenizer's: padded embeddings)
+    version: str = "1"  # conversations pin it; the model-lifecycle work adds real versions
     created: int = 0
 
     @property
