@@ -19,13 +19,17 @@ from typing import TypeVar
 
 import sqlite_utils
 
-from storage import tenants
+from storage import conversations, streams, tenants
 
 T = TypeVar("T")
 Migration = Callable[[sqlite_utils.Database], None]
 
 # Applied in this order, each once, recorded by function name: append, never reorder or rename.
-MIGRATIONS: tuple[Migration, ...] = (tenants.create_tenant_tables,)
+MIGRATIONS: tuple[Migration, ...] = (
+    tenants.create_tenant_tables,
+    conversations.create_conversation_tables,
+    streams.create_stream_tables,
+)
 
 
 def connect(path: Path) -> sqlite_utils.Database:

@@ -1,0 +1,157 @@
+"""Conversations and their messages: tables `conversations`, `messages`.
+
+A conversation belongs to one tenant and is pinned to one model version; its messages are
+kept in insertion order. Every lookup by id also takes the tenant, so one tenant can never
+read or delete another's conversation. Deleting a conversation deletes its messages, and
+deleting a tenant deletes its conversations (foreign keys, ON DELETE CASCADE). Sync
+functions over a `sqlite_utils.Database`; writes belong on the writer thread
+(`storage.db.Database.write`). Must not import anything but the standard library and
+sqlite_utils.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import sqlite_utils
+
+from storage.tenants import utc_now
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+ID_PREFIX = "conv_"
+
+
+class ConversationNotFoundError(LookupError):
+    pass
+
+
+@dataclass(frozen=True)
+class Conversation:
+    id: str
+    tenant: str
+    model: str
+    model_version: str
+    title: str | None
+    created_at: str
+    updated_at: str
+
+
+@dataclass(frozen=True)
+class Message:
+    """One turn. Invariant: role in ROLES; token counts None or >= 0."""
+
+    id: int
+    conversation_id: str
+    role: str
+    content: str
+    prompt_tokens: int | None
+    completion_tokens: int | None
+    stream_id: str | None
+    created_at: str
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        for name in ("prompt_tokens", "completion_tokens"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ValueError(f"{name} must be >= 0 or None, got {value}")
+
+
+# ---- schema ----------------------------------------------------------------------------
+
+
+def create_conversation_tables(db: sqlite_utils.Database) -> None:
+    """Migration: conversations (by tenant) and their messages."""
+    roles = ", ".join(f"'{role}'" for role in ROLES)
+    db.execute("""
+        CREATE TABLE conversations (
+            id TEXT PRIMARY KEY,
+            tenant TEXT NOT NULL REFERENCES tenants(name) ON DELETE CASCADE,
+            model TEXT NOT NULL,
+            model_version TEXT NOT NULL,
+            title TEXT,
+            created_at TEXT NOT NULL,
+            updated_at TEXT NOT NULL
+        )""")
+    db.execute("CREATE INDEX conversations_tenant ON conversations(tenant, updated_at)")
+    db.execute(f"""
+        CREATE TABLE messages (
+            id INTEGER PRIMARY KEY,
+            conversation_id TEXT NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
+            role TEXT NOT NULL CHECK (role IN ({roles})),
+            content TEXT NOT NULL,
+            prompt_tokens INTEGER CHECK (prompt_tokens IS NULL OR prompt_tokens >= 0),
+            completion_tokens INTEGER CHECK (completion_tokens IS NULL OR completion_tokens >= 0),
+            stream_id TEXT,
+            created_at TEXT NOT NULL
+        )""")
+    db.execute("CREATE INDEX messages_conversation ON messages(conversation_id, id)")
+
+
+def conversation_from_row(row: Mapping[str, Any]) -> Conversation:
+    return Conversation(**row)
+
+
+def message_from_row(row: Mapping[str, Any]) -> Message:
+    return Message(**row)
+
+
+# ---- conversations ---------------------------------------------------------------------
+
+
+def create_conversation(db: sqlite_utils.Database, tenant: str, model: str, model_version: str,
+                        title: str | None = None) -> Conversation:
+    now = utc_now()
+    conversation = Conversation(ID_PREFIX + uuid.uuid4().hex, tenant, model, model_version, title, now, now)
+    db.table("conversations").insert(dataclasses.asdict(conversation))
+    return conversation
+
+
+def get_conversation(db: sqlite_utils.Database, conversation_id: str, tenant: str) -> Conversation | None:
+    """The conversation, or None when it does not exist or is another tenant's."""
+    rows = list(db.query("SELECT * FROM conversations WHERE id = ? AND tenant = ?", [conversation_id, tenant]))
+    return conversation_from_row(rows[0]) if rows else None
+
+
+def list_conversations(db: sqlite_utils.Database, tenant: str, limit: int = 100) -> list[Conversation]:
+    """The tenant's conversations, most recently updated first."""
+    if limit < 1:
+        raise ValueError(f"limit must be >= 1, got {limit}")
+    rows = db.query("SELECT * FROM conversations WHERE tenant = ? ORDER BY updated_at DESC, rowid DESC LIMIT ?",
+                    [tenant, limit])
+    return [conversation_from_row(row) for row in rows]
+
+
+def delete_conversation(db: sqlite_utils.Database, conversation_id: str, tenant: str) -> bool:
+    """Deletes the conversation and its messages; False when it is not there (or another tenant's)."""
+    cursor = db.execute("DELETE FROM conversations WHERE id = ? AND tenant = ?", [conversation_id, tenant])
+    return cursor.rowcount > 0
+
+
+# ---- messages --------------------------------------------------------------------------
+
+
+def add_message(db: sqlite_utils.Database, conversation_id: str, role: str, content: str,
+                prompt_tokens: int | None = None, completion_tokens: int | None = None,
+                stream_id: str | None = None) -> Message:
+    """Appends a message and bumps the conversation's updated_at; ConversationNotFoundError if there is none."""
+    now = utc_now()
+    message = Message(0, conversation_id, role, content, prompt_tokens, completion_tokens, stream_id, now)
+    cursor = db.execute("UPDATE conversations SET updated_at = ? WHERE id = ?", [now, conversation_id])
+    if cursor.rowcount == 0:
+        raise ConversationNotFoundError(conversation_id)
+    row = dataclasses.asdict(message)
+    del row["id"]
+    table = db.table("messages").insert(row)
+    return dataclasses.replace(message, id=table.last_rowid)
+
+
+def list_messages(db: sqlite_utils.Database, conversation_id: str) -> list[Message]:
+    """The conversation's messages in the order they were added."""
+    rows = db.query("SELECT * FROM messages WHERE conversation_id = ? ORDER BY id", [conversation_id])
+    return [message_from_row(row) for row in rows]

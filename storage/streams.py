@@ -1,0 +1,189 @@
+"""Stream records: table `streams`, what a generation has emitted so far, to resume or replay it.
+
+The stream hub inserts a record when a generation starts, checkpoints the emitted tokens
+and their text deltas as it goes, and finishes it once; a retention job deletes old final
+records. Lists and the request are JSON text columns, read back as lists and dicts. A
+record's final state is written once: checkpoints and finishes after that change nothing.
+Sync functions over a `sqlite_utils.Database`; writes belong on the writer thread
+(`storage.db.Database.write`). Must not import anything but the standard library and
+sqlite_utils.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from enum import StrEnum
+from typing import Any
+
+import sqlite_utils
+
+from storage.tenants import utc_now
+
+KINDS = ("chat", "completion")
+JSON_COLUMNS = ("request", "prompt_token_ids", "token_ids", "texts")
+
+
+class StreamStatus(StrEnum):
+    RUNNING = "running"
+    FINISHED = "finished"
+    CANCELLED = "cancelled"
+    FAILED = "failed"
+
+
+STATUSES = tuple(s.value for s in StreamStatus)
+FINAL_STATUSES = tuple(s for s in STATUSES if s != StreamStatus.RUNNING)
+
+
+class StreamNotFoundError(LookupError):
+    pass
+
+
+def check_status(status: str) -> None:
+    if status not in STATUSES:
+        raise ValueError(f"status must be one of {STATUSES}, got {status!r}")
+
+
+def check_texts(token_ids: list[int], texts: list[str]) -> None:
+    if len(token_ids) != len(texts):
+        raise ValueError(f"one text per token: {len(token_ids)} token ids but {len(texts)} texts")
+
+
+@dataclass(frozen=True)
+class StreamRecord:
+    """Invariant: status in STATUSES, kind in KINDS, one text delta per emitted token."""
+
+    id: str  # "strm_" + uuid4 hex, made by the caller
+    tenant: str
+    conversation_id: str | None
+    kind: str  # "chat" | "completion"
+    model: str
+    request: dict  # JSON-able: chunk format and sampling params, opaque to storage
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # emitted so far
+    texts: list[str]  # per emitted token, the text delta that was sent for it
+    status: str = StreamStatus.RUNNING.value
+    finish_reason: str | None = None
+    created_at: str = ""  # ISO 8601 UTC; filled by insert_stream when empty
+    updated_at: str = ""
+
+    def __post_init__(self) -> None:
+        check_status(self.status)
+        object.__setattr__(self, "status", str(self.status))  # a StreamStatus becomes its plain value
+        if self.kind not in KINDS:
+            raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
+        check_texts(self.token_ids, self.texts)
+
+
+# ---- schema ----------------------------------------------------------------------------
+
+
+def create_stream_tables(db: sqlite_utils.Database) -> None:
+    """Migration: streams, indexed by status (running ones at startup, final ones for retention)."""
+    statuses = ", ".join(f"'{s}'" for s in STATUSES)
+    kinds = ", ".join(f"'{k}'" for k in KINDS)
+    db.execute(f"""
+        CREATE TABLE streams (
+            id TEXT PRIMARY KEY,
+            tenant TEXT NOT NULL,
+            conversation_id TEXT,
+            kind TEXT NOT NULL CHECK (kind IN ({kinds})),
+            model TEXT NOT NULL,
+            request TEXT NOT NULL,           -- JSON object
+            prompt_token_ids TEXT NOT NULL,  -- JSON list of ints
+            token_ids TEXT NOT NULL,         -- JSON list of ints
+            texts TEXT NOT NULL,             -- JSON list of strings, one per token id
+            status TEXT NOT NULL CHECK (status IN ({statuses})),
+            finish_reason TEXT,
+            created_at TEXT NOT NULL,
+            updated_at TEXT NOT NULL
+        )""")
+    db.execute("CREATE INDEX streams_status ON streams(status, updated_at)")
+
+
+def dumps(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+
+
+def to_row(record: StreamRecord) -> dict[str, Any]:
+    row = dataclasses.asdict(record)
+    for name in JSON_COLUMNS:
+        row[name] = dumps(row[name])
+    return row
+
+
+def from_row(row: Mapping[str, Any]) -> StreamRecord:
+    return StreamRecord(**{**row, **{name: json.loads(row[name]) for name in JSON_COLUMNS}})
+
+
+def to_utc_text(iso_time: str) -> str:
+    """`iso_time` in the stored format (UTC, milliseconds), so text comparison is time order."""
+    moment = datetime.fromisoformat(iso_time)
+    if moment.tzinfo is None:
+        raise ValueError(f"time needs a timezone (e.g. +00:00 or Z), got {iso_time!r}")
+    return moment.astimezone(UTC).isoformat(timespec="milliseconds")
+
+
+# ---- streams ---------------------------------------------------------------------------
+
+
+def insert_stream(db: sqlite_utils.Database, record: StreamRecord) -> StreamRecord:
+    """Stores a new record (created_at/updated_at default to now) and returns it as stored."""
+    created_at = record.created_at or utc_now()
+    stored = dataclasses.replace(record, created_at=created_at, updated_at=record.updated_at or created_at)
+    db.table("streams").insert(to_row(stored))
+    return stored
+
+
+def checkpoint_stream(db: sqlite_utils.Database, stream_id: str, token_ids: list[int], texts: list[str]) -> None:
+    """Replaces the emitted tokens and texts of a running stream; a final one stays as it was."""
+    check_texts(token_ids, texts)
+    cursor = db.execute(
+        "UPDATE streams SET token_ids = ?, texts = ?, updated_at = ? WHERE id = ? AND status = ?",
+        [dumps(token_ids), dumps(texts), utc_now(), stream_id, StreamStatus.RUNNING.value])
+    if cursor.rowcount == 0:
+        require_stream(db, stream_id)
+
+
+def finish_stream(db: sqlite_utils.Database, stream_id: str, token_ids: list[int], texts: list[str],
+                  status: str, finish_reason: str | None) -> None:
+    """Writes a running stream's final tokens, texts and status; the first final state is kept."""
+    check_status(status)
+    if status == StreamStatus.RUNNING:
+        raise ValueError("a finished stream needs a final status, not 'running'")
+    check_texts(token_ids, texts)
+    cursor = db.execute(
+        "UPDATE streams SET token_ids = ?, texts = ?, status = ?, finish_reason = ?, updated_at = ? "
+        "WHERE id = ? AND status = ?",
+        [dumps(token_ids), dumps(texts), str(status), finish_reason, utc_now(), stream_id,
+         StreamStatus.RUNNING.value])
+    if cursor.rowcount == 0:
+        require_stream(db, stream_id)
+
+
+def require_stream(db: sqlite_utils.Database, stream_id: str) -> None:
+    if not list(db.query("SELECT 1 FROM streams WHERE id = ?", [stream_id])):
+        raise StreamNotFoundError(stream_id)
+
+
+def get_stream(db: sqlite_utils.Database, stream_id: str) -> StreamRecord | None:
+    rows = list(db.query("SELECT * FROM streams WHERE id = ?", [stream_id]))
+    return from_row(rows[0]) if rows else None
+
+
+def list_streams(db: sqlite_utils.Database, status: str) -> list[StreamRecord]:
+    """Every record with this status, oldest first."""
+    check_status(status)
+    rows = db.query("SELECT * FROM streams WHERE status = ? ORDER BY created_at, rowid", [str(status)])
+    return [from_row(row) for row in rows]
+
+
+def delete_streams_finished_before(db: sqlite_utils.Database, iso_time: str) -> int:
+    """Retention: deletes final (not running) records last updated before `iso_time`; returns how many."""
+    placeholders = ", ".join("?" for _ in FINAL_STATUSES)
+    cursor = db.execute(f"DELETE FROM streams WHERE status IN ({placeholders}) AND updated_at < ?",
+                        [*FINAL_STATUSES, to_utc_text(iso_time)])
+    return cursor.rowcount
