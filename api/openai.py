@@ -10,17 +10,19 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator
 
 import structlog
 from aiohttp import web
 
 from api.auth import check_model_access, check_priority_access, tenant_of
+from api.chunks import ChunkFormat, chat_logprobs, completion_logprobs
 from api.context import ROUTER, STATE
 from api.errors import (
+    ConflictError,
     InvalidRequestError,
     ModelNotFoundError,
+    NotFoundError,
     QueueFullError,
     RateLimitError,
     ServiceUnavailableError,
@@ -37,11 +39,13 @@ from api.schemas import (
     ModelList,
     SamplingFields,
 )
-from api.sse import open_sse, send_event
+from api.stream_api import collect_live, serve_live
+from api.streams import HUB
 from api.validation import parse_body
-from engine.types import FinishReason, GenerationRequest, Priority, SamplingParams, TokenEvent, TokenLogprob
+from engine.types import GenerationRequest, Priority, SamplingParams, TokenEvent, TokenLogprob
 from scheduling.admission import Rejected, TenantLimits
 from scheduling.router import QueueFull, RequestStream, ServedModel
+from storage import conversations
 
 log = structlog.get_logger(__name__)
 
@@ -142,91 +146,52 @@ def usage(event: TokenEvent) -> dict:
     }
 
 
-def finish_reason(event: TokenEvent) -> str | None:
-    return event.finish_reason.value if event.finish_reason in (FinishReason.STOP, FinishReason.LENGTH) else None
+def finish_reason(reason: str | None) -> str | None:
+    return reason if reason in ("stop", "length") else None
 
 
-@dataclass
-class Collected:
-    text: str = ""
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    last: TokenEvent | None = None
-
-
-async def collect(request: web.Request, stream: RequestStream) -> Collected:
-    out = Collected()
-    async for event in scheduled_events(request, stream):
-        out.text += event.text
-        out.logprobs.extend(event.logprobs or [])
-        out.last = event
-    if out.last is not None and out.last.error:
-        raise web.HTTPInternalServerError(text=out.last.error)
-    return out
-
-
-async def prepend(first: TokenEvent, rest: AsyncIterator[TokenEvent]) -> AsyncIterator[TokenEvent]:
-    yield first
-    async for event in rest:
-        yield event
-
-
-ChunkFn = Callable[[str, list[TokenLogprob], str | None], dict]
-
-
-async def stream_sse(request: web.Request, stream: RequestStream, make_chunk: ChunkFn, base: dict,
-                     include_usage: bool, first: dict | None = None) -> web.StreamResponse:
-    """Write one chunk per event that carries text, then the finish chunk, usage and [DONE].
-
-    The response starts with the first token, so a request that times out in the queue
-    still gets a plain HTTP error.
-    """
-    events = scheduled_events(request, stream)
-    first_event = await anext(events)
-    response = await open_sse(request, {"X-Request-Id": request["request_id"]})
-    if first is not None:
-        await send_event(response, first)
-    pending: list[TokenLogprob] = []
-    async for event in prepend(first_event, events):
-        if event.error:
-            await send_event(response, {"error": {"message": event.error, "type": "internal_error",
-                                                  "param": None, "code": None}})
-            return response
-        pending.extend(event.logprobs or [])
-        if event.text:
-            await send_event(response, make_chunk(event.text, pending, None))
-            pending = []
-        if event.finished:
-            await send_event(response, make_chunk("", pending, finish_reason(event)))
-            if include_usage:
-                await send_event(response, {**base, "choices": [], "usage": usage(event)})
-    await send_event(response, "[DONE]")
-    return response
-
-
-async def with_abort_on_disconnect(request: web.Request, stream: RequestStream, run):
+async def collect(request: web.Request, stream: RequestStream) -> tuple[str, list[TokenLogprob], TokenEvent]:
+    """A non-streamed, unrecorded generation to its end; the client leaving aborts it."""
+    text, logprobs, last = "", [], None
     try:
-        return await run
+        async for event in scheduled_events(request, stream):
+            text, last = text + event.text, event
+            logprobs.extend(event.logprobs or [])
     finally:
-        if not stream.finished:  # client went away (cancelled handler or reset write)
+        if not stream.finished:  # client went away: the handler was cancelled
             request.app[ROUTER].abort(stream)
             request.app[METRICS].requests.labels(stream.model.name, "abort").inc()
+    if last.error:
+        raise web.HTTPInternalServerError(text=last.error)
+    return text, logprobs, last
+
+
+def on_disconnect(request: web.Request, body: SamplingFields, conversation: bool) -> str:
+    if body.galley and body.galley.on_disconnect:
+        return body.galley.on_disconnect
+    cfg = request.app[HUB].config
+    return cfg.on_disconnect_conversation if conversation else cfg.on_disconnect_plain
 
 
 # ---- chat ------------------------------------------------------------------------------
 
 
-def token_text(model: ServedModel, token_id: int) -> str:
-    return model.tokenizer.decode([token_id])
+async def load_history(request: web.Request, conversation_id: str, model: ServedModel) -> list[dict]:
+    """The stored messages of the caller's conversation (404 if it is not theirs)."""
+    tenant = tenant_of(request).name
+    db = request.app[HUB].db
 
+    def read(conn):
+        found = conversations.get_conversation(conn, conversation_id, tenant)
+        return found, conversations.list_messages(conn, conversation_id) if found else []
 
-def chat_logprobs(model: ServedModel, items: list[TokenLogprob]) -> dict:
-    def entry(token_id: int, logprob: float) -> dict:
-        text = token_text(model, token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
-
-    return {"content": [
-        {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in items
-    ]}
+    found, messages = await asyncio.to_thread(db.read, read)
+    if found is None:
+        raise NotFoundError(f"no conversation {conversation_id!r}", param="conversation_id")
+    if found.model != model.name or found.model_version != model.version:
+        raise ConflictError(f"conversation {conversation_id!r} is pinned to {found.model}@{found.model_version}",
+                            param="model")
+    return [{"role": m.role, "content": m.content} for m in messages]
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -234,9 +199,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     model = served_model(request, body.model)
     check_model_access(request, model.name)
     check_priority_access(request, body.priority)
-    messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
+    new = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
+    history = await load_history(request, body.conversation_id, model) if body.conversation_id else []
     try:
-        rendered = model.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        rendered = model.tokenizer.apply_chat_template(history + new, add_generation_prompt=True, tokenize=False)
     except Exception as exc:  # jinja raises on conversations the template rejects
         raise InvalidRequestError(f"the chat template rejected these messages: {exc}", param="messages") from exc
     prompt_ids = model.tokenizer.encode(rendered, add_special_tokens=False)
@@ -244,50 +210,37 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     params = sampling_params(request, body, body.max_completion_tokens or body.max_tokens, len(prompt_ids), model,
                              want_logprobs)
     stream = submit(request, model, prompt_ids, params, body.priority)
-    base = {"id": f"chatcmpl-{stream.request_id}", "created": int(time.time()), "model": model.name}
-
-    if not body.stream:
-        async def run() -> web.Response:
-            out = await collect(request, stream)
-            choice = {"index": 0, "message": {"role": "assistant", "content": out.text},
-                      "logprobs": chat_logprobs(model, out.logprobs) if body.logprobs else None,
-                      "finish_reason": finish_reason(out.last)}
-            result = {**base, "object": "chat.completion", "choices": [choice], "usage": usage(out.last)}
-            return json_response(result, headers={"X-Request-Id": request["request_id"]})
-        return await with_abort_on_disconnect(request, stream, run())
-
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    chunk_base = {**base, "object": "chat.completion.chunk"}
-    if include_usage:
-        chunk_base["usage"] = None
+    fmt = ChunkFormat("chat", f"chatcmpl-{stream.request_id}", int(time.time()), model.name, include_usage,
+                      body.logprobs)
 
-    def make_chunk(text: str, logprobs: list[TokenLogprob], finish: str | None) -> dict:
-        delta = {"content": text} if text else {}
-        lp = chat_logprobs(model, logprobs) if body.logprobs and logprobs else None
-        return {**chunk_base, "choices": [{"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}]}
+    if not body.stream and not body.conversation_id:
+        text, logprobs, last = await collect(request, stream)
+        return chat_response(request, model, fmt, text, logprobs, finish_reason(last.finish_reason), usage(last))
 
-    first = {**chunk_base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                        "logprobs": None, "finish_reason": None}]}
-    return await with_abort_on_disconnect(
-        request, stream, stream_sse(request, stream, make_chunk, chunk_base, include_usage, first)
-    )
+    if body.conversation_id:
+        conversation_id = body.conversation_id
+        await asyncio.wrap_future(request.app[HUB].db.write(lambda db: [
+            conversations.add_message(db, conversation_id, m["role"], m["content"]) for m in new]))
+    live = request.app[HUB].start(stream, fmt, kind="chat", conversation_id=body.conversation_id,
+                                  on_disconnect=on_disconnect(request, body, bool(body.conversation_id)))
+    if body.stream:
+        return await serve_live(request, live)
+    text, logprobs, last = await collect_live(request, live)
+    return chat_response(request, model, fmt, text, logprobs, finish_reason(last.finish_reason), last.usage)
+
+
+def chat_response(request: web.Request, model: ServedModel, fmt: ChunkFormat, text: str,
+                  logprobs: list[TokenLogprob], finish: str | None, usage_: dict) -> web.Response:
+    choice = {"index": 0, "message": {"role": "assistant", "content": text},
+              "logprobs": chat_logprobs(model.tokenizer, logprobs) if fmt.logprobs else None,
+              "finish_reason": finish}
+    body = {"id": fmt.id, "object": "chat.completion", "created": fmt.created, "model": fmt.model,
+            "choices": [choice], "usage": usage_}
+    return json_response(body, headers={"X-Request-Id": request["request_id"], "X-Stream-Id": fmt.id})
 
 
 # ---- completions -----------------------------------------------------------------------
-
-
-def completion_logprobs(model: ServedModel, items: list[TokenLogprob], offset: int) -> dict:
-    tokens, offsets = [], []
-    for lp in items:
-        tokens.append(token_text(model, lp.token_id))
-        offsets.append(offset)
-        offset += len(tokens[-1])
-    return {
-        "tokens": tokens,
-        "token_logprobs": [lp.logprob for lp in items],
-        "top_logprobs": [{token_text(model, t): v for t, v in lp.top} for lp in items],
-        "text_offset": offsets,
-    }
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -304,30 +257,20 @@ async def completions(request: web.Request) -> web.StreamResponse:
         prompt_ids = list(body.prompt)
     params = sampling_params(request, body, body.max_tokens or 16, len(prompt_ids), model, body.logprobs)
     stream = submit(request, model, prompt_ids, params, body.priority)
-    base = {"id": f"cmpl-{stream.request_id}", "object": "text_completion", "created": int(time.time()),
-            "model": model.name}
-
-    if not body.stream:
-        async def run() -> web.Response:
-            out = await collect(request, stream)
-            lp = completion_logprobs(model, out.logprobs, 0) if body.logprobs is not None else None
-            choice = {"index": 0, "text": out.text, "logprobs": lp, "finish_reason": finish_reason(out.last)}
-            return json_response({**base, "choices": [choice], "usage": usage(out.last)},
-                                 headers={"X-Request-Id": request["request_id"]})
-        return await with_abort_on_disconnect(request, stream, run())
-
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    chunk_base = {**base, "usage": None} if include_usage else base
-    sent = [0]
+    fmt = ChunkFormat("completion", f"cmpl-{stream.request_id}", int(time.time()), model.name, include_usage,
+                      body.logprobs is not None)
 
-    def make_chunk(text: str, logprobs: list[TokenLogprob], finish: str | None) -> dict:
-        lp = completion_logprobs(model, logprobs, sent[0]) if body.logprobs is not None and logprobs else None
-        sent[0] += len(text)
-        return {**chunk_base, "choices": [{"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}]}
-
-    return await with_abort_on_disconnect(
-        request, stream, stream_sse(request, stream, make_chunk, chunk_base, include_usage)
-    )
+    if body.stream:
+        live = request.app[HUB].start(stream, fmt, kind="completion", conversation_id=None,
+                                      on_disconnect=on_disconnect(request, body, False))
+        return await serve_live(request, live)
+    text, logprobs, last = await collect(request, stream)
+    lp = completion_logprobs(model.tokenizer, logprobs, 0) if fmt.logprobs else None
+    choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish_reason(last.finish_reason)}
+    result = {"id": fmt.id, "object": "text_completion", "created": fmt.created, "model": fmt.model,
+              "choices": [choice], "usage": usage(last)}
+    return json_response(result, headers={"X-Request-Id": request["request_id"]})
 
 
 async def list_models(request: web.Request) -> web.Response:

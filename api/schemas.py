@@ -37,6 +37,12 @@ class ChatMessage(Strict):
         return self.content or ""
 
 
+class GalleyOptions(Strict):
+    on_disconnect: Literal["continue", "cancel"] | None = Field(
+        None, description="When the client leaves: finish and store the answer, or cancel it. "
+        "Default: continue for conversation streams, cancel for plain completions.")
+
+
 class SamplingFields(Strict):
     """Fields shared by chat and text completions."""
 
@@ -60,6 +66,7 @@ class SamplingFields(Strict):
     priority: Literal["high", "normal", "low"] = Field(
         "normal", description="galley extension: scheduling class, capped by the API key's tenant."
     )
+    galley: GalleyOptions | None = Field(None, description="galley extensions")
 
     @field_validator("stop")
     @classmethod
@@ -79,6 +86,9 @@ class SamplingFields(Strict):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
+    conversation_id: str | None = Field(
+        None, description="galley extension: continue a stored conversation (its history is prepended, "
+        "the new messages and the answer are stored)")
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)

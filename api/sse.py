@@ -1,4 +1,4 @@
-"""Server-sent events: open a stream response and write `data:` events."""
+"""Server-sent events: open a stream response and write `data:` events (with `id:` to resume)."""
 
 from __future__ import annotations
 
@@ -19,6 +19,11 @@ async def open_sse(request: web.Request, headers: dict[str, str] | None = None) 
     return response
 
 
-async def send_event(response: web.StreamResponse, data: dict | str) -> None:
+async def send_event(response: web.StreamResponse, data: dict | str, event_id: int | None = None) -> None:
+    await response.write(sse_frame(data, event_id))
+
+
+def sse_frame(data: dict | str, event_id: int | None = None) -> bytes:
     payload = data.encode() if isinstance(data, str) else orjson.dumps(data)
-    await response.write(b"data: " + payload + b"\n\n")
+    head = f"id: {event_id}\n".encode() if event_id is not None else b""
+    return head + b"data: " + payload + b"\n\n"

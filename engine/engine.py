@@ -96,7 +96,10 @@ class LLMEngine:
 
     def add_request(self, request: GenerationRequest) -> None:
         seq = Sequence(request)
-        self.requests[request.request_id] = RequestState(seq, TextStream(self.tokenizer, request.params.stop))
+        text = TextStream(self.tokenizer, request.params.stop)
+        for token_id in request.resume_token_ids:  # already sent before a restart: rebuild the state only
+            text.add_token(token_id)
+        self.requests[request.request_id] = RequestState(seq, text)
         self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> bool:

@@ -74,6 +74,7 @@ class GenerationRequest:
     tenant: str = "default"
     priority: Priority = Priority.NORMAL
     weight: float = 1.0  # the tenant's fair-share weight
+    resume_token_ids: list[int] = field(default_factory=list)  # output already emitted before a restart
 
 
 class Sequence:
@@ -93,7 +94,7 @@ class Sequence:
         self.enqueued_s = request.arrival_s  # when it last started waiting (aging)
         self.num_output_at_admission = 0  # for the fair-share quantum
         self.num_prompt_tokens_charged = 0  # fair-share service already counted for the prompt
-        self.token_ids: list[int] = list(request.prompt_token_ids)
+        self.token_ids: list[int] = [*request.prompt_token_ids, *request.resume_token_ids]
         self.num_prompt_tokens = len(request.prompt_token_ids)
         self.num_computed_tokens = 0
         self.block_table: list[int] = []

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from engine.types import EngineStats, GenerationRequest, TokenEvent
+from engine.types import EngineStats, FinishReason, GenerationRequest, TokenEvent
 from scheduling.admission import Admission, TenantLimits, Ticket
 
 
@@ -70,7 +70,7 @@ class RequestStream:
         self.ticket = ticket
         self.events: asyncio.Queue[TokenEvent] = asyncio.Queue()
         self.finished = False
-        self.num_tokens_used = len(request.prompt_token_ids)
+        self.num_tokens_used = len(request.prompt_token_ids) + len(request.resume_token_ids)
 
     @property
     def request_id(self) -> str:
@@ -116,9 +116,16 @@ class Router:
         return stream
 
     def abort(self, stream: RequestStream) -> None:
-        """Cancel a request the client no longer wants; its blocks free before the next step."""
+        """Cancel a request nobody wants any more; its blocks free before the next step.
+
+        Whoever still iterates the stream gets a final `abort` event."""
         if self._close(stream):
             stream.replica.worker.abort(stream.replica.engine_id, stream.request_id)
+            num_prompt = len(stream.request.prompt_token_ids)
+            stream.events.put_nowait(TokenEvent(
+                request_id=stream.request_id, text="", token_ids=[], num_prompt_tokens=num_prompt,
+                num_output_tokens=stream.num_tokens_used - num_prompt, finish_reason=FinishReason.ABORT,
+            ))
 
     def dispatch(self, events: list[TokenEvent]) -> None:
         for event in events:

@@ -78,3 +78,23 @@ def test_seed_gives_same_output_alone_and_in_a_batch(tiny_models):
         max_tokens=12, temperature=1.0, seed=43, ignore_eos=True))[0]
     assert other_seed != alone
     assert_all_blocks_free(engine.scheduler.kv)
+
+
+def test_resumed_generation_continues_exactly_greedy_and_seeded(tiny_models):
+    """A restart re-prefills prompt + emitted tokens; the rest equals an uninterrupted run."""
+    from engine.types import GenerationRequest
+
+    path = tiny_models["qwen2"]
+    prompt = list(range(3, 15))
+    for params in (SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True),
+                   SamplingParams(max_tokens=20, temperature=1.0, seed=5, ignore_eos=True,
+                                  frequency_penalty=0.5)):
+        whole = run_to_completion(make_engine(path), [prompt], params)[0]
+        engine = make_engine(path)
+        engine.add_request(GenerationRequest("r", prompt, params, resume_token_ids=whole[:8]))
+        rest = []
+        while engine.has_work():
+            for event in engine.step():
+                rest.extend(event.token_ids)
+                assert event.num_output_tokens == 8 + len(rest)
+        assert whole[:8] + rest == whole

@@ -1,0 +1,107 @@
+"""Resumable streams over HTTP: serve a live stream as SSE from any event, and
+`GET /api/v1/streams/{stream_id}` to reconnect (Last-Event-ID or ?after=N)."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from api.auth import tenant_of
+from api.chunks import StreamEvent, event_chunks, role_chunk
+from api.context import ROUTER
+from api.errors import APIError, InvalidRequestError, NotFoundError
+from api.routes import Route
+from api.sse import open_sse, send_event
+from api.streams import HUB, LiveStream, prepend
+
+
+class StreamError(APIError):
+    """The generation failed before its first token: a plain HTTP error, not an SSE event."""
+
+    def __init__(self, event: StreamEvent) -> None:
+        super().__init__(event.error or "generation failed", code=event.error_code)
+        self.status = event.error_status
+        self.type = "service_unavailable" if event.error_status == 503 else "internal_error"
+        if event.error_status == 503:
+            self.headers = {"Retry-After": "5"}
+
+
+def error_chunk(event: StreamEvent) -> dict:
+    return {"error": {"message": event.error, "type": "internal_error", "param": None, "code": event.error_code}}
+
+
+async def serve_live(request: web.Request, live: LiveStream, after: int = -1) -> web.StreamResponse:
+    """Stream `live` as SSE from event `after + 1`, `id:` lines carrying event indexes.
+
+    The response starts with the first event, so a request that fails before its first
+    token (queue timeout, engine error) still gets a plain HTTP error.
+    """
+    hub = request.app[HUB]
+    hub.attach(live)
+    try:
+        events = live.follow(after)
+        first = await anext(events, None)
+        if first is not None and first.error and first.index == after + 1 and after == -1:
+            raise StreamError(first)
+        response = await open_sse(request, {"X-Stream-Id": live.id, "X-Request-Id": request["request_id"]})
+        if after == -1 and live.fmt.kind == "chat":
+            await send_event(response, role_chunk(live.fmt))
+        tokenizer = request.app[ROUTER].models[live.fmt.model].tokenizer if live.fmt.model in request.app[
+            ROUTER].models else None
+        if first is not None:
+            async for event in prepend(first, events):
+                if event.error:
+                    await send_event(response, error_chunk(event), event.index)
+                    return response
+                for chunk in event_chunks(live.fmt, tokenizer, event):
+                    await send_event(response, chunk, event.index)
+        if live.status != "cancelled":
+            await send_event(response, "[DONE]")
+        return response
+    finally:
+        hub.detach(live)
+
+
+async def collect_live(request: web.Request, live: LiveStream) -> tuple[str, list, StreamEvent]:
+    """Follow a live stream to its end: (text, logprobs, last event)."""
+    hub = request.app[HUB]
+    hub.attach(live)
+    try:
+        text, logprobs, last = "", [], None
+        async for event in live.follow():
+            if event.error:
+                raise StreamError(event)
+            text += event.text
+            logprobs.extend(event.logprobs or [])
+            last = event
+        return text, logprobs, last
+    finally:
+        hub.detach(live)
+
+
+def resume_point(request: web.Request) -> int:
+    raw = request.headers.get("Last-Event-ID", request.query.get("after", "-1"))
+    try:
+        after = int(raw)
+    except ValueError:
+        raise InvalidRequestError(f"Last-Event-ID / after must be an event index, not {raw!r}",
+                                  param="after") from None
+    if after < -1:
+        raise InvalidRequestError("after must be -1 or more", param="after")
+    return after
+
+
+async def resume_stream(request: web.Request) -> web.StreamResponse:
+    """Replay a stream's events after N (from memory while live, else SQLite), then follow it live."""
+    after = resume_point(request)
+    stream_id = request.match_info["stream_id"]
+    live = await request.app[HUB].find(stream_id, tenant_of(request).name)
+    if live is None:
+        raise NotFoundError(f"no stream {stream_id!r} (unknown, expired, or not yours)", param="stream_id")
+    return await serve_live(request, live, after)
+
+
+ROUTES = [
+    Route("GET", "/api/v1/streams/{stream_id}", resume_stream,
+          "Resume a stream: events after Last-Event-ID (or ?after=N), then live until done",
+          content_type="text/event-stream"),
+]

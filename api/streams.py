@@ -1,0 +1,298 @@
+"""Resumable streams: each generation's event log, its followers, and its checkpoints.
+
+A `LiveStream` owns one generation on the event loop: a producer task appends its token
+events, any number of followers (the original SSE response, a reconnect with
+Last-Event-ID, a WebSocket) read from any index. Emitted tokens and their text deltas are
+checkpointed to SQLite every `checkpoint_tokens` tokens or `checkpoint_seconds`, and at the
+end, so a finished stream can be replayed after it left memory and an unfinished one can
+be resumed after a crash (re-prefill prompt + emitted tokens; greedy and seeded sampling
+continue exactly). When the last follower leaves, the stream continues or is cancelled,
+by its `on_disconnect` policy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import structlog
+from aiohttp import web
+
+from api.chunks import ChunkFormat, StreamEvent
+from api.metrics import Metrics
+from engine.types import FinishReason, GenerationRequest, SamplingParams, TokenEvent
+from scheduling.router import RequestStream, Router
+from storage import conversations, streams
+from storage.db import Database
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class StreamsConfig:
+    stream_retention_seconds: float = 3600.0  # finished streams stay replayable this long
+    checkpoint_tokens: int = 16
+    checkpoint_seconds: float = 0.25
+    on_disconnect_conversation: str = "continue"  # continue | cancel
+    on_disconnect_plain: str = "cancel"
+    memory_seconds: float = 60.0  # finished streams stay in memory this long, then replay from SQLite
+
+
+class LiveStream:
+    """Invariant: `events[i].index == i`; once `done`, no event is appended."""
+
+    def __init__(self, record: streams.StreamRecord, fmt: ChunkFormat, on_disconnect: str) -> None:
+        self.record = record
+        self.fmt = fmt
+        self.on_disconnect = on_disconnect
+        self.events: list[StreamEvent] = []
+        self.done = False
+        self.status = "running"
+        self.followers = 0
+        self.request_stream: RequestStream | None = None
+        self.finished_s: float | None = None
+        self._changed = asyncio.Event()
+
+    @property
+    def id(self) -> str:
+        return self.record.id
+
+    @property
+    def text_length(self) -> int:
+        last = self.events[-1] if self.events else None
+        return last.text_offset + len(last.text) if last else 0
+
+    def append(self, event: StreamEvent) -> None:
+        assert not self.done and event.index == len(self.events)
+        self.events.append(event)
+        self._notify()
+
+    def close(self, status: str) -> None:
+        self.done, self.status, self.finished_s = True, status, time.monotonic()
+        self._notify()
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def follow(self, after: int = -1) -> AsyncIterator[StreamEvent]:
+        """Events with index > `after`, live until the stream is done."""
+        index = after + 1
+        while True:
+            while index < len(self.events):
+                yield self.events[index]
+                index += 1
+            if self.done:
+                return
+            await self._changed.wait()
+
+
+def replayed(record: streams.StreamRecord) -> list[StreamEvent]:
+    """Events rebuilt from a stored record (usage and finish on the last one when finished)."""
+    events, offset = [], 0
+    for index, text in enumerate(record.texts):
+        events.append(StreamEvent(index, text, offset))
+        offset += len(text)
+    if events and record.status != "running":
+        events[-1].finish_reason = record.finish_reason
+        prompt, completion = len(record.prompt_token_ids), len(record.token_ids)
+        events[-1].usage = {"prompt_tokens": prompt, "completion_tokens": completion,
+                            "total_tokens": prompt + completion}
+    return events
+
+
+def params_to_json(params: SamplingParams) -> dict:
+    return {**params.__dict__, "stop": list(params.stop), "stop_token_ids": list(params.stop_token_ids)}
+
+
+def params_from_json(data: dict) -> SamplingParams:
+    return SamplingParams(**{**data, "stop": tuple(data["stop"]), "stop_token_ids": tuple(data["stop_token_ids"])})
+
+
+@dataclass
+class StreamHub:
+    router: Router
+    db: Database
+    metrics: Metrics
+    config: StreamsConfig = StreamsConfig()
+    live: dict[str, LiveStream] = field(default_factory=dict)
+    _tasks: set[asyncio.Task] = field(default_factory=set)
+
+    def start(self, request_stream: RequestStream, fmt: ChunkFormat, *, kind: str, conversation_id: str | None,
+              on_disconnect: str, resumed: streams.StreamRecord | None = None) -> LiveStream:
+        """Register a submitted generation and start recording it."""
+        gen = request_stream.request
+        record = resumed or streams.StreamRecord(
+            id=fmt.id, tenant=gen.tenant, conversation_id=conversation_id, kind=kind, model=fmt.model,
+            request={"format": fmt.to_dict(), "params": params_to_json(gen.params), "on_disconnect": on_disconnect,
+                     "priority": gen.priority.name.lower()},
+            prompt_token_ids=list(gen.prompt_token_ids), token_ids=[], texts=[],
+        )
+        live = LiveStream(record, fmt, on_disconnect)
+        live.request_stream = request_stream
+        if resumed is not None:
+            for event in replayed(resumed):
+                live.append(event)
+        else:
+            self.db.write(lambda db: streams.insert_stream(db, record))
+        self.live[live.id] = live
+        self._spawn(self._produce(live, request_stream))
+        return live
+
+    def attach(self, live: LiveStream) -> None:
+        live.followers += 1
+
+    def detach(self, live: LiveStream) -> None:
+        """A follower left; with nobody left and the cancel policy, the generation stops."""
+        live.followers -= 1
+        if live.followers == 0 and not live.done and live.on_disconnect == "cancel":
+            if live.request_stream is not None:
+                self.router.abort(live.request_stream)
+                self.metrics.requests.labels(live.fmt.model, "abort").inc()
+
+    async def _produce(self, live: LiveStream, rs: RequestStream) -> None:
+        token_ids = list(live.record.token_ids)
+        texts = list(live.record.texts)
+        checkpointed, checkpoint_s = len(texts), time.monotonic()
+        status, finish = "failed", None
+        events = self.metrics.observe(rs)
+        try:
+            first = await asyncio.wait_for(anext(events), self.router.queue_timeout_s)
+            async for event in prepend(first, events):
+                token_ids.extend(event.token_ids)
+                texts.extend([event.text] if event.token_ids else [])
+                self._append(live, event)
+                if event.finished:
+                    status = {FinishReason.ABORT: "cancelled", FinishReason.ERROR: "failed"}.get(
+                        event.finish_reason, "finished")
+                    finish = event.finish_reason.value
+                elif (len(texts) - checkpointed >= self.config.checkpoint_tokens
+                      or time.monotonic() - checkpoint_s >= self.config.checkpoint_seconds):
+                    self._checkpoint(live.id, token_ids, texts)
+                    checkpointed, checkpoint_s = len(texts), time.monotonic()
+        except TimeoutError:
+            self.router.abort(rs)
+            self.metrics.rejected.labels(live.fmt.model, "queue_timeout").inc()
+            live.append(StreamEvent(
+                len(live.events), "", live.text_length, finish_reason="error", error_status=503,
+                error_code="queue_timeout",
+                error=f"the request waited {self.router.queue_timeout_s:g}s without being scheduled "
+                      "(queue_timeout_seconds); the server is overloaded, retry later",
+            ))
+        except Exception:
+            log.exception("stream producer failed", stream_id=live.id)
+            if not live.events or live.events[-1].finish_reason is None:
+                live.append(StreamEvent(len(live.events), "", live.text_length, finish_reason="error",
+                                        error="internal error while streaming"))
+        except asyncio.CancelledError:  # server shutting down: leave it running, to resume on restart
+            self._checkpoint(live.id, token_ids, texts)
+            raise
+        live.close(status)
+        self._finish(live, token_ids, texts, status, finish)
+
+    def _checkpoint(self, stream_id: str, token_ids: list[int], texts: list[str]) -> None:
+        ids, txt = list(token_ids), list(texts)  # copies: the writer thread reads them later
+        self.db.write(lambda db: streams.checkpoint_stream(db, stream_id, ids, txt))
+
+    def _append(self, live: LiveStream, event: TokenEvent) -> None:
+        usage = None
+        if event.finished:
+            usage = {"prompt_tokens": event.num_prompt_tokens, "completion_tokens": event.num_output_tokens,
+                     "total_tokens": event.num_prompt_tokens + event.num_output_tokens}
+        live.append(StreamEvent(
+            index=len(live.events), text=event.text, text_offset=live.text_length, logprobs=event.logprobs,
+            finish_reason=event.finish_reason.value if event.finish_reason else None, usage=usage,
+            error=event.error,
+        ))
+
+    def _finish(self, live: LiveStream, token_ids: list[int], texts: list[str], status: str,
+                finish: str | None) -> None:
+        record = live.record
+
+        def persist(db) -> None:
+            streams.finish_stream(db, record.id, token_ids, texts, status, finish)
+            if record.conversation_id and status == "finished":
+                conversations.add_message(db, record.conversation_id, "assistant", "".join(texts),
+                                          prompt_tokens=len(record.prompt_token_ids),
+                                          completion_tokens=len(token_ids), stream_id=record.id)
+
+        self.db.write(persist)
+
+    async def find(self, stream_id: str, tenant: str) -> LiveStream | None:
+        """The stream, live or rebuilt from SQLite; None if unknown, expired or another tenant's."""
+        live = self.live.get(stream_id)
+        if live is None:
+            record = await asyncio.to_thread(self.db.read, lambda db: streams.get_stream(db, stream_id))
+            if record is None or record.status == "running":
+                return None  # running but not live: recovery has not picked it up (yet)
+            live = LiveStream(record, ChunkFormat.from_dict(record.request["format"]),
+                              record.request.get("on_disconnect", "cancel"))
+            for event in replayed(record):
+                live.append(event)
+            live.close(record.status)
+        return live if live.record.tenant == tenant else None
+
+    def resume_request(self, record: streams.StreamRecord) -> GenerationRequest:
+        from engine.types import Priority
+
+        return GenerationRequest(record.id.split("-", 1)[-1], list(record.prompt_token_ids),
+                                 params_from_json(record.request["params"]), tenant=record.tenant,
+                                 priority=Priority[record.request.get("priority", "normal").upper()],
+                                 resume_token_ids=list(record.token_ids))
+
+    async def recover(self) -> int:
+        """Resume the streams a crash left running; returns how many."""
+        records = await asyncio.to_thread(self.db.read, lambda db: streams.list_streams(db, "running"))
+        resumed = 0
+        for record in records:
+            model = self.router.models.get(record.model)
+            if model is None:
+                self.db.write(lambda db, r=record: streams.finish_stream(
+                    db, r.id, r.token_ids, r.texts, "failed", None))
+                log.warning("cannot resume stream: model gone", stream_id=record.id, model=record.model)
+                continue
+            rs = self.router.submit(model, self.resume_request(record))
+            self.start(rs, ChunkFormat.from_dict(record.request["format"]), kind=record.kind,
+                       conversation_id=record.conversation_id, on_disconnect="continue", resumed=record)
+            resumed += 1
+        if resumed:
+            log.info("resumed streams after restart", count=resumed)
+        return resumed
+
+    async def sweep(self) -> None:
+        """Drop finished streams from memory after a while, and from SQLite after the retention."""
+        now = time.monotonic()
+        for stream_id, live in list(self.live.items()):
+            if live.done and live.followers == 0 and now - live.finished_s >= self.config.memory_seconds:
+                del self.live[stream_id]
+        cutoff = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(time.time() - self.config.stream_retention_seconds))
+        await asyncio.wrap_future(self.db.write(lambda db: streams.delete_streams_finished_before(db, cutoff)))
+
+    async def run_sweeper(self, interval_s: float = 30.0) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                await self.sweep()
+            except Exception:
+                log.exception("stream sweep failed")
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+async def prepend(first, rest):
+    yield first
+    async for item in rest:
+        yield item
+
+
+HUB = web.AppKey("stream_hub", StreamHub)
