@@ -11,7 +11,7 @@ from pathlib import Path
 import structlog
 from aiohttp import web
 
-from api import admin, health, openai
+from api import admin, conversations, health, openai
 from api.auth import AUTH, DATABASE, Auth, TenantDirectory, auth_middleware
 from api.context import ROUTER, STATE, ServerState
 from api.errors import error_middleware, json_response
@@ -45,7 +45,7 @@ async def request_context(request: web.Request, handler):
 
 
 def all_routes() -> list[Route]:
-    return [*health.ROUTES, *openai.ROUTES, *admin.ROUTES]
+    return [*health.ROUTES, *openai.ROUTES, *admin.ROUTES, *conversations.ROUTES]
 
 
 def temporary_database(app: web.Application) -> Database:
