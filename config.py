@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from api.streams import StreamsConfig
 from engine.model_runner import CacheConfig
 from launch import EngineConfig
 from scheduling.fair_queue import FairShareConfig
@@ -66,6 +67,7 @@ class GalleyConfig:
     server: ServerConfig = ServerConfig()
     auth: AuthConfig = AuthConfig()
     scheduling: SchedulingConfig = SchedulingConfig()
+    streams: StreamsConfig = StreamsConfig()
     engine: EngineConfig = EngineConfig()  # [engine], [cache] (as engine.cache), policy from [scheduling]
     models: tuple[ModelSpec, ...] = (ModelSpec("demo", str(ROOT / "models" / "demo")),)
 
@@ -100,7 +102,7 @@ def load_config(path: str | Path | None = None) -> GalleyConfig:
         raw = tomllib.loads(path.read_text())
     except (OSError, tomllib.TOMLDecodeError) as exc:
         raise ConfigError(f"cannot read config {path}: {exc}") from exc
-    sections = ("server", "auth", "scheduling", "engine", "cache", "models")
+    sections = ("server", "auth", "scheduling", "streams", "engine", "cache", "models")
     unknown = sorted(set(raw) - set(sections))
     if unknown:
         raise ConfigError(f"unknown section(s) {unknown} in {path}; known: {', '.join(sections)}")
@@ -118,6 +120,7 @@ def load_config(path: str | Path | None = None) -> GalleyConfig:
         server=build(ServerConfig, raw.get("server", {}), "server"),
         auth=build(AuthConfig, raw.get("auth", {}), "auth"),
         scheduling=scheduling,
+        streams=build(StreamsConfig, raw.get("streams", {}), "streams"),
         engine=dataclasses.replace(engine, cache=cache, policy=scheduling.policy, fair_share=scheduling.fair_share),
         models=GalleyConfig.models if models is None else tuple(model_spec(m, base) for m in models),
     )
@@ -145,6 +148,7 @@ def with_overrides(cfg: GalleyConfig, server: dict[str, Any], engine: dict[str, 
         server=dataclasses.replace(cfg.server, **pick(server)),
         auth=dataclasses.replace(cfg.auth, **pick(auth or {})),
         scheduling=cfg.scheduling,
+        streams=cfg.streams,
         engine=dataclasses.replace(cfg.engine, cache=new_cache, **pick(engine)),
         models=tuple(models),
     )

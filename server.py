@@ -24,6 +24,7 @@ from aiohttp import web
 from api.app import create_app
 from api.auth import resolve_admin_key
 from api.context import ServerState
+from api.streams import HUB
 from config import ConfigError, GalleyConfig, load_config, with_overrides
 from launch import start_models
 from scheduling.router import Router
@@ -106,7 +107,8 @@ async def serve(cfg: GalleyConfig, db: Database, admin_key_hash: str) -> int:
     loop = asyncio.get_running_loop()
     router = Router(queue_timeout_s=cfg.scheduling.queue_timeout_seconds)
     state = ServerState(started_s=time.monotonic())
-    app = create_app(router, state, db=db, auth_enabled=cfg.auth.enabled, admin_key_hash=admin_key_hash)
+    app = create_app(router, state, db=db, auth_enabled=cfg.auth.enabled, admin_key_hash=admin_key_hash,
+                     streams_config=cfg.streams)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, cfg.server.host, cfg.server.port)
@@ -132,6 +134,7 @@ async def serve(cfg: GalleyConfig, db: Database, admin_key_hash: str) -> int:
         log.error("model loading failed", error=str(exc))
         await runner.cleanup()
         return 1
+    await app[HUB].recover()  # streams a crash left running continue from their checkpoint
     state.ready = True
     log.info("ready")
 

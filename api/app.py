@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 import tempfile
 import time
@@ -11,13 +12,14 @@ from pathlib import Path
 import structlog
 from aiohttp import web
 
-from api import admin, conversations, health, openai
+from api import admin, conversations, health, openai, stream_api
 from api.auth import AUTH, DATABASE, Auth, TenantDirectory, auth_middleware
 from api.context import ROUTER, STATE, ServerState
 from api.errors import error_middleware, json_response
 from api.metrics import METRICS, Metrics, metrics_endpoint
 from api.openapi import build_spec
 from api.routes import Route
+from api.streams import HUB, StreamHub, StreamsConfig
 from scheduling.router import Router
 from storage.db import Database
 
@@ -45,7 +47,7 @@ async def request_context(request: web.Request, handler):
 
 
 def all_routes() -> list[Route]:
-    return [*health.ROUTES, *openai.ROUTES, *admin.ROUTES, *conversations.ROUTES]
+    return [*health.ROUTES, *openai.ROUTES, *stream_api.ROUTES, *admin.ROUTES, *conversations.ROUTES]
 
 
 def temporary_database(app: web.Application) -> Database:
@@ -61,8 +63,17 @@ def temporary_database(app: web.Application) -> Database:
     return db
 
 
+async def run_stream_sweeper(app: web.Application):
+    """Expire finished streams in the background; on shutdown stop the stream producers."""
+    sweeper = asyncio.get_running_loop().create_task(app[HUB].run_sweeper())
+    yield
+    sweeper.cancel()
+    await app[HUB].close()
+
+
 def create_app(router: Router, state: ServerState | None = None, *, db: Database | None = None,
-               auth_enabled: bool = False, admin_key_hash: str | None = None) -> web.Application:
+               auth_enabled: bool = False, admin_key_hash: str | None = None,
+               streams_config: StreamsConfig | None = None) -> web.Application:
     """The app; `db` stays open after cleanup (its owner closes it). No admin key: the admin API refuses all."""
     app = web.Application(middlewares=[request_context, error_middleware, auth_middleware],
                           client_max_size=MAX_BODY_BYTES)
@@ -71,6 +82,8 @@ def create_app(router: Router, state: ServerState | None = None, *, db: Database
     app[ROUTER] = router
     app[STATE] = state or ServerState(ready=True)
     app[METRICS] = Metrics(router)
+    app[HUB] = StreamHub(router, app[DATABASE], app[METRICS], streams_config or StreamsConfig())
+    app.cleanup_ctx.append(run_stream_sweeper)
     routes = all_routes()
     for route in routes:
         app.router.add_route(route.method, route.path, route.handler)

@@ -187,7 +187,8 @@ async def load_history(request: web.Request, conversation_id: str, model: Served
 
     found, messages = await asyncio.to_thread(db.read, read)
     if found is None:
-        raise NotFoundError(f"no conversation {conversation_id!r}", param="conversation_id")
+        raise NotFoundError(f"no conversation {conversation_id!r}", param="conversation_id",
+                            code="conversation_not_found")
     if found.model != model.name or found.model_version != model.version:
         raise ConflictError(f"conversation {conversation_id!r} is pinned to {found.model}@{found.model_version}",
                             param="model")

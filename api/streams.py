@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import structlog
@@ -189,8 +190,11 @@ class StreamHub:
         except asyncio.CancelledError:  # server shutting down: leave it running, to resume on restart
             self._checkpoint(live.id, token_ids, texts)
             raise
+        try:  # stored before followers see the end, so a next turn reads this answer
+            await asyncio.wrap_future(self._finish(live, token_ids, texts, status, finish))
+        except Exception:
+            log.exception("could not store the end of a stream", stream_id=live.id)
         live.close(status)
-        self._finish(live, token_ids, texts, status, finish)
 
     def _checkpoint(self, stream_id: str, token_ids: list[int], texts: list[str]) -> None:
         ids, txt = list(token_ids), list(texts)  # copies: the writer thread reads them later
@@ -208,17 +212,20 @@ class StreamHub:
         ))
 
     def _finish(self, live: LiveStream, token_ids: list[int], texts: list[str], status: str,
-                finish: str | None) -> None:
+                finish: str | None) -> Future:
         record = live.record
 
         def persist(db) -> None:
             streams.finish_stream(db, record.id, token_ids, texts, status, finish)
             if record.conversation_id and status == "finished":
-                conversations.add_message(db, record.conversation_id, "assistant", "".join(texts),
-                                          prompt_tokens=len(record.prompt_token_ids),
-                                          completion_tokens=len(token_ids), stream_id=record.id)
+                try:
+                    conversations.add_message(db, record.conversation_id, "assistant", "".join(texts),
+                                              prompt_tokens=len(record.prompt_token_ids),
+                                              completion_tokens=len(token_ids), stream_id=record.id)
+                except conversations.ConversationNotFoundError:
+                    pass  # deleted while the answer was generated: the stream record still finishes
 
-        self.db.write(persist)
+        return self.db.write(persist)
 
     async def find(self, stream_id: str, tenant: str) -> LiveStream | None:
         """The stream, live or rebuilt from SQLite; None if unknown, expired or another tenant's."""
@@ -267,7 +274,7 @@ class StreamHub:
         for stream_id, live in list(self.live.items()):
             if live.done and live.followers == 0 and now - live.finished_s >= self.config.memory_seconds:
                 del self.live[stream_id]
-        cutoff = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(time.time() - self.config.stream_retention_seconds))
+        cutoff = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() - self.config.stream_retention_seconds))
         await asyncio.wrap_future(self.db.write(lambda db: streams.delete_streams_finished_before(db, cutoff)))
 
     async def run_sweeper(self, interval_s: float = 30.0) -> None:
