@@ -11,6 +11,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import structlog
 from aiohttp import web
@@ -40,7 +41,7 @@ from api.schemas import (
     SamplingFields,
 )
 from api.stream_api import collect_live, serve_live
-from api.streams import HUB
+from api.streams import HUB, LiveStream
 from api.validation import parse_body
 from engine.types import GenerationRequest, Priority, SamplingParams, TokenEvent, TokenLogprob
 from scheduling.admission import Rejected, TenantLimits
@@ -195,8 +196,19 @@ async def load_history(request: web.Request, conversation_id: str, model: Served
     return [{"role": m.role, "content": m.content} for m in messages]
 
 
-async def chat_completions(request: web.Request) -> web.StreamResponse:
-    body = await parse_body(request, ChatCompletionRequest)
+@dataclass
+class ChatStart:
+    """A chat request validated, rendered and submitted: what its caller streams or collects."""
+
+    model: ServedModel
+    stream: RequestStream
+    fmt: ChunkFormat
+    conversation_id: str | None
+
+
+async def start_chat(request: web.Request, body: ChatCompletionRequest) -> ChatStart:
+    """Validate, apply the chat template (with the conversation's history), submit; store the
+    new messages of a conversation. Shared by /v1/chat/completions and the WebSocket."""
     model = served_model(request, body.model)
     check_model_access(request, model.name)
     check_priority_access(request, body.priority)
@@ -214,27 +226,36 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     fmt = ChunkFormat("chat", f"chatcmpl-{stream.request_id}", int(time.time()), model.name, include_usage,
                       body.logprobs)
-
-    if not body.stream and not body.conversation_id:
-        text, logprobs, last = await collect(request, stream)
-        return chat_response(request, model, fmt, text, logprobs, finish_reason(last.finish_reason), usage(last))
-
     if body.conversation_id:
         conversation_id = body.conversation_id
         await asyncio.wrap_future(request.app[HUB].db.write(lambda db: [
             conversations.add_message(db, conversation_id, m["role"], m["content"]) for m in new]))
-    live = request.app[HUB].start(stream, fmt, kind="chat", conversation_id=body.conversation_id,
-                                  on_disconnect=on_disconnect(request, body, bool(body.conversation_id)))
+    return ChatStart(model, stream, fmt, body.conversation_id)
+
+
+def start_live_chat(request: web.Request, body: ChatCompletionRequest, chat: ChatStart) -> LiveStream:
+    return request.app[HUB].start(chat.stream, chat.fmt, kind="chat", conversation_id=chat.conversation_id,
+                                  on_disconnect=on_disconnect(request, body, bool(chat.conversation_id)))
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    body = await parse_body(request, ChatCompletionRequest)
+    chat = await start_chat(request, body)
+    if not body.stream and not body.conversation_id:
+        text, logprobs, last = await collect(request, chat.stream)
+        return chat_response(request, chat, text, logprobs, finish_reason(last.finish_reason), usage(last))
+    live = start_live_chat(request, body, chat)
     if body.stream:
         return await serve_live(request, live)
     text, logprobs, last = await collect_live(request, live)
-    return chat_response(request, model, fmt, text, logprobs, finish_reason(last.finish_reason), last.usage)
+    return chat_response(request, chat, text, logprobs, finish_reason(last.finish_reason), last.usage)
 
 
-def chat_response(request: web.Request, model: ServedModel, fmt: ChunkFormat, text: str,
-                  logprobs: list[TokenLogprob], finish: str | None, usage_: dict) -> web.Response:
+def chat_response(request: web.Request, chat: ChatStart, text: str, logprobs: list[TokenLogprob],
+                  finish: str | None, usage_: dict) -> web.Response:
+    fmt = chat.fmt
     choice = {"index": 0, "message": {"role": "assistant", "content": text},
-              "logprobs": chat_logprobs(model.tokenizer, logprobs) if fmt.logprobs else None,
+              "logprobs": chat_logprobs(chat.model.tokenizer, logprobs) if fmt.logprobs else None,
               "finish_reason": finish}
     body = {"id": fmt.id, "object": "chat.completion", "created": fmt.created, "model": fmt.model,
             "choices": [choice], "usage": usage_}
