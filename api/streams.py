@@ -260,7 +260,11 @@ class StreamHub:
                     db, r.id, r.token_ids, r.texts, "failed", None))
                 log.warning("cannot resume stream: model gone", stream_id=record.id, model=record.model)
                 continue
-            rs = self.router.submit(model, self.resume_request(record))
+            try:
+                rs = self.router.submit(model, self.resume_request(record))
+            except Exception as exc:  # e.g. the queue is full: it stays running for the next start
+                log.warning("cannot resume stream now", stream_id=record.id, error=str(exc))
+                continue
             self.start(rs, ChunkFormat.from_dict(record.request["format"]), kind=record.kind,
                        conversation_id=record.conversation_id, on_disconnect="continue", resumed=record)
             resumed += 1
