@@ -19,7 +19,7 @@ from typing import TypeVar
 
 import sqlite_utils
 
-from storage import conversations, streams, tenants
+from storage import conversations, registry, streams, tenants
 
 T = TypeVar("T")
 Migration = Callable[[sqlite_utils.Database], None]
@@ -29,6 +29,7 @@ MIGRATIONS: tuple[Migration, ...] = (
     tenants.create_tenant_tables,
     conversations.create_conversation_tables,
     streams.create_stream_tables,
+    registry.create_registry_tables,
 )
 
 

@@ -1,0 +1,259 @@
+"""The model registry and deployments: tables `model_versions`, `deployments`, `deployment_events`.
+
+A model version is (name, version) with its source (a local folder or a hub id), its kind
+(generate / embed / classify), its options and its lifecycle state. A deployment maps a
+model name to its traffic split {version: percent} (summing to 100), its stable version and
+the stable version before that (what a rollback returns to); every change is appended to
+`deployment_events`. Sync functions over a `sqlite_utils.Database`; writes belong on the
+writer thread. Must not import anything but the standard library and sqlite_utils.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import sqlite_utils
+
+from storage.tenants import utc_now
+
+KINDS = ("generate", "embed", "classify")
+STATES = ("unloaded", "loading", "ready", "failed")
+EVENT_KINDS = ("deploy", "traffic", "rollback", "auto_rollback")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+FAULTS = ("raise",)
+# option -> (accepted types, what it means); anything else is rejected
+OPTIONS: dict[str, tuple[tuple[type, ...], str]] = {
+    "dtype": ((str,), "auto | float32 | bfloat16 | float16"),
+    "device": ((str,), "one of the configured devices; default: every configured device"),
+    "pinned": ((bool,), "stays loaded: never unloaded for idleness or memory"),
+    "keep_alive": ((int, float), "seconds idle before it unloads; 0: never"),
+    "max_batch": ((int,), "encoders: most inputs in one forward"),
+    "max_wait_ms": ((int, float), "encoders: how long a batch waits to fill"),
+    "fault": ((str,), "TEST ONLY: 'raise' makes every engine step after the warm-up raise"),
+}
+
+
+class VersionExistsError(Exception):
+    pass
+
+
+class VersionNotFoundError(LookupError):
+    pass
+
+
+def validate_options(options: Mapping[str, Any]) -> dict[str, Any]:
+    """The options, checked (ValueError names the first bad one)."""
+    for name, value in options.items():
+        if name not in OPTIONS:
+            raise ValueError(f"unknown option {name!r}; known: {', '.join(OPTIONS)}")
+        types, _ = OPTIONS[name]
+        if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+            raise ValueError(f"option {name!r} must be {' or '.join(t.__name__ for t in types)}")
+    if options.get("dtype", "auto") not in DTYPES:
+        raise ValueError(f"option 'dtype' must be one of {DTYPES}")
+    if options.get("fault") is not None and options["fault"] not in FAULTS:
+        raise ValueError(f"option 'fault' must be one of {FAULTS}")
+    for name in ("keep_alive", "max_wait_ms"):
+        if options.get(name, 0) < 0:
+            raise ValueError(f"option {name!r} must be >= 0")
+    if options.get("max_batch", 1) < 1:
+        raise ValueError("option 'max_batch' must be >= 1")
+    return dict(options)
+
+
+@dataclass(frozen=True)
+class ModelVersion:
+    """Invariant: kind in KINDS, state in STATES, options valid; `error` set only when failed."""
+
+    name: str
+    version: str
+    source: str
+    kind: str = "generate"
+    options: dict[str, Any] = field(default_factory=dict)
+    state: str = "unloaded"
+    error: str | None = None
+    created_at: str = field(default_factory=utc_now)
+    updated_at: str = field(default_factory=utc_now)
+
+    def __post_init__(self) -> None:
+        if not self.name or "@" in self.name or not self.version or "@" in self.version:
+            raise ValueError("name and version must be non-empty and must not contain '@'")
+        if self.kind not in KINDS:
+            raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
+        if self.state not in STATES:
+            raise ValueError(f"state must be one of {STATES}, got {self.state!r}")
+        validate_options(self.options)
+
+    @property
+    def ref(self) -> str:
+        return f"{self.name}@{self.version}"
+
+    @property
+    def pinned(self) -> bool:
+        return bool(self.options.get("pinned", False))
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """Invariant: traffic percents are >= 0 and sum to 100; stable is in traffic."""
+
+    model_name: str
+    traffic: dict[str, int]
+    stable_version: str
+    previous_stable_version: str | None = None
+    updated_at: str = field(default_factory=utc_now)
+
+    def __post_init__(self) -> None:
+        check_traffic(self.traffic)
+        if self.stable_version not in self.traffic:
+            raise ValueError(f"stable version {self.stable_version!r} is not in the traffic split")
+
+
+@dataclass(frozen=True)
+class DeploymentEvent:
+    id: int
+    model_name: str
+    kind: str
+    traffic_before: dict[str, int] | None
+    traffic_after: dict[str, int]
+    reason: str | None
+    created_at: str
+
+
+def check_traffic(traffic: Mapping[str, int]) -> None:
+    if not traffic:
+        raise ValueError("the traffic split is empty")
+    if any(not isinstance(p, int) or isinstance(p, bool) or p < 0 for p in traffic.values()):
+        raise ValueError("traffic percents must be integers >= 0")
+    if sum(traffic.values()) != 100:
+        raise ValueError(f"traffic percents must sum to 100, not {sum(traffic.values())}")
+
+
+# ---- schema ----------------------------------------------------------------------------
+
+
+def create_registry_tables(db: sqlite_utils.Database) -> None:
+    """Migration: model versions, deployments and their change log."""
+    kinds = ", ".join(f"'{k}'" for k in KINDS)
+    states = ", ".join(f"'{s}'" for s in STATES)
+    events = ", ".join(f"'{e}'" for e in EVENT_KINDS)
+    db.execute(f"""
+        CREATE TABLE model_versions (
+            name TEXT NOT NULL,
+            version TEXT NOT NULL,
+            source TEXT NOT NULL,
+            kind TEXT NOT NULL CHECK (kind IN ({kinds})),
+            options TEXT NOT NULL,
+            state TEXT NOT NULL CHECK (state IN ({states})),
+            error TEXT,
+            created_at TEXT NOT NULL,
+            updated_at TEXT NOT NULL,
+            PRIMARY KEY (name, version)
+        )""")
+    db.execute("""
+        CREATE TABLE deployments (
+            model_name TEXT PRIMARY KEY,
+            traffic TEXT NOT NULL,
+            stable_version TEXT NOT NULL,
+            previous_stable_version TEXT,
+            updated_at TEXT NOT NULL
+        )""")
+    db.execute(f"""
+        CREATE TABLE deployment_events (
+            id INTEGER PRIMARY KEY,
+            model_name TEXT NOT NULL,
+            kind TEXT NOT NULL CHECK (kind IN ({events})),
+            traffic_before TEXT,
+            traffic_after TEXT NOT NULL,
+            reason TEXT,
+            created_at TEXT NOT NULL
+        )""")
+    db.execute("CREATE INDEX deployment_events_model ON deployment_events(model_name, id)")
+
+
+# ---- model versions --------------------------------------------------------------------
+
+
+def version_from_row(row: Mapping[str, Any]) -> ModelVersion:
+    return ModelVersion(**{**row, "options": json.loads(row["options"])})
+
+
+def add_version(db: sqlite_utils.Database, version: ModelVersion) -> ModelVersion:
+    """Registers a version; VersionExistsError if (name, version) is taken."""
+    if get_version(db, version.name, version.version) is not None:
+        raise VersionExistsError(version.ref)
+    row = {**version.__dict__, "options": json.dumps(version.options, sort_keys=True)}
+    db.table("model_versions").insert(row)
+    return version
+
+
+def get_version(db: sqlite_utils.Database, name: str, version: str) -> ModelVersion | None:
+    rows = list(db.query("SELECT * FROM model_versions WHERE name = ? AND version = ?", [name, version]))
+    return version_from_row(rows[0]) if rows else None
+
+
+def list_versions(db: sqlite_utils.Database, name: str | None = None) -> list[ModelVersion]:
+    """Every version (of `name`, if given), by name then registration order."""
+    where, args = ("WHERE name = ?", [name]) if name is not None else ("", [])
+    rows = db.query(f"SELECT * FROM model_versions {where} ORDER BY name, created_at, rowid", args)
+    return [version_from_row(row) for row in rows]
+
+
+def set_state(db: sqlite_utils.Database, name: str, version: str, state: str,
+              error: str | None = None) -> ModelVersion:
+    if state not in STATES:
+        raise ValueError(f"state must be one of {STATES}")
+    cursor = db.execute("UPDATE model_versions SET state = ?, error = ?, updated_at = ? WHERE name = ? AND version = ?",
+                        [state, error if state == "failed" else None, utc_now(), name, version])
+    if cursor.rowcount == 0:
+        raise VersionNotFoundError(f"{name}@{version}")
+    return get_version(db, name, version)
+
+
+def reset_states(db: sqlite_utils.Database) -> None:
+    """At startup nothing is loaded yet: every version is unloaded (failures keep their error)."""
+    db.execute("UPDATE model_versions SET state = 'unloaded', updated_at = ? WHERE state IN ('loading', 'ready')",
+               [utc_now()])
+
+
+# ---- deployments -----------------------------------------------------------------------
+
+
+def deployment_from_row(row: Mapping[str, Any]) -> Deployment:
+    return Deployment(**{**row, "traffic": json.loads(row["traffic"])})
+
+
+def get_deployment(db: sqlite_utils.Database, model_name: str) -> Deployment | None:
+    rows = list(db.query("SELECT * FROM deployments WHERE model_name = ?", [model_name]))
+    return deployment_from_row(rows[0]) if rows else None
+
+
+def list_deployments(db: sqlite_utils.Database) -> list[Deployment]:
+    return [deployment_from_row(row) for row in db.query("SELECT * FROM deployments ORDER BY model_name")]
+
+
+def save_deployment(db: sqlite_utils.Database, deployment: Deployment, kind: str,
+                    reason: str | None = None) -> Deployment:
+    """Writes the deployment and appends the change to its event log, in one transaction."""
+    if kind not in EVENT_KINDS:
+        raise ValueError(f"event kind must be one of {EVENT_KINDS}")
+    before = get_deployment(db, deployment.model_name)
+    row = {**deployment.__dict__, "traffic": json.dumps(deployment.traffic, sort_keys=True), "updated_at": utc_now()}
+    db.table("deployments").upsert(row, pk="model_name")
+    db.table("deployment_events").insert({
+        "model_name": deployment.model_name, "kind": kind,
+        "traffic_before": json.dumps(before.traffic, sort_keys=True) if before else None,
+        "traffic_after": row["traffic"], "reason": reason, "created_at": row["updated_at"],
+    })
+    return get_deployment(db, deployment.model_name)
+
+
+def list_events(db: sqlite_utils.Database, model_name: str | None = None, limit: int = 100) -> list[DeploymentEvent]:
+    """The most recent changes first."""
+    where, args = ("WHERE model_name = ?", [model_name]) if model_name is not None else ("", [])
+    rows = db.query(f"SELECT * FROM deployment_events {where} ORDER BY id DESC LIMIT ?", [*args, limit])
+    return [DeploymentEvent(**{**row, "traffic_before": json.loads(row["traffic_before"] or "null"),
+                               "traffic_after": json.loads(row["traffic_after"])}) for row in rows]
