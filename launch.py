@@ -7,19 +7,22 @@ its scheduler and the worker its emit callback from here, so neither imports the
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import structlog
 
 from engine.engine import LLMEngine
 from engine.kv_cache import KVCacheManager
-from engine.loader import LoadedModel, load_model
-from engine.model_runner import CacheConfig, ModelRunner, num_kv_blocks
+from engine.faults import FaultyRunner
+from engine.loader import LoadedModel, ModelLoadError, load_model
+from engine.model_runner import GIB, CacheConfig, ModelRunner, num_kv_blocks
 from engine.worker import DeviceWorker, Emit
 from scheduling.fair_queue import FairQueue, FairShareConfig
 from scheduling.queue import FifoQueue
 from scheduling.router import Replica, Router, ServedModel
 from scheduling.scheduler import Scheduler, SchedulerConfig
+from storage.registry import ModelVersion
 
 log = structlog.get_logger(__name__)
 
@@ -59,32 +62,98 @@ def build_engine(loaded: LoadedModel, cfg: EngineConfig, num_blocks: int | None 
 
 
 
+def engine_bytes(engine: LLMEngine) -> int:
+    """Weights plus KV cache of one replica."""
+    weights = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
+    kv = sum(t.numel() * t.element_size() for pair in engine.runner.kv_caches for t in pair)
+    return weights + kv
+
+
+@dataclass
+class EngineLoader:
+    """Loads registry versions onto running device workers and unloads them (blocking: call from a thread).
+
+    Each version is one engine per device worker, named `name@version` on that worker.
+    """
+
+    cfg: EngineConfig
+    max_waiting: int
+    workers: list[DeviceWorker]
+    measured_bytes: dict[str, int] = field(default_factory=dict)  # name@version -> bytes per replica
+
+    def devices_for(self, spec: ModelVersion) -> list[str]:
+        wanted = spec.options.get("device")
+        labels = [w.device for w in self.workers]
+        if wanted is None:
+            return labels
+        chosen = [label for label, device in zip(labels, self.cfg.devices) if device == wanted]
+        if not chosen:
+            raise ModelLoadError(f"device {wanted!r} is not configured; [engine] devices = {list(self.cfg.devices)}")
+        return chosen
+
+    def estimate_bytes(self, spec: ModelVersion) -> int:
+        """Per replica: what it took last time, else checkpoint size plus the CPU KV budget."""
+        if spec.ref in self.measured_bytes:
+            return self.measured_bytes[spec.ref]
+        folder = Path(spec.source).expanduser()
+        files = (list(folder.glob("*.safetensors")) or list(folder.glob("*.bin"))) if folder.is_dir() else []
+        return sum(f.stat().st_size for f in files) + int(self.cfg.cache.kv_cache_gib * GIB)
+
+    def load(self, spec: ModelVersion) -> ServedModel:
+        if spec.kind != "generate":
+            raise ModelLoadError(f"kind {spec.kind!r} cannot be loaded as a generative model")
+        labels = set(self.devices_for(spec))
+        dtype = spec.options.get("dtype", self.cfg.dtype)
+        replicas, attached = [], []
+        try:
+            for worker, device in zip(self.workers, self.cfg.devices):
+                if worker.device not in labels:
+                    continue
+                loaded = load_model(spec.source, device=device, dtype=dtype)
+                engine = build_engine(loaded, self.cfg)
+                if spec.options.get("fault") == "raise":
+                    engine.runner = FaultyRunner(engine.runner)
+                self.measured_bytes[spec.ref] = engine_bytes(engine)
+                worker.attach(spec.ref, engine).result()
+                attached.append(worker)
+                replicas.append(Replica(worker, spec.ref, worker.device))
+        except BaseException:
+            for worker in attached:
+                worker.detach(spec.ref).result()
+            raise
+        return ServedModel(
+            name=spec.name, tokenizer=loaded.tokenizer, max_model_len=engine.max_model_len,
+            max_in_flight_per_replica=self.cfg.max_num_seqs + self.max_waiting, replicas=replicas,
+            vocab_size=max(loaded.model.shape.vocab_size, len(loaded.tokenizer)),
+            version=spec.version, created=int(time.time()),
+        )
+
+    def unload(self, served: ServedModel) -> None:
+        """Detach every replica; the workers drop the engines and free their memory."""
+        for replica in served.replicas:
+            replica.worker.detach(replica.engine_id).result()
+
+
+def start_workers(cfg: EngineConfig, emit: Emit) -> list[DeviceWorker]:
+    workers = [DeviceWorker(f"{device}#{i}", emit) for i, device in enumerate(cfg.devices)]
+    for worker in workers:
+        worker.start()
+    return workers
+
+
 def start_models(
     models: list[tuple[str, str]], cfg: EngineConfig, max_waiting: int, router: Router, emit: Emit
 ) -> list[DeviceWorker]:
-    """Load every (name, source) on every device, register it with the router, start workers.
+    """Start one worker per device, load every (name, source) as version "1" on each, register them.
 
-    Blocking (loads weights): run it off the event loop. Workers start only after all
-    engines are attached, so no engine is added under a running worker.
+    Blocking (loads weights): run it off the event loop.
     """
-    workers = [DeviceWorker(f"{device}#{i}", emit) for i, device in enumerate(cfg.devices)]
+    workers = start_workers(cfg, emit)
+    loader = EngineLoader(cfg, max_waiting, workers)
     for name, source in models:
         started = time.monotonic()
-        replicas, tokenizer, max_model_len = [], None, 0
-        for worker, device in zip(workers, cfg.devices):
-            loaded = load_model(source, device=device, dtype=cfg.dtype)
-            engine = build_engine(loaded, cfg)
-            worker.attach(name, engine)
-            replicas.append(Replica(worker, name, worker.device))
-            tokenizer, max_model_len = loaded.tokenizer, engine.max_model_len
-        router.add_model(ServedModel(
-            name=name, tokenizer=tokenizer, max_model_len=max_model_len,
-            max_in_flight_per_replica=cfg.max_num_seqs + max_waiting, replicas=replicas,
-            vocab_size=max(loaded.model.shape.vocab_size, len(tokenizer)),
-            created=int(time.time()),
-        ))
+        served = loader.load(ModelVersion(name, "1", source))
+        router.add_model(served)
         log.info("model loaded", model=name, source=source, devices=list(cfg.devices),
-                 load_s=round(time.monotonic() - started, 2), max_model_len=max_model_len)
-    for worker in workers:
-        worker.start()
+                 load_s=round(time.monotonic() - started, 2), max_model_len=served.max_model_len)
     return workers

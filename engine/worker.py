@@ -3,15 +3,19 @@
 The only thread that touches engine, scheduler and KV state. Other threads talk to it
 through `submit` / `abort` (a thread-safe inbox, drained before every step, so an abort
 frees its blocks before the next step runs) and hear back through `emit`, which the
-server wires to `loop.call_soon_threadsafe`. It never blocks on I/O.
+server wires to `loop.call_soon_threadsafe`. It never blocks on I/O. Engines come and go
+while it runs (`attach` / `detach` are inbox commands too), so a model version loads and
+unloads without stopping the others.
 """
 
 from __future__ import annotations
 
+import gc
 import queue
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 
 import structlog
 
@@ -35,6 +39,19 @@ class _Abort:
     request_id: str
 
 
+@dataclass
+class _Attach:
+    engine_id: str
+    engine: LLMEngine
+    done: Future = field(default_factory=Future)
+
+
+@dataclass
+class _Detach:
+    engine_id: str
+    done: Future = field(default_factory=Future)
+
+
 _STOP = object()
 
 
@@ -46,8 +63,23 @@ class DeviceWorker:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=f"galley-worker-{device}", daemon=True)
 
-    def attach(self, engine_id: str, engine: LLMEngine) -> None:
-        self.engines[engine_id] = engine
+    def attach(self, engine_id: str, engine: LLMEngine) -> Future:
+        """Add an engine; once the thread runs, through the inbox (done when the worker has it)."""
+        command = _Attach(engine_id, engine)
+        if self._thread.is_alive():
+            self._inbox.put(command)
+        else:
+            self._apply(command)
+        return command.done
+
+    def detach(self, engine_id: str) -> Future:
+        """Drop an engine and free its memory (its requests should have drained first)."""
+        command = _Detach(engine_id)
+        if self._thread.is_alive():
+            self._inbox.put(command)
+        else:
+            self._apply(command)
+        return command.done
 
     def start(self) -> None:
         self._thread.start()
@@ -93,11 +125,32 @@ class DeviceWorker:
         except queue.Empty:
             return True
 
-    def _apply(self, item: _Add | _Abort) -> None:
+    def _apply(self, item: _Add | _Abort | _Attach | _Detach) -> None:
         try:
             if isinstance(item, _Add):
                 self.engines[item.engine_id].add_request(item.request)
-            else:
+            elif isinstance(item, _Abort):
                 self.engines[item.engine_id].abort(item.request_id)
-        except Exception:
+            elif isinstance(item, _Attach):
+                self.engines[item.engine_id] = item.engine
+                item.done.set_result(None)
+            else:
+                self._detach(item)
+        except Exception as exc:
             log.exception("worker command failed", device=self.device)
+            if isinstance(item, _Attach | _Detach) and not item.done.done():
+                item.done.set_exception(exc)
+
+    def _detach(self, item: _Detach) -> None:
+        engine = self.engines.pop(item.engine_id, None)
+        if engine is not None and engine.num_unfinished:
+            log.warning("detaching an engine with unfinished requests", engine=item.engine_id,
+                        num_unfinished=engine.num_unfinished)
+        on_cuda = engine is not None and engine.runner.device.type == "cuda"
+        del engine
+        gc.collect()
+        if on_cuda:
+            import torch
+
+            torch.cuda.empty_cache()
+        item.done.set_result(None)

@@ -10,12 +10,13 @@ after the tenant's own limits (`scheduling.admission`) have let the request thro
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from engine.types import EngineStats, FinishReason, GenerationRequest, TokenEvent
 from scheduling.admission import Admission, TenantLimits, Ticket
+from scheduling.deployments import parse_model_ref, pick_version
 
 
 class QueueFull(Exception):
@@ -49,8 +50,13 @@ class ServedModel:
     max_in_flight_per_replica: int
     replicas: list[Replica]
     vocab_size: int = 0  # the model's (may exceed the tokenizer's: padded embeddings)
-    version: str = "1"  # conversations pin it; the model-lifecycle work adds real versions
+    version: str = "1"  # conversations pin it
     created: int = 0
+    draining: bool = False  # being unloaded: in-flight requests finish, new ones go elsewhere
+
+    @property
+    def ref(self) -> str:
+        return f"{self.name}@{self.version}"
 
     @property
     def num_in_flight(self) -> int:
@@ -58,6 +64,38 @@ class ServedModel:
 
     def pick_replica(self) -> Replica:
         return min(self.replicas, key=lambda r: r.num_in_flight)
+
+
+@dataclass
+class ModelDeployment:
+    """A model name as routing sees it: its traffic split and the versions attached to workers.
+
+    Invariant: `traffic` sums to 100 and holds `stable`; `versions` holds only loaded versions
+    (a version in the split but not loaded is cold: the lifecycle manager loads it on demand).
+    """
+
+    name: str
+    traffic: dict[str, int]
+    stable: str
+    versions: dict[str, ServedModel] = field(default_factory=dict)
+    num_registered: int = 1  # versions in the registry; above 1, responses name the version
+
+    def choose(self, key: str) -> str:
+        return pick_version(self.traffic, self.stable, key)
+
+    def routable(self, version: str) -> ServedModel | None:
+        served = self.versions.get(version)
+        return served if served is not None and not served.draining else None
+
+    @property
+    def default(self) -> ServedModel | None:
+        """The stable version if it is loaded, else any loaded version."""
+        stable = self.routable(self.stable)
+        return stable or next((v for v in self.versions.values() if not v.draining), None)
+
+    def label(self, served: ServedModel) -> str:
+        """What responses call it: `name`, or `name@version` while several versions exist."""
+        return served.name if self.num_registered <= 1 else served.ref
 
 
 class RequestStream:
@@ -86,17 +124,47 @@ class RequestStream:
 
 @dataclass
 class Router:
-    models: dict[str, ServedModel] = field(default_factory=dict)
+    deployments: dict[str, ModelDeployment] = field(default_factory=dict)
     streams: dict[str, RequestStream] = field(default_factory=dict)
     admission: Admission = field(default_factory=Admission)
     queue_timeout_s: float = 600.0  # a request not scheduled by then gets 503
+    on_finish: Callable[[RequestStream, TokenEvent], None] | None = None  # canary health, idle clocks
 
     @property
     def num_in_flight(self) -> int:
         return len(self.streams)
 
+    @property
+    def models(self) -> dict[str, ServedModel]:
+        """Each model name's default served version (a fresh dict: change deployments, not this)."""
+        return {name: d.default for name, d in self.deployments.items() if d.default is not None}
+
+    def served_models(self) -> list[ServedModel]:
+        """Every loaded version of every model."""
+        return [served for d in self.deployments.values() for served in d.versions.values()]
+
     def add_model(self, model: ServedModel) -> None:
-        self.models[model.name] = model
+        """Attach a loaded version; a new name gets a deployment sending it all traffic."""
+        deployment = self.deployments.setdefault(model.name, ModelDeployment(model.name, {model.version: 100},
+                                                                             model.version))
+        deployment.versions[model.version] = model
+
+    def remove_model(self, model: ServedModel) -> None:
+        deployment = self.deployments.get(model.name)
+        if deployment is not None and deployment.versions.get(model.version) is model:
+            del deployment.versions[model.version]
+
+    def find(self, ref: str) -> ServedModel | None:
+        """A loaded, routable version by `name` (its default) or `name@version`."""
+        name, version = parse_model_ref(ref)
+        deployment = self.deployments.get(name)
+        if deployment is None:
+            return None
+        return deployment.default if version is None else deployment.routable(version)
+
+    def label(self, model: ServedModel) -> str:
+        deployment = self.deployments.get(model.name)
+        return deployment.label(model) if deployment is not None else model.name
 
     def submit(self, model: ServedModel, request: GenerationRequest,
                limits: TenantLimits | None = None) -> RequestStream:
@@ -136,6 +204,8 @@ class Router:
             stream.events.put_nowait(event)
             if event.finished:
                 self._close(stream)
+                if self.on_finish is not None:
+                    self.on_finish(stream, event)
 
     def _close(self, stream: RequestStream) -> bool:
         if stream.finished:

@@ -25,7 +25,7 @@ async def wait_blocks_free(router: Router, timeout_s: float = 5.0) -> None:
     while True:
         leaked = [
             (r.device, kv.num_blocks - kv.num_free_blocks)
-            for m in router.models.values()
+            for m in router.served_models()
             for r in m.replicas
             if (kv := r.worker.engines[r.engine_id].scheduler.kv).num_free_blocks != kv.num_blocks
         ]
@@ -264,7 +264,7 @@ async def test_two_workers_share_the_load_and_match_hf(aiohttp_server, llama_pat
             model="tiny", prompt=p, max_tokens=8, temperature=0, extra_body={"ignore_eos": True}) for p in batch))
         expected = [tokenizer.decode(hf_greedy(llama_path, p, 8), skip_special_tokens=True) for p in batch]
         assert [r.choices[0].text for r in results] == expected
-        steps = [w.engines["tiny"].num_steps for w in workers]
+        steps = [r.worker.engines[r.engine_id].num_steps for r in router.models["tiny"].replicas]
         assert all(s > 0 for s in steps), steps
         await wait_blocks_free(router)
     finally:
