@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from api.batch_runner import BatchConfig
 from api.streams import StreamsConfig
 from engine.model_runner import CacheConfig
 from launch import EngineConfig
@@ -68,6 +69,7 @@ class GalleyConfig:
     auth: AuthConfig = AuthConfig()
     scheduling: SchedulingConfig = SchedulingConfig()
     streams: StreamsConfig = StreamsConfig()
+    batch: BatchConfig = BatchConfig()
     engine: EngineConfig = EngineConfig()  # [engine], [cache] (as engine.cache), policy from [scheduling]
     models: tuple[ModelSpec, ...] = (ModelSpec("demo", str(ROOT / "models" / "demo")),)
 
@@ -81,7 +83,7 @@ def build(cls: type, values: dict[str, Any], section: str):
         values = {**values, "devices": tuple(values["devices"])}
     try:
         return cls(**values)
-    except TypeError as exc:
+    except (TypeError, ValueError) as exc:
         raise ConfigError(f"[{section}]: {exc}") from exc
 
 
@@ -102,7 +104,7 @@ def load_config(path: str | Path | None = None) -> GalleyConfig:
         raw = tomllib.loads(path.read_text())
     except (OSError, tomllib.TOMLDecodeError) as exc:
         raise ConfigError(f"cannot read config {path}: {exc}") from exc
-    sections = ("server", "auth", "scheduling", "streams", "engine", "cache", "models")
+    sections = ("server", "auth", "scheduling", "streams", "batch", "engine", "cache", "models")
     unknown = sorted(set(raw) - set(sections))
     if unknown:
         raise ConfigError(f"unknown section(s) {unknown} in {path}; known: {', '.join(sections)}")
@@ -121,6 +123,7 @@ def load_config(path: str | Path | None = None) -> GalleyConfig:
         auth=build(AuthConfig, raw.get("auth", {}), "auth"),
         scheduling=scheduling,
         streams=build(StreamsConfig, raw.get("streams", {}), "streams"),
+        batch=build(BatchConfig, raw.get("batch", {}), "batch"),
         engine=dataclasses.replace(engine, cache=cache, policy=scheduling.policy, fair_share=scheduling.fair_share),
         models=GalleyConfig.models if models is None else tuple(model_spec(m, base) for m in models),
     )
@@ -149,6 +152,7 @@ def with_overrides(cfg: GalleyConfig, server: dict[str, Any], engine: dict[str, 
         auth=dataclasses.replace(cfg.auth, **pick(auth or {})),
         scheduling=cfg.scheduling,
         streams=cfg.streams,
+        batch=cfg.batch,
         engine=dataclasses.replace(cfg.engine, cache=new_cache, **pick(engine)),
         models=tuple(models),
     )

@@ -23,6 +23,7 @@ from aiohttp import web
 
 from api.app import create_app
 from api.auth import resolve_admin_key
+from api.batch import BATCH
 from api.context import ServerState
 from api.streams import HUB
 from config import ConfigError, GalleyConfig, load_config, with_overrides
@@ -108,7 +109,7 @@ async def serve(cfg: GalleyConfig, db: Database, admin_key_hash: str) -> int:
     router = Router(queue_timeout_s=cfg.scheduling.queue_timeout_seconds)
     state = ServerState(started_s=time.monotonic())
     app = create_app(router, state, db=db, auth_enabled=cfg.auth.enabled, admin_key_hash=admin_key_hash,
-                     streams_config=cfg.streams)
+                     streams_config=cfg.streams, batch_config=cfg.batch)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, cfg.server.host, cfg.server.port)
@@ -135,6 +136,7 @@ async def serve(cfg: GalleyConfig, db: Database, admin_key_hash: str) -> int:
         await runner.cleanup()
         return 1
     await app[HUB].recover()  # streams a crash left running continue from their checkpoint
+    await app[BATCH].recover()  # so do batch jobs, from their unfinished items
     state.ready = True
     log.info("ready")
 

@@ -12,8 +12,9 @@ from pathlib import Path
 import structlog
 from aiohttp import web
 
-from api import admin, conversations, health, openai, stream_api
+from api import admin, batch, conversations, health, openai, stream_api
 from api.auth import AUTH, DATABASE, Auth, TenantDirectory, auth_middleware
+from api.batch_runner import BatchConfig, BatchRunner
 from api.context import ROUTER, STATE, ServerState
 from api.errors import error_middleware, json_response
 from api.metrics import METRICS, Metrics, metrics_endpoint
@@ -47,7 +48,8 @@ async def request_context(request: web.Request, handler):
 
 
 def all_routes() -> list[Route]:
-    return [*health.ROUTES, *openai.ROUTES, *stream_api.ROUTES, *admin.ROUTES, *conversations.ROUTES]
+    return [*health.ROUTES, *openai.ROUTES, *stream_api.ROUTES, *admin.ROUTES, *conversations.ROUTES,
+            *batch.ROUTES]
 
 
 def temporary_database(app: web.Application) -> Database:
@@ -73,7 +75,8 @@ async def run_stream_sweeper(app: web.Application):
 
 def create_app(router: Router, state: ServerState | None = None, *, db: Database | None = None,
                auth_enabled: bool = False, admin_key_hash: str | None = None,
-               streams_config: StreamsConfig | None = None) -> web.Application:
+               streams_config: StreamsConfig | None = None,
+               batch_config: BatchConfig | None = None) -> web.Application:
     """The app; `db` stays open after cleanup (its owner closes it). No admin key: the admin API refuses all."""
     app = web.Application(middlewares=[request_context, error_middleware, auth_middleware],
                           client_max_size=MAX_BODY_BYTES)
@@ -84,6 +87,9 @@ def create_app(router: Router, state: ServerState | None = None, *, db: Database
     app[METRICS] = Metrics(router)
     app[HUB] = StreamHub(router, app[DATABASE], app[METRICS], streams_config or StreamsConfig())
     app.cleanup_ctx.append(run_stream_sweeper)
+    tenants = lambda name: app[AUTH].directory.tenants.get(name)  # noqa: E731
+    batch.setup(app, BatchRunner(router, app[DATABASE], app[METRICS], tenants, app[STATE],
+                                 batch_config or BatchConfig()))
     routes = all_routes()
     for route in routes:
         app.router.add_route(route.method, route.path, route.handler)

@@ -19,7 +19,7 @@ from typing import TypeVar
 
 import sqlite_utils
 
-from storage import conversations, registry, streams, tenants
+from storage import batches, conversations, registry, streams, tenants
 
 T = TypeVar("T")
 Migration = Callable[[sqlite_utils.Database], None]
@@ -30,6 +30,7 @@ MIGRATIONS: tuple[Migration, ...] = (
     conversations.create_conversation_tables,
     streams.create_stream_tables,
     registry.create_registry_tables,
+    batches.create_batch_tables,
 )
 
 

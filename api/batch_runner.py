@@ -1,0 +1,369 @@
+"""Runs batch jobs on the event loop: items at low priority, a few at a time, results stored as they complete.
+
+Owns one task per job that is running or waiting for a job slot (`max_running_jobs`). A job
+keeps at most `max_in_flight_per_job` items submitted to its model, each a `GenerationRequest`
+of the job's tenant in the `low` priority class, so interactive requests overtake queued
+batch items and a big job never floods the queue; a refusal at admission (the model's queue
+bound, the tenant's limits) is retried later, never failed. Each result is written to SQLite
+as it arrives, so after a restart `recover()` reruns only the unfinished items. When a job
+ends, its callback URL gets the job summary by POST, retried with exponential backoff.
+While the server drains, no new item starts (in-flight ones finish and are stored).
+Must not block the loop: SQLite reads run in a thread, writes on the DB writer thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import structlog
+from prometheus_client import Counter
+
+from api.context import ServerState
+from api.metrics import Metrics
+from engine.types import FinishReason, GenerationRequest, Priority, SamplingParams
+from scheduling.admission import Rejected, TenantLimits
+from scheduling.router import QueueFull, RequestStream, Router, ServedModel
+from storage import batches
+from storage.batches import BatchItem, BatchJob, ItemResult, ItemStatus, JobStatus
+from storage.db import Database
+from storage.tenants import Tenant
+
+log = structlog.get_logger(__name__)
+
+DEFAULT_COMPLETION_TOKENS = 16  # as /v1/completions
+DEFAULT_SECONDS_PER_TOKEN = 0.02  # for estimated_time until a model has finished items
+
+
+@dataclass(frozen=True)
+class BatchConfig:
+    max_in_flight_per_job: int = 8  # items of one job submitted to the model at once
+    max_running_jobs: int = 4  # jobs running at once; later ones wait, queued
+    max_inputs: int = 10000  # inputs per job
+    retry_seconds: float = 1.0  # wait before resubmitting an item the model's queue refused
+    callback_max_attempts: int = 5
+    callback_backoff_seconds: float = 1.0  # waits 1, 2, 4, ... seconds between callback attempts
+    callback_timeout_seconds: float = 10.0
+
+    def __post_init__(self) -> None:
+        for name in ("max_in_flight_per_job", "max_running_jobs", "max_inputs", "callback_max_attempts"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+class ItemError(Exception):
+    """An input that cannot run (too long for the context, rejected by the chat template)."""
+
+
+@dataclass
+class JobRun:
+    """A job this process is running. Invariant: `streams` holds exactly its items in flight."""
+
+    job: BatchJob
+    remaining: int = 0  # items not yet finished, for estimates
+    cancelled: bool = False
+    streams: set[RequestStream] = field(default_factory=set)
+
+
+def sampling_params(params: dict[str, Any], max_tokens: int) -> SamplingParams:
+    """The job's stored params (api.batch.BatchParams as JSON) for one item."""
+    stop = params.get("stop")
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=params["temperature"],
+        top_p=params["top_p"],
+        top_k=params["top_k"] if params.get("top_k") and params["top_k"] > 0 else None,
+        min_p=params["min_p"],
+        repetition_penalty=params["repetition_penalty"],
+        frequency_penalty=params["frequency_penalty"],
+        presence_penalty=params["presence_penalty"],
+        seed=params.get("seed"),
+        stop=(stop,) if isinstance(stop, str) else tuple(stop or ()),
+        stop_token_ids=tuple(params.get("stop_token_ids") or ()),
+        ignore_eos=params["ignore_eos"],
+    )
+
+
+def job_summary(job: BatchJob, counts: dict[str, int]) -> dict[str, Any]:
+    """The job as GET /api/v1/batch/{id} and the callback show it."""
+    callback = None
+    if job.callback_url is not None:
+        callback = {"url": job.callback_url, "status": job.callback_status, "attempts": job.callback_attempts}
+    return {
+        "batch_id": job.id, "object": "batch", "model": job.model, "status": job.status,
+        "progress": {"total": job.num_items, **counts}, "error": job.error, "callback": callback,
+        "created_at": job.created_at, "started_at": job.started_at, "finished_at": job.finished_at,
+    }
+
+
+class BatchRunner:
+    def __init__(self, router: Router, db: Database, metrics: Metrics, tenants: Callable[[str], Tenant | None],
+                 state: ServerState, config: BatchConfig = BatchConfig()) -> None:
+        self.router = router
+        self.db = db
+        self.metrics = metrics
+        self.tenants = tenants
+        self.state = state
+        self.config = config
+        self.runs: dict[str, JobRun] = {}
+        self.item_seconds: dict[str, float] = {}  # per model, moving average of one item's duration
+        self._slots: asyncio.Semaphore | None = None
+        self._tasks: set[asyncio.Task] = set()
+        self._session: aiohttp.ClientSession | None = None
+        self.jobs_total = Counter("galley_batch_jobs", "Batch jobs by status reached (queued: submitted)",
+                                  ["status"], registry=metrics.registry)
+        self.items_total = Counter("galley_batch_items", "Batch items finished, by status", ["status"],
+                                   registry=metrics.registry)
+
+    # ---- lifecycle -----------------------------------------------------------------------
+
+    async def submit(self, tenant: str, model: str, inputs: list[Any], params: dict,
+                     callback_url: str | None) -> BatchJob:
+        job = await self._write(lambda db: batches.create_job(db, tenant, model, inputs, params, callback_url))
+        self.jobs_total.labels(JobStatus.QUEUED.value).inc()
+        self._start(job)
+        log.info("batch job queued", batch_id=job.id, model=model, tenant=tenant, num_items=job.num_items)
+        return job
+
+    async def recover(self) -> int:
+        """Continue the jobs a stop left unfinished, and their undelivered callbacks; returns how many jobs."""
+        unfinished = await self._read(batches.list_unfinished_jobs)
+        for job in unfinished:
+            self._start(job)
+        for job in await self._read(batches.list_undelivered_callbacks):
+            self._spawn(self._deliver(job.id))
+        if unfinished:
+            log.info("resumed batch jobs after restart", count=len(unfinished))
+        return len(unfinished)
+
+    async def cancel(self, job_id: str, tenant: str) -> BatchJob | None:
+        """Cancel the tenant's job: pending items are cancelled, items in flight aborted. None if not theirs."""
+        outcome = await self._write(lambda db: batches.cancel_job(db, job_id, tenant))
+        if outcome is None:
+            return None
+        if outcome.changed:
+            self.jobs_total.labels(JobStatus.CANCELLED.value).inc()
+            self.items_total.labels(ItemStatus.CANCELLED.value).inc(outcome.num_items)
+            run = self.runs.get(job_id)
+            if run is not None:
+                run.cancelled = True
+                for stream in list(run.streams):
+                    self.router.abort(stream)
+            log.info("batch job cancelled", batch_id=job_id, items_cancelled=outcome.num_items)
+            self._spawn(self._deliver(job_id))
+        return outcome.job
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._session is not None:
+            await self._session.close()
+
+    def estimate_seconds(self, model: ServedModel, num_items: int, max_tokens: int | None) -> float:
+        """Rough: this job's items plus those ahead of it on the model, in waves of max_in_flight_per_job."""
+        per_item = self.item_seconds.get(model.name)
+        if per_item is None:
+            per_item = (max_tokens or DEFAULT_COMPLETION_TOKENS) * DEFAULT_SECONDS_PER_TOKEN
+        ahead = sum(run.remaining for run in self.runs.values() if run.job.model == model.name)
+        waves = math.ceil((ahead + num_items) / self.config.max_in_flight_per_job)
+        return round(waves * per_item, 1)
+
+    # ---- running a job ---------------------------------------------------------------------
+
+    def _start(self, job: BatchJob) -> None:
+        run = JobRun(job, remaining=job.num_items)
+        self.runs[job.id] = run
+        self._spawn(self._run(run))
+
+    async def _run(self, run: JobRun) -> None:
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(self.config.max_running_jobs)
+        try:
+            async with self._slots:
+                if not run.cancelled:
+                    await self._execute(run)
+        finally:
+            self.runs.pop(run.job.id, None)
+
+    async def _execute(self, run: JobRun) -> None:
+        job = run.job
+        model = self.find_model(job.model)
+        if model is None:
+            await self._finish(job, JobStatus.FAILED, f"the model {job.model!r} is not served")
+            return
+        items = await self._read(lambda db: batches.list_items(db, job.id, ItemStatus.PENDING))
+        run.remaining = len(items)
+        await self._write(lambda db: batches.start_job(db, job.id))
+        todo = iter(items)
+        num_workers = min(self.config.max_in_flight_per_job, len(items))
+        await asyncio.gather(*(self._work(run, model, todo) for _ in range(num_workers)))
+        if run.cancelled or self.state.draining:
+            return  # a cancel has written the final state; a drain leaves the job to resume after restart
+        counts = await self._read(lambda db: batches.item_counts(db, job.id))
+        if counts[ItemStatus.COMPLETED] == 0:
+            await self._finish(job, JobStatus.FAILED, "every item failed")
+        else:
+            await self._finish(job, JobStatus.COMPLETED)
+
+    def find_model(self, name: str) -> ServedModel | None:
+        return self.router.models.get(name)
+
+    async def _work(self, run: JobRun, model: ServedModel, todo: Iterator[BatchItem]) -> None:
+        """One slot of the job's in-flight window: run items one after another."""
+        for item in todo:
+            if run.cancelled or self.state.draining:
+                return
+            try:
+                result = await self._run_item(run, model, item)
+            except Exception as exc:  # a bug must fail this item, not stall the job
+                log.exception("batch item failed", batch_id=run.job.id, index=item.idx)
+                result = ItemResult(ItemStatus.FAILED.value, error=f"internal error: {type(exc).__name__}")
+            if result is None:
+                continue  # aborted: the job was cancelled
+            stored = await self._write(lambda db, i=item.idx, r=result: batches.finish_item(db, run.job.id, i, r))
+            run.remaining -= 1
+            if stored:
+                self.items_total.labels(result.status).inc()
+
+    def prepare(self, job: BatchJob, model: ServedModel, value: Any) -> tuple[list[int], SamplingParams]:
+        """An input's prompt ids and sampling params; ItemError when it cannot run."""
+        if isinstance(value, str):
+            prompt_ids = model.tokenizer.encode(value)
+        else:
+            try:
+                rendered = model.tokenizer.apply_chat_template(value, add_generation_prompt=True, tokenize=False)
+            except Exception as exc:  # jinja raises on conversations the template rejects
+                raise ItemError(f"the chat template rejected these messages: {exc}") from exc
+            prompt_ids = model.tokenizer.encode(rendered, add_special_tokens=False)
+        room = model.max_model_len - len(prompt_ids)
+        max_tokens = job.params.get("max_tokens") or (DEFAULT_COMPLETION_TOKENS if isinstance(value, str) else room)
+        if room <= 0 or max_tokens > room:
+            raise ItemError(f"This model's maximum context length is {model.max_model_len} tokens, but this input "
+                            f"needs {len(prompt_ids) + max_tokens} ({len(prompt_ids)} in the prompt and "
+                            f"{max_tokens} for the completion).")
+        tenant = self.tenants(job.tenant)
+        if tenant is not None and tenant.max_tokens is not None:
+            max_tokens = min(max_tokens, tenant.max_tokens)
+        return prompt_ids, sampling_params(job.params, max_tokens)
+
+    async def _run_item(self, run: JobRun, model: ServedModel, item: BatchItem) -> ItemResult | None:
+        """The item's result; None when it was aborted (cancel) or never started (cancel, drain)."""
+        try:
+            prompt_ids, params = self.prepare(run.job, model, item.input)
+        except ItemError as exc:
+            return ItemResult(ItemStatus.FAILED.value, error=str(exc))
+        generation = GenerationRequest(f"{run.job.id}-{item.idx}-{uuid.uuid4().hex[:8]}", prompt_ids, params,
+                                       tenant=run.job.tenant, priority=Priority.LOW)
+        started = time.monotonic()
+        stream = await self._submit(run, model, generation)
+        if stream is None:
+            return None
+        text, last = "", None
+        try:
+            async for event in self.metrics.observe(stream):
+                text, last = text + event.text, event
+        finally:
+            run.streams.discard(stream)
+            if not stream.finished:  # our task was cancelled: server shutdown
+                self.router.abort(stream)
+        if last.finish_reason == FinishReason.ABORT:
+            return None
+        if last.error or last.finish_reason == FinishReason.ERROR:
+            return ItemResult(ItemStatus.FAILED.value, error=last.error or "generation failed")
+        self._observe_item(model.name, time.monotonic() - started)
+        return ItemResult(ItemStatus.COMPLETED.value, output=text, finish_reason=last.finish_reason.value,
+                          prompt_tokens=last.num_prompt_tokens, completion_tokens=last.num_output_tokens)
+
+    async def _submit(self, run: JobRun, model: ServedModel, generation: GenerationRequest) -> RequestStream | None:
+        """Submit at low priority, waiting out refusals; None if the job is cancelled or the server drains first."""
+        while not (run.cancelled or self.state.draining):
+            tenant = self.tenants(run.job.tenant)
+            if tenant is None:  # deleted with its jobs
+                run.cancelled = True
+                return None
+            generation.weight = tenant.weight
+            limits = TenantLimits(tenant.name, tenant.max_concurrent, tenant.requests_per_minute,
+                                  tenant.tokens_per_minute)
+            try:
+                stream = self.router.submit(model, generation, limits)
+            except QueueFull:
+                delay = self.config.retry_seconds
+            except Rejected as exc:
+                delay = max(self.config.retry_seconds, exc.retry_after_s)
+            else:
+                self.metrics.admitted.labels(model.name, tenant.name, "low").inc()
+                run.streams.add(stream)
+                return stream
+            await asyncio.sleep(delay)
+        return None
+
+    def _observe_item(self, model: str, seconds: float) -> None:
+        old = self.item_seconds.get(model)
+        self.item_seconds[model] = seconds if old is None else 0.8 * old + 0.2 * seconds
+
+    async def _finish(self, job: BatchJob, status: JobStatus, error: str | None = None) -> None:
+        if await self._write(lambda db: batches.finish_job(db, job.id, status.value, error)):
+            self.jobs_total.labels(status.value).inc()
+            log.info("batch job finished", batch_id=job.id, status=status.value, error=error)
+            self._spawn(self._deliver(job.id))
+
+    # ---- callbacks -------------------------------------------------------------------------
+
+    async def summary(self, job_id: str, tenant: str | None = None) -> dict[str, Any] | None:
+        def query(db):
+            job = batches.get_job(db, job_id, tenant)
+            return None if job is None else job_summary(job, batches.item_counts(db, job_id))
+
+        return await self._read(query)
+
+    async def _deliver(self, job_id: str) -> None:
+        """POST the summary of a finished job to its callback URL until it answers 2xx or attempts run out."""
+        job = await self._read(lambda db: batches.get_job(db, job_id))
+        if job is None or job.callback_url is None or job.callback_status != batches.CallbackStatus.PENDING:
+            return
+        body = await self.summary(job_id)
+        attempts = job.callback_attempts
+        while attempts < self.config.callback_max_attempts:
+            if attempts:
+                await asyncio.sleep(self.config.callback_backoff_seconds * 2 ** (attempts - 1))
+            attempts += 1
+            if await self._post(job.callback_url, body, job_id, attempts):
+                await self._write(lambda db, n=attempts: batches.set_callback(db, job_id, "delivered", n))
+                return
+            await self._write(lambda db, n=attempts: batches.set_callback(db, job_id, "pending", n))
+        await self._write(lambda db: batches.set_callback(db, job_id, "failed", attempts))
+        log.warning("batch callback failed", batch_id=job_id, attempts=attempts)
+
+    async def _post(self, url: str, body: dict, job_id: str, attempt: int) -> bool:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=self.config.callback_timeout_seconds))
+        try:
+            async with self._session.post(url, json=body, headers={"X-Galley-Batch-Id": job_id}) as response:
+                if 200 <= response.status < 300:
+                    log.info("batch callback delivered", batch_id=job_id, attempt=attempt)
+                    return True
+                log.warning("batch callback refused", batch_id=job_id, attempt=attempt, status=response.status)
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            log.warning("batch callback failed to connect", batch_id=job_id, attempt=attempt, error=str(exc))
+        return False
+
+    # ---- plumbing --------------------------------------------------------------------------
+
+    async def _write(self, fn):
+        return await asyncio.wrap_future(self.db.write(fn))
+
+    async def _read(self, fn):
+        return await asyncio.to_thread(self.db.read, fn)
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)

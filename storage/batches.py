@@ -1,0 +1,276 @@
+"""Batch jobs and their items: tables `batch_jobs`, `batch_items`.
+
+A job belongs to one tenant and holds its inputs as items, one row each, in order; each
+item's result is written once, as it completes, so a restart reruns only the items that
+had not finished. A job's final status (completed, failed, cancelled) is written once:
+later item results and status changes leave a final job as it is, so a cancel always wins
+over items still in flight. Deleting a tenant deletes its jobs, deleting a job its items
+(ON DELETE CASCADE). Sync functions over a `sqlite_utils.Database`; writes belong on the
+writer thread (`storage.db.Database.write`). Must not import anything but the standard
+library and sqlite_utils.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+import sqlite_utils
+
+from storage.tenants import utc_now
+
+ID_PREFIX = "batch_"
+
+
+class JobStatus(StrEnum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+class ItemStatus(StrEnum):
+    PENDING = "pending"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+class CallbackStatus(StrEnum):
+    PENDING = "pending"  # not delivered yet (the job may still run)
+    DELIVERED = "delivered"
+    FAILED = "failed"  # every attempt failed
+
+
+UNFINISHED = (JobStatus.QUEUED.value, JobStatus.RUNNING.value)
+FINAL = (JobStatus.COMPLETED.value, JobStatus.FAILED.value, JobStatus.CANCELLED.value)
+
+
+@dataclass(frozen=True)
+class BatchJob:
+    """Invariant: status in JobStatus; callback_status None exactly when callback_url is None."""
+
+    id: str
+    tenant: str
+    model: str
+    params: dict  # JSON-able sampling parameters, opaque to storage
+    callback_url: str | None
+    status: str
+    num_items: int
+    error: str | None
+    callback_status: str | None
+    callback_attempts: int
+    created_at: str
+    started_at: str | None
+    finished_at: str | None
+
+    @property
+    def is_final(self) -> bool:
+        return self.status in FINAL
+
+
+@dataclass(frozen=True)
+class BatchItem:
+    """One input and, once it has run, its result. Invariant: status in ItemStatus."""
+
+    job_id: str
+    idx: int
+    input: Any  # JSON: a prompt string or a list of chat messages
+    status: str
+    output: str | None
+    finish_reason: str | None
+    prompt_tokens: int | None
+    completion_tokens: int | None
+    error: str | None
+    completed_at: str | None
+
+
+@dataclass(frozen=True)
+class ItemResult:
+    status: str  # completed | failed
+    output: str | None = None
+    finish_reason: str | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    error: str | None = None
+
+
+# ---- schema ----------------------------------------------------------------------------
+
+
+def sql_list(values) -> str:
+    return ", ".join(f"'{v}'" for v in values)
+
+
+def create_batch_tables(db: sqlite_utils.Database) -> None:
+    """Migration: batch jobs (by tenant, by status) and their items."""
+    db.execute(f"""
+        CREATE TABLE batch_jobs (
+            id TEXT PRIMARY KEY,
+            tenant TEXT NOT NULL REFERENCES tenants(name) ON DELETE CASCADE,
+            model TEXT NOT NULL,
+            params TEXT NOT NULL,  -- JSON object
+            callback_url TEXT,
+            status TEXT NOT NULL CHECK (status IN ({sql_list(JobStatus)})),
+            num_items INTEGER NOT NULL CHECK (num_items >= 1),
+            error TEXT,
+            callback_status TEXT CHECK (callback_status IS NULL OR callback_status IN ({sql_list(CallbackStatus)})),
+            callback_attempts INTEGER NOT NULL DEFAULT 0,
+            created_at TEXT NOT NULL,
+            started_at TEXT,
+            finished_at TEXT
+        )""")
+    db.execute("CREATE INDEX batch_jobs_tenant ON batch_jobs(tenant, created_at)")
+    db.execute("CREATE INDEX batch_jobs_status ON batch_jobs(status)")
+    db.execute(f"""
+        CREATE TABLE batch_items (
+            job_id TEXT NOT NULL REFERENCES batch_jobs(id) ON DELETE CASCADE,
+            idx INTEGER NOT NULL,
+            input TEXT NOT NULL,  -- JSON
+            status TEXT NOT NULL CHECK (status IN ({sql_list(ItemStatus)})),
+            output TEXT,
+            finish_reason TEXT,
+            prompt_tokens INTEGER,
+            completion_tokens INTEGER,
+            error TEXT,
+            completed_at TEXT,
+            PRIMARY KEY (job_id, idx)
+        )""")
+
+
+def dumps(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+
+
+def job_from_row(row: Mapping[str, Any]) -> BatchJob:
+    return BatchJob(**{**row, "params": json.loads(row["params"])})
+
+
+def item_from_row(row: Mapping[str, Any]) -> BatchItem:
+    return BatchItem(**{**row, "input": json.loads(row["input"])})
+
+
+# ---- jobs ------------------------------------------------------------------------------
+
+
+def create_job(db: sqlite_utils.Database, tenant: str, model: str, inputs: list[Any], params: dict,
+               callback_url: str | None = None) -> BatchJob:
+    """A queued job with one pending item per input, in order."""
+    if not inputs:
+        raise ValueError("a batch job needs at least one input")
+    job = BatchJob(ID_PREFIX + uuid.uuid4().hex, tenant, model, params, callback_url, JobStatus.QUEUED.value,
+                   len(inputs), None, CallbackStatus.PENDING.value if callback_url else None, 0, utc_now(),
+                   None, None)
+    db.table("batch_jobs").insert({**job.__dict__, "params": dumps(params)})
+    db.table("batch_items").insert_all(
+        {"job_id": job.id, "idx": i, "input": dumps(value), "status": ItemStatus.PENDING.value}
+        for i, value in enumerate(inputs))
+    return job
+
+
+def get_job(db: sqlite_utils.Database, job_id: str, tenant: str | None = None) -> BatchJob | None:
+    """The job, or None when it does not exist or (with `tenant`) is another tenant's."""
+    sql, args = "SELECT * FROM batch_jobs WHERE id = ?", [job_id]
+    if tenant is not None:
+        sql, args = sql + " AND tenant = ?", [job_id, tenant]
+    rows = list(db.query(sql, args))
+    return job_from_row(rows[0]) if rows else None
+
+
+def list_jobs(db: sqlite_utils.Database, tenant: str, limit: int = 100) -> list[BatchJob]:
+    """The tenant's jobs, newest first."""
+    rows = db.query("SELECT * FROM batch_jobs WHERE tenant = ? ORDER BY created_at DESC, rowid DESC LIMIT ?",
+                    [tenant, limit])
+    return [job_from_row(row) for row in rows]
+
+
+def list_unfinished_jobs(db: sqlite_utils.Database) -> list[BatchJob]:
+    """Jobs still to run (queued or running), oldest first."""
+    rows = db.query(f"SELECT * FROM batch_jobs WHERE status IN ({sql_list(UNFINISHED)}) ORDER BY created_at, rowid")
+    return [job_from_row(row) for row in rows]
+
+
+def list_undelivered_callbacks(db: sqlite_utils.Database) -> list[BatchJob]:
+    """Final jobs whose callback has not been delivered nor given up on."""
+    rows = db.query(f"SELECT * FROM batch_jobs WHERE status IN ({sql_list(FINAL)}) AND callback_status = ? "
+                    "ORDER BY finished_at, rowid", [CallbackStatus.PENDING.value])
+    return [job_from_row(row) for row in rows]
+
+
+def start_job(db: sqlite_utils.Database, job_id: str) -> None:
+    """queued -> running (a running or final job stays as it is)."""
+    db.execute("UPDATE batch_jobs SET status = ?, started_at = ? WHERE id = ? AND status = ?",
+               [JobStatus.RUNNING.value, utc_now(), job_id, JobStatus.QUEUED.value])
+
+
+def finish_job(db: sqlite_utils.Database, job_id: str, status: str, error: str | None = None) -> bool:
+    """Writes a final status once; False when the job was already final (or is gone)."""
+    if status not in FINAL:
+        raise ValueError(f"a finished job needs a final status {FINAL}, not {status!r}")
+    cursor = db.execute(
+        "UPDATE batch_jobs SET status = ?, error = ?, finished_at = ? "
+        f"WHERE id = ? AND status IN ({sql_list(UNFINISHED)})",
+        [status, error, utc_now(), job_id])
+    return cursor.rowcount > 0
+
+
+@dataclass(frozen=True)
+class Cancelled:
+    job: BatchJob  # as it is now
+    changed: bool  # False: it was already final, nothing changed
+    num_items: int  # pending items cancelled
+
+
+def cancel_job(db: sqlite_utils.Database, job_id: str, tenant: str) -> Cancelled | None:
+    """Cancels an unfinished job of the tenant and its pending items; None when the tenant has no such job."""
+    if get_job(db, job_id, tenant) is None:
+        return None
+    if not finish_job(db, job_id, JobStatus.CANCELLED.value):
+        return Cancelled(get_job(db, job_id, tenant), False, 0)
+    cursor = db.execute("UPDATE batch_items SET status = ?, completed_at = ? WHERE job_id = ? AND status = ?",
+                        [ItemStatus.CANCELLED.value, utc_now(), job_id, ItemStatus.PENDING.value])
+    return Cancelled(get_job(db, job_id, tenant), True, cursor.rowcount)
+
+
+def set_callback(db: sqlite_utils.Database, job_id: str, status: str, attempts: int) -> None:
+    CallbackStatus(status)
+    db.execute("UPDATE batch_jobs SET callback_status = ?, callback_attempts = ? WHERE id = ?",
+               [status, attempts, job_id])
+
+
+# ---- items -----------------------------------------------------------------------------
+
+
+def item_counts(db: sqlite_utils.Database, job_id: str) -> dict[str, int]:
+    """Items by status, every status present (0 when none)."""
+    counts = {s.value: 0 for s in ItemStatus}
+    for row in db.query("SELECT status, count(*) AS n FROM batch_items WHERE job_id = ? GROUP BY status", [job_id]):
+        counts[row["status"]] = row["n"]
+    return counts
+
+
+def list_items(db: sqlite_utils.Database, job_id: str, status: str | None = None) -> list[BatchItem]:
+    """The job's items in input order, optionally only those with `status`."""
+    if status is None:
+        rows = db.query("SELECT * FROM batch_items WHERE job_id = ? ORDER BY idx", [job_id])
+    else:
+        rows = db.query("SELECT * FROM batch_items WHERE job_id = ? AND status = ? ORDER BY idx",
+                        [job_id, ItemStatus(status).value])
+    return [item_from_row(row) for row in rows]
+
+
+def finish_item(db: sqlite_utils.Database, job_id: str, idx: int, result: ItemResult) -> bool:
+    """Stores a pending item's result; False when the item was no longer pending (cancelled)."""
+    if result.status not in (ItemStatus.COMPLETED, ItemStatus.FAILED):
+        raise ValueError(f"an item result is completed or failed, not {result.status!r}")
+    cursor = db.execute(
+        "UPDATE batch_items SET status = ?, output = ?, finish_reason = ?, prompt_tokens = ?, completion_tokens = ?, "
+        "error = ?, completed_at = ? WHERE job_id = ? AND idx = ? AND status = ?",
+        [result.status, result.output, result.finish_reason, result.prompt_tokens, result.completion_tokens,
+         result.error, utc_now(), job_id, idx, ItemStatus.PENDING.value])
+    return cursor.rowcount > 0
