@@ -6,9 +6,12 @@ scheduling/); it owns who runs, this class owns what a step means for each reque
 
 from __future__ import annotations
 
+import bisect
+import time
 from typing import Any, Protocol
 
 import structlog
+import torch
 from transformers import PreTrainedTokenizerBase
 
 from engine.detokenizer import TextStream
@@ -16,6 +19,7 @@ from engine.kv_cache import KVCacheManager
 from engine.model_runner import ModelRunner
 from engine.sampler import Sampler
 from engine.types import (
+    BATCH_TOKEN_BOUNDS,
     EngineStats,
     FinishReason,
     GenerationRequest,
@@ -68,6 +72,8 @@ class LLMEngine:
         self.requests: dict[str, RequestState] = {}
         self.num_steps = 0
         self.num_batched_tokens = 0
+        self.batch_token_counts = [0] * (len(BATCH_TOKEN_BOUNDS) + 1)
+        self.memory = DeviceMemory(runner)
         self.last_stats = self.stats()
 
     @property
@@ -92,6 +98,11 @@ class LLMEngine:
             num_steps=self.num_steps,
             num_batched_tokens=self.num_batched_tokens,
             waiting_by_class=self.scheduler.waiting.depth_by_class(),
+            batch_token_counts=tuple(self.batch_token_counts),
+            weights_bytes=self.memory.weights_bytes,
+            kv_cache_bytes=self.memory.kv_cache_bytes,
+            device_memory_used_bytes=self.memory.used_bytes(),
+            device_memory_total_bytes=self.memory.total_bytes,
         )
 
     def add_request(self, request: GenerationRequest) -> None:
@@ -115,6 +126,11 @@ class LLMEngine:
             return []
         self.num_steps += 1
         self.num_batched_tokens += batch.num_tokens
+        self.batch_token_counts[bisect.bisect_left(BATCH_TOKEN_BOUNDS, batch.num_tokens)] += 1
+        now = time.monotonic()
+        for item in batch.seqs:
+            if item.seq.first_scheduled_s is None:
+                item.seq.first_scheduled_s = now
         try:
             sample_seqs, logits = self.runner.execute(batch)
             tokens, logprobs = self.sampler.sample(logits, sample_seqs)
@@ -150,6 +166,8 @@ class LLMEngine:
             num_output_tokens=seq.num_output_tokens,
             logprobs=[logprob] if logprob is not None else None,
             finish_reason=finish,
+            scheduled_s=seq.first_scheduled_s,
+            num_preemptions=seq.num_preemptions,
         )
 
     def _fail(self, seq: Sequence, exc: Exception) -> TokenEvent:
@@ -162,8 +180,26 @@ class LLMEngine:
             num_output_tokens=seq.num_output_tokens,
             finish_reason=FinishReason.ERROR,
             error=f"engine step failed: {type(exc).__name__}: {exc}",
+            scheduled_s=seq.first_scheduled_s,
+            num_preemptions=seq.num_preemptions,
         )
 
     def _release(self, seq: Sequence) -> None:
         self.requests.pop(seq.request_id, None)
         self.scheduler.finish(seq)
+
+
+class DeviceMemory:
+    """Memory figures of one replica for the admin page and the device gauges (CUDA only for the latter)."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.device = runner.device
+        self.weights_bytes = sum(t.numel() * t.element_size() for t in runner.model.parameters())
+        self.kv_cache_bytes = sum(k.numel() * k.element_size() + v.numel() * v.element_size()
+                                  for k, v in runner.kv_caches)
+        self.total_bytes = (torch.cuda.get_device_properties(self.device).total_memory
+                            if self.device.type == "cuda" else None)
+
+    def used_bytes(self) -> int | None:
+        """torch's allocated bytes on the device (a counter read: no sync); None off CUDA."""
+        return torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else None

@@ -100,6 +100,7 @@ class Sequence:
         self.block_table: list[int] = []
         self.status = SequenceStatus.WAITING
         self.num_preemptions = 0
+        self.first_scheduled_s: float | None = None  # monotonic; when it first ran (queue wait ends)
 
     @property
     def num_tokens(self) -> int:
@@ -166,6 +167,8 @@ class TokenEvent:
     logprobs: list[TokenLogprob] | None = None
     finish_reason: FinishReason | None = None
     error: str | None = None
+    scheduled_s: float | None = None  # monotonic time the sequence first ran: arrival -> here is queue wait
+    num_preemptions: int = 0
 
     @property
     def finished(self) -> bool:
@@ -184,3 +187,12 @@ class EngineStats:
     num_steps: int
     num_batched_tokens: int  # summed over all steps
     waiting_by_class: dict[tuple[str, str], int] = field(default_factory=dict)  # (priority, tenant) -> count
+    batch_token_counts: tuple[int, ...] = ()  # steps per BATCH_TOKEN_BOUNDS bucket (not cumulative; last: +Inf)
+    weights_bytes: int = 0
+    kv_cache_bytes: int = 0
+    device_memory_used_bytes: int | None = None  # CUDA only: allocated by torch on the replica's device
+    device_memory_total_bytes: int | None = None
+
+
+# Upper bounds of the per-step batch token histogram (`galley_batch_tokens`).
+BATCH_TOKEN_BOUNDS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import structlog
 
 from engine.engine import LLMEngine
+from engine.profiler import StepProfiler
 from engine.types import EngineStats, GenerationRequest, TokenEvent
 
 log = structlog.get_logger(__name__)
@@ -52,6 +53,12 @@ class _Detach:
     done: Future = field(default_factory=Future)
 
 
+@dataclass
+class _Profile:
+    seconds: float
+    done: Future = field(default_factory=Future)
+
+
 _STOP = object()
 
 
@@ -60,6 +67,7 @@ class DeviceWorker:
         self.device = device
         self.emit = emit
         self.engines: dict[str, LLMEngine] = {}
+        self.profiler = StepProfiler(device)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=f"galley-worker-{device}", daemon=True)
 
@@ -90,6 +98,13 @@ class DeviceWorker:
     def abort(self, engine_id: str, request_id: str) -> None:
         self._inbox.put(_Abort(engine_id, request_id))
 
+    def profile(self, seconds: float) -> Future:
+        """Record a torch profiler trace of this worker's steps for `seconds`; the future gets
+        the Chrome-trace JSON bytes (or `ProfilerBusy` while another recording runs)."""
+        command = _Profile(seconds)
+        self._inbox.put(command)
+        return command.done
+
     def stats(self, engine_id: str) -> EngineStats:
         """A snapshot for metrics, taken by the worker thread after each step and inbox drain."""
         return self.engines[engine_id].last_stats
@@ -105,18 +120,22 @@ class DeviceWorker:
     def _run(self) -> None:
         while True:
             if not self._drain(block=not self._has_work()):
+                self.profiler.stop()
                 return
-            for engine in self.engines.values():
+            for engine_id, engine in self.engines.items():
                 if engine.has_work():
-                    events = engine.step()
+                    with self.profiler.label(f"step {engine_id}"):
+                        events = engine.step()
                     if events:
                         self.emit(events)
                 engine.refresh_stats()
+            self.profiler.tick()
 
     def _drain(self, block: bool) -> bool:
-        """Apply every queued command; False once asked to stop."""
+        """Apply every queued command; False once asked to stop. Blocks at most until a
+        running profile is due to stop."""
         try:
-            item = self._inbox.get() if block else self._inbox.get_nowait()
+            item = self._inbox.get(timeout=self.profiler.timeout_s()) if block else self._inbox.get_nowait()
             while True:
                 if item is _STOP:
                     return False
@@ -125,7 +144,7 @@ class DeviceWorker:
         except queue.Empty:
             return True
 
-    def _apply(self, item: _Add | _Abort | _Attach | _Detach) -> None:
+    def _apply(self, item: _Add | _Abort | _Attach | _Detach | _Profile) -> None:
         try:
             if isinstance(item, _Add):
                 self.engines[item.engine_id].add_request(item.request)
@@ -134,6 +153,8 @@ class DeviceWorker:
             elif isinstance(item, _Attach):
                 self.engines[item.engine_id] = item.engine
                 item.done.set_result(None)
+            elif isinstance(item, _Profile):
+                self.profiler.start(item.seconds, item.done)
             else:
                 self._detach(item)
         except Exception as exc:
