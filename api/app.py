@@ -12,7 +12,7 @@ from pathlib import Path
 import structlog
 from aiohttp import web
 
-from api import admin, batch, conversations, health, openai, stream_api
+from api import admin, batch, conversations, health, openai, stream_api, ws
 from api.auth import AUTH, DATABASE, Auth, TenantDirectory, auth_middleware
 from api.batch_runner import BatchConfig, BatchRunner
 from api.context import ROUTER, STATE, ServerState
@@ -49,7 +49,7 @@ async def request_context(request: web.Request, handler):
 
 def all_routes() -> list[Route]:
     return [*health.ROUTES, *openai.ROUTES, *stream_api.ROUTES, *admin.ROUTES, *conversations.ROUTES,
-            *batch.ROUTES]
+            *ws.ROUTES, *batch.ROUTES]
 
 
 def temporary_database(app: web.Application) -> Database:
@@ -90,6 +90,7 @@ def create_app(router: Router, state: ServerState | None = None, *, db: Database
     tenants = lambda name: app[AUTH].directory.tenants.get(name)  # noqa: E731
     batch.setup(app, BatchRunner(router, app[DATABASE], app[METRICS], tenants, app[STATE],
                                  batch_config or BatchConfig()))
+    ws.setup(app)
     routes = all_routes()
     for route in routes:
         app.router.add_route(route.method, route.path, route.handler)

@@ -22,7 +22,8 @@ from storage.tenants import DEFAULT_TENANT, ApiKey, Tenant, hash_key, key_prefix
 
 TENANT = "tenant"  # request[TENANT]: the caller's Tenant
 ADMIN_KEY_SETTING = "admin_key_hash"
-TENANT_PATHS = ("/v1/", "/api/")
+TENANT_PATHS = ("/v1/", "/api/", "/ws/")
+WS_PATH = "/ws/"  # browsers cannot set headers on a WebSocket: these also take the key as `?token=`
 ADMIN_PATH = "/admin/api/"
 
 
@@ -109,8 +110,18 @@ def unauthorized(message: str, code: str) -> AuthenticationError:
     return AuthenticationError(message, code=code, headers={"WWW-Authenticate": "Bearer"})
 
 
+def tenant_key(request: web.Request) -> str:
+    """The key in `Authorization: Bearer`, or on /ws/ paths without that header, in `?token=`."""
+    if request.path.startswith(WS_PATH) and "Authorization" not in request.headers:
+        if "token" not in request.query:
+            raise unauthorized("Missing API key: send it as `Authorization: Bearer <key>` or `?token=<key>`.",
+                               "missing_api_key")
+        return request.query["token"]
+    return bearer_token(request)
+
+
 def authenticate_tenant(request: web.Request, directory: TenantDirectory) -> Tenant:
-    tenant = directory.tenant_for_key(bearer_token(request))
+    tenant = directory.tenant_for_key(tenant_key(request))
     if tenant is None:
         raise unauthorized("Invalid API key: unknown or revoked.", "invalid_api_key")
     return tenant

@@ -1,0 +1,252 @@
+"""WebSocket chat at `GET /ws/chat`: JSON messages over one socket, any number of streams.
+
+The client sends `chat`, `resume` and `cancel` messages; the server answers with `start`,
+`token`, `done` and `error` (the protocol is in the README, "WebSocket chat"). A chat goes
+through the same `start_chat` + `start_live_chat` path as `POST /v1/chat/completions`
+(tenant checks, limits, priority, history, storage, resumable stream), and every chat is a
+conversation: one is created when the client names none, so its stream goes on when the
+socket drops and its answer is stored. Each followed stream is one task that reads the
+stream's event log; all writes to the socket go through one lock. Closing the socket
+cancels the followers and detaches them from their streams; the streams themselves follow
+their `on_disconnect` policy. This module must not reach into the engine or the scheduler
+beyond the router's `abort`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import weakref
+from typing import Annotated, Any, Literal
+
+import structlog
+from aiohttp import WSCloseCode, WSMsgType, web
+from pydantic import Field, TypeAdapter, ValidationError, model_validator
+
+from api.auth import check_model_access, check_priority_access, tenant_of
+from api.context import ROUTER
+from api.errors import APIError, InvalidRequestError, NotFoundError, RateLimitError, validation_error
+from api.openai import served_model, start_chat, start_live_chat
+from api.routes import Route
+from api.schemas import ChatCompletionRequest, Strict
+from api.streams import HUB, LiveStream
+from storage import conversations
+
+log = structlog.get_logger(__name__)
+
+HEARTBEAT_S = 20.0
+MAX_STREAMS_PER_SOCKET = 64  # followed at once; tenant limits bound generations, this bounds resumes
+RESERVED_PARAMS = ("model", "messages", "conversation_id", "stream")
+FINISH_REASONS = {"abort": "cancelled"}  # the engine's name -> the protocol's
+SOCKETS = web.AppKey("websockets", weakref.WeakSet)
+
+
+# ---- client messages -------------------------------------------------------------------
+
+
+class ChatIn(Strict):
+    type: Literal["chat"]
+    model: str
+    conversation_id: str | None = None
+    messages: list[Any] | None = None
+    content: str | None = None
+    params: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _one_of_messages_or_content(self) -> ChatIn:
+        if (self.messages is None) == (self.content is None):
+            raise ValueError("send exactly one of `messages` and `content`")
+        return self
+
+
+class ResumeIn(Strict):
+    type: Literal["resume"]
+    stream_id: str
+    after: int = Field(-1, ge=-1)
+
+
+class CancelIn(Strict):
+    type: Literal["cancel"]
+    stream_id: str
+
+
+ClientMessage = TypeAdapter(Annotated[ChatIn | ResumeIn | CancelIn, Field(discriminator="type")])
+
+
+def chat_request(message: ChatIn) -> ChatCompletionRequest:
+    """The chat-completion request a `chat` message stands for (pydantic's ValidationError if invalid)."""
+    reserved = [name for name in RESERVED_PARAMS if name in message.params]
+    if reserved:
+        raise InvalidRequestError(f"params.{reserved[0]}: set it on the message, not in params",
+                                  param=f"params.{reserved[0]}")
+    messages = message.messages if message.messages is not None else [{"role": "user", "content": message.content}]
+    return ChatCompletionRequest(model=message.model, messages=messages, conversation_id=message.conversation_id,
+                                 stream=True, **message.params)
+
+
+# ---- server messages -------------------------------------------------------------------
+
+
+def error_message(code: str, message: str, stream_id: str | None = None) -> dict:
+    out = {"type": "error", "code": code, "message": message}
+    return out if stream_id is None else {**out, "stream_id": stream_id}
+
+
+def final_message(live: LiveStream) -> dict:
+    """`done` or `error` for a stream that has ended."""
+    last = live.events[-1] if live.events else None
+    if last is not None and last.error:
+        return error_message(last.error_code or "internal_error", last.error, live.id)
+    if live.status == "failed":
+        return error_message("internal_error", "the generation failed", live.id)
+    reason = last.finish_reason if last is not None else live.record.finish_reason
+    return {"type": "done", "stream_id": live.id, "finish_reason": FINISH_REASONS.get(reason, reason),
+            "usage": last.usage if last is not None else None}
+
+
+# ---- one socket ------------------------------------------------------------------------
+
+
+class ChatSocket:
+    """One client's socket. Invariant: every task in `followers` is attached to its stream,
+    and is detached exactly once, when the task ends (however it ends)."""
+
+    def __init__(self, request: web.Request, ws: web.WebSocketResponse) -> None:
+        self.request = request
+        self.ws = ws
+        self.hub = request.app[HUB]
+        self.tenant = tenant_of(request).name
+        self.followers: set[asyncio.Task] = set()
+        self._write = asyncio.Lock()
+
+    async def send(self, message: dict) -> None:
+        if self.ws.closed:
+            return
+        async with self._write:
+            await self.ws.send_json(message)
+
+    async def handle(self, text: str) -> None:
+        """Act on one client message; any error is answered with an `error` message."""
+        try:
+            message = ClientMessage.validate_json(text)
+        except ValidationError as exc:
+            await self.send(error_message("invalid_message", validation_error(exc).message))
+            return
+        stream_id = getattr(message, "stream_id", None)
+        try:
+            if not isinstance(message, CancelIn) and len(self.followers) >= MAX_STREAMS_PER_SOCKET:
+                raise RateLimitError(f"at most {MAX_STREAMS_PER_SOCKET} streams at once on one socket",
+                                     code="too_many_streams")
+            if isinstance(message, ChatIn):
+                await self.chat(message)
+            elif isinstance(message, ResumeIn):
+                await self.follow(await self.find(message.stream_id), message.after)
+            else:
+                self.cancel(await self.find(message.stream_id))
+        except ValidationError as exc:
+            await self.send(error_message("invalid_request_error", validation_error(exc).message, stream_id))
+        except APIError as exc:
+            await self.send(error_message(exc.code or exc.type, exc.message, stream_id))
+        except ConnectionError:
+            pass  # the socket is closing; the receive loop ends next
+        except Exception:
+            log.exception("websocket message failed", message_type=message.type)
+            await self.send(error_message("internal_error", "internal server error", stream_id))
+
+    async def chat(self, message: ChatIn) -> None:
+        body = chat_request(message)
+        created = None
+        if body.conversation_id is None:
+            created = await self.new_conversation(body)
+            body = body.model_copy(update={"conversation_id": created})
+        try:
+            chat = await start_chat(self.request, body)
+        except Exception:
+            if created is not None:  # nothing was said in it: leave no empty conversation behind
+                await asyncio.wrap_future(self.hub.db.write(
+                    lambda db: conversations.delete_conversation(db, created, self.tenant)))
+            raise
+        await self.follow(start_live_chat(self.request, body, chat), -1)
+
+    async def new_conversation(self, body: ChatCompletionRequest) -> str:
+        model = served_model(self.request, body.model)
+        check_model_access(self.request, model.name)
+        check_priority_access(self.request, body.priority)
+        made = await asyncio.wrap_future(self.hub.db.write(
+            lambda db: conversations.create_conversation(db, self.tenant, model.name, model.version)))
+        return made.id
+
+    async def find(self, stream_id: str) -> LiveStream:
+        live = await self.hub.find(stream_id, self.tenant)
+        if live is None:
+            raise NotFoundError(f"no stream {stream_id!r} (unknown, expired, or not yours)", param="stream_id",
+                                code="stream_not_found")
+        return live
+
+    async def follow(self, live: LiveStream, after: int) -> None:
+        """Announce `live` with `start`, then forward its events after `after` in a task of its own."""
+        self.hub.attach(live)
+        task = asyncio.get_running_loop().create_task(self.forward(live, after))
+        self.followers.add(task)
+        task.add_done_callback(functools.partial(self._ended, live))
+        # The task first runs once we wait below, so it queues on the write lock behind this start.
+        await self.send({"type": "start", "stream_id": live.id, "conversation_id": live.record.conversation_id})
+
+    def _ended(self, live: LiveStream, task: asyncio.Task) -> None:
+        self.followers.discard(task)
+        self.hub.detach(live)
+
+    async def forward(self, live: LiveStream, after: int) -> None:
+        try:
+            async for event in live.follow(after):
+                if event.text and not event.error:
+                    await self.send({"type": "token", "stream_id": live.id, "index": event.index,
+                                     "text": event.text})
+            await self.send(final_message(live))
+        except ConnectionError:
+            pass  # the socket closed under us; `close` cancels the rest
+
+    def cancel(self, live: LiveStream) -> None:
+        """Abort the generation; its followers (on any socket) then see `done` with `cancelled`."""
+        if not live.done and live.request_stream is not None:
+            self.request.app[ROUTER].abort(live.request_stream)
+
+    async def close(self) -> None:
+        for task in list(self.followers):
+            task.cancel()
+        await asyncio.gather(*self.followers, return_exceptions=True)
+
+
+async def ws_chat(request: web.Request) -> web.WebSocketResponse:
+    """Upgrade to a WebSocket (authenticated before the upgrade), then serve chat messages."""
+    ws = web.WebSocketResponse(heartbeat=HEARTBEAT_S)
+    await ws.prepare(request)
+    request.app[SOCKETS].add(ws)
+    socket = ChatSocket(request, ws)
+    try:
+        async for message in ws:
+            if message.type == WSMsgType.TEXT:
+                await socket.handle(message.data)
+            elif message.type == WSMsgType.BINARY:
+                await socket.send(error_message("invalid_message", "messages are JSON in text frames"))
+    finally:
+        await socket.close()
+        request.app[SOCKETS].discard(ws)
+    return ws
+
+
+async def close_sockets(app: web.Application) -> None:
+    """On shutdown: close every socket (their conversation streams continue or wait for a restart)."""
+    for ws in list(app[SOCKETS]):
+        await ws.close(code=WSCloseCode.GOING_AWAY, message=b"server shutting down")
+
+
+def setup(app: web.Application) -> None:
+    app[SOCKETS] = weakref.WeakSet()
+    app.on_shutdown.append(close_sockets)
+
+
+ROUTES = [
+    Route("GET", "/ws/chat", ws_chat,
+          "WebSocket chat: upgrade, then JSON messages chat/resume/cancel -> start/token/done/error (see README)"),
+]
