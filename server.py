@@ -27,7 +27,8 @@ from api.batch import BATCH
 from api.context import ServerState
 from api.streams import HUB
 from config import ConfigError, GalleyConfig, load_config, with_overrides
-from launch import start_models
+from launch import EncoderLaunch, start_encoders, start_models
+from scheduling.encoders import EncoderRegistry
 from scheduling.router import Router
 from storage.db import Database
 
@@ -104,12 +105,21 @@ def configure_logging(fmt: str) -> None:
     )
 
 
+def encoder_launches(cfg: GalleyConfig) -> list[EncoderLaunch]:
+    """The embed and classify models; each may have 4 x max_waiting inputs waiting."""
+    return [EncoderLaunch(m.name, m.path, m.kind, m.max_batch, m.max_wait_ms,
+                          max_waiting=4 * cfg.scheduling.max_waiting)
+            for m in cfg.models if m.kind != "generate"]
+
+
 async def serve(cfg: GalleyConfig, db: Database, admin_key_hash: str) -> int:
     loop = asyncio.get_running_loop()
     router = Router(queue_timeout_s=cfg.scheduling.queue_timeout_seconds)
+    encoders = EncoderRegistry()
     state = ServerState(started_s=time.monotonic())
     app = create_app(router, state, db=db, auth_enabled=cfg.auth.enabled, admin_key_hash=admin_key_hash,
-                     streams_config=cfg.streams, batch_config=cfg.batch)
+                     streams_config=cfg.streams, batch_config=cfg.batch, encoders=encoders,
+                     response_cache=cfg.response_cache)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, cfg.server.host, cfg.server.port)
@@ -123,14 +133,16 @@ async def serve(cfg: GalleyConfig, db: Database, admin_key_hash: str) -> int:
     def emit(events) -> None:
         loop.call_soon_threadsafe(router.dispatch, events)
 
-    models = [(m.name, m.path) for m in cfg.models]
+    models = [(m.name, m.path) for m in cfg.models if m.kind == "generate"]
     loading = loop.run_in_executor(None, start_models, models, cfg.engine, cfg.scheduling.max_waiting, router, emit)
+    encoding = loop.run_in_executor(None, start_encoders, encoder_launches(cfg), cfg.engine, encoders)
     done, _ = await asyncio.wait([loading, asyncio.ensure_future(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
     if loading not in done:
         await runner.cleanup()
         return 0
     try:
         workers = loading.result()
+        batchers = await encoding
     except Exception as exc:
         log.error("model loading failed", error=str(exc))
         await runner.cleanup()
@@ -149,6 +161,8 @@ async def serve(cfg: GalleyConfig, db: Database, admin_key_hash: str) -> int:
     await runner.cleanup()
     for worker in workers:
         worker.stop()
+    for batcher in batchers:
+        batcher.stop()
     log.info("stopped", unfinished=router.num_in_flight)
     return 0
 

@@ -12,15 +12,17 @@ from pathlib import Path
 import structlog
 from aiohttp import web
 
-from api import admin, batch, conversations, health, openai, stream_api, ws
+from api import admin, batch, conversations, encoders_api, health, native, openai, stream_api, ws
 from api.auth import AUTH, DATABASE, Auth, TenantDirectory, auth_middleware
 from api.batch_runner import BatchConfig, BatchRunner
-from api.context import ROUTER, STATE, ServerState
+from api.context import ENCODERS, ROUTER, STATE, ServerState
 from api.errors import error_middleware, json_response
 from api.metrics import METRICS, Metrics, metrics_endpoint
 from api.openapi import build_spec
+from api.response_cache import RESPONSE_CACHE, ResponseCache, ResponseCacheConfig
 from api.routes import Route
 from api.streams import HUB, StreamHub, StreamsConfig
+from scheduling.encoders import EncoderRegistry
 from scheduling.router import Router
 from storage.db import Database
 
@@ -49,7 +51,7 @@ async def request_context(request: web.Request, handler):
 
 def all_routes() -> list[Route]:
     return [*health.ROUTES, *openai.ROUTES, *stream_api.ROUTES, *admin.ROUTES, *conversations.ROUTES,
-            *ws.ROUTES, *batch.ROUTES]
+            *ws.ROUTES, *batch.ROUTES, *native.ROUTES, *encoders_api.ROUTES]
 
 
 def temporary_database(app: web.Application) -> Database:
@@ -76,7 +78,8 @@ async def run_stream_sweeper(app: web.Application):
 def create_app(router: Router, state: ServerState | None = None, *, db: Database | None = None,
                auth_enabled: bool = False, admin_key_hash: str | None = None,
                streams_config: StreamsConfig | None = None,
-               batch_config: BatchConfig | None = None) -> web.Application:
+               batch_config: BatchConfig | None = None, encoders: EncoderRegistry | None = None,
+               response_cache: ResponseCacheConfig | None = None) -> web.Application:
     """The app; `db` stays open after cleanup (its owner closes it). No admin key: the admin API refuses all."""
     app = web.Application(middlewares=[request_context, error_middleware, auth_middleware],
                           client_max_size=MAX_BODY_BYTES)
@@ -85,6 +88,9 @@ def create_app(router: Router, state: ServerState | None = None, *, db: Database
     app[ROUTER] = router
     app[STATE] = state or ServerState(ready=True)
     app[METRICS] = Metrics(router)
+    app[ENCODERS] = encoders if encoders is not None else EncoderRegistry()
+    app[METRICS].watch_encoders(app[ENCODERS])
+    app[RESPONSE_CACHE] = ResponseCache(response_cache or ResponseCacheConfig())
     app[HUB] = StreamHub(router, app[DATABASE], app[METRICS], streams_config or StreamsConfig())
     app.cleanup_ctx.append(run_stream_sweeper)
     tenants = lambda name: app[AUTH].directory.tenants.get(name)  # noqa: E731

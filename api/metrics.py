@@ -11,9 +11,10 @@ from collections.abc import AsyncIterator
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from engine.types import TokenEvent
+from scheduling.encoders import EncoderRegistry
 from scheduling.router import RequestStream, Router
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -62,6 +63,29 @@ class EngineCollector:
         return depth
 
 
+BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+class EncoderCollector:
+    """Each encoder's batch sizes and inputs, read from its batcher's stats at scrape time."""
+
+    def __init__(self, encoders: EncoderRegistry) -> None:
+        self.encoders = encoders
+
+    def collect(self):
+        sizes = HistogramMetricFamily("galley_encoder_batch_size", "Inputs per encoder forward", labels=["model"])
+        inputs = CounterMetricFamily("galley_encoder_inputs", "Inputs run through encoder models", labels=["model"])
+        for model in self.encoders.models.values():
+            stats = model.handle.stats
+            buckets = [(str(bound), sum(n for size, n in stats.batch_sizes.items() if size <= bound))
+                       for bound in BATCH_SIZE_BUCKETS]
+            buckets.append(("+Inf", stats.num_batches))
+            sizes.add_metric([model.name], buckets, sum_value=stats.num_items)
+            inputs.add_metric([model.name], stats.num_items)
+        yield sizes
+        yield inputs
+
+
 class Metrics:
     def __init__(self, router: Router) -> None:
         self.registry = CollectorRegistry()
@@ -81,7 +105,16 @@ class Metrics:
                              ["model"], buckets=LATENCY_BUCKETS, registry=r)
         self.duration = Histogram("galley_request_duration_seconds", "Arrival to last token", ["model"],
                                   buckets=LATENCY_BUCKETS, registry=r)
+        self.cache_hits = Counter("galley_response_cache_hits", "Response cache hits (encoders: per input)",
+                                  ["model"], registry=r)
+        self.cache_misses = Counter("galley_response_cache_misses", "Response cache misses (encoders: per input)",
+                                    ["model"], registry=r)
+        self.encoder_requests = Counter("galley_encoder_requests", "Embedding and classification requests",
+                                        ["model", "status"], registry=r)
         self.registry.register(EngineCollector(router))
+
+    def watch_encoders(self, encoders: EncoderRegistry) -> None:
+        self.registry.register(EncoderCollector(encoders))
 
     async def observe(self, stream: RequestStream) -> AsyncIterator[TokenEvent]:
         """Pass a stream's events through, recording its latencies and tokens."""

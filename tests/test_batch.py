@@ -38,8 +38,9 @@ async def make_stack(aiohttp_server, llama_path, db):
     """Builds the stack with the given batch config; yields (client, router, alice's key)."""
     made = []
 
-    async def make(batch: BatchConfig = BatchConfig(), **engine_kw):
-        server, router, workers = await start_stack(aiohttp_server, llama_path, db, batch, **engine_kw)
+    async def make(batch: BatchConfig | None = None, **engine_kw):
+        server, router, workers = await start_stack(aiohttp_server, llama_path, db, batch or BatchConfig(),
+                                                    **engine_kw)
         session = aiohttp.ClientSession(base_url=server.make_url("/"))
         made.append((session, router, workers))
         client = Client(session)

@@ -1,0 +1,209 @@
+"""Embedding and classification endpoints: OpenAI /v1/embeddings, native /api/v1/embed and
+/api/v1/predict (and /api/v1/models/{name}/predict).
+
+Each input goes through the response cache first (per tenant, model version, input and
+params); the misses go to the model's dynamic batcher in one submit, whose future the
+handler awaits. Tenant limits apply as for generations (tokens estimated, then settled).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import math
+import struct
+import time
+from typing import Any
+
+from aiohttp import web
+
+from api.auth import check_model_access, tenant_of
+from api.context import ENCODERS, ROUTER
+from api.errors import InvalidRequestError, QueueFullError, RateLimitError, json_response
+from api.metrics import METRICS
+from api.native import find_model, path_model
+from api.native_schemas import (
+    EmbeddingRequest,
+    EmbeddingResponse,
+    EmbedRequest,
+    EmbedResponse,
+    PredictParams,
+    PredictRequest,
+    PredictResponse,
+)
+from api.openai import tenant_limits
+from api.response_cache import RESPONSE_CACHE, cache_key, wants_cache
+from api.routes import Route
+from api.validation import parse_body
+from scheduling.admission import Rejected
+from scheduling.encoders import EncoderBusy, ServedEncoder
+
+
+def encoder_for(request: web.Request, name: str, kind: str) -> ServedEncoder:
+    model = find_model(request, name)
+    check_model_access(request, model.name)
+    if not isinstance(model, ServedEncoder) or model.kind != kind:
+        have = model.kind if isinstance(model, ServedEncoder) else "generate"
+        raise InvalidRequestError(f"The model `{name}` is a `{have}` model; this endpoint needs a `{kind}` model.",
+                                  param="model", code="wrong_model_kind")
+    return model
+
+
+def check_token_ids(model: ServedEncoder, items: list[str | list[int]]) -> None:
+    for item in items:
+        if isinstance(item, list):
+            if any(t >= model.vocab_size for t in item):
+                raise InvalidRequestError(f"token ids must be in [0, {model.vocab_size})", param="input")
+            if len(item) > model.max_seq_len:
+                raise InvalidRequestError(f"a token id input has {len(item)} tokens; this model takes at most "
+                                          f"{model.max_seq_len}", param="input", code="context_length_exceeded")
+
+
+async def run_encoder(request: web.Request, model: ServedEncoder, items: list[str | list[int]],
+                      params: dict, use_cache: bool) -> list[Any]:
+    """One output (`.values`, `.num_tokens`) per item: cached ones at once, the rest in one batcher submit."""
+    cache, metrics = request.app[RESPONSE_CACHE], request.app[METRICS]
+    tenant = tenant_of(request).name
+    keys = [cache_key(tenant, model.name, model.version, item, params) for item in items]
+    outputs = [cache.get(key) if use_cache else None for key in keys]
+    missing = [i for i, out in enumerate(outputs) if out is None]
+    if use_cache:
+        metrics.cache_hits.labels(model.name).inc(len(items) - len(missing))
+        metrics.cache_misses.labels(model.name).inc(len(missing))
+    if not missing:
+        metrics.encoder_requests.labels(model.name, "cached").inc()
+        return outputs
+    todo = [items[i] for i in missing]
+    computed = await submit_inputs(request, model, todo)
+    for i, out in zip(missing, computed):
+        outputs[i] = out
+        if use_cache:
+            cache.put(keys[i], out)
+    return outputs
+
+
+async def submit_inputs(request: web.Request, model: ServedEncoder, items: list[str | list[int]]) -> list[Any]:
+    limits, _ = tenant_limits(request)
+    estimate = sum(len(x) // 4 + 2 if isinstance(x, str) else len(x) for x in items)
+    metrics = request.app[METRICS]
+    admission = request.app[ROUTER].admission
+    try:
+        ticket = admission.admit(limits, estimate)
+    except Rejected as exc:
+        metrics.rejected.labels(model.name, exc.reason).inc()
+        raise RateLimitError(str(exc), code=exc.reason, headers={"Retry-After": str(exc.retry_after_s)}) from exc
+    registry, used = request.app[ENCODERS], estimate
+    try:
+        try:
+            future = registry.submit(model, items)
+        except EncoderBusy as exc:
+            metrics.rejected.labels(model.name, "queue_full").inc()
+            raise QueueFullError(f"{exc}; retry shortly", headers={"Retry-After": "1"}) from exc
+        try:
+            outputs = await asyncio.wrap_future(future)
+        except Exception as exc:
+            metrics.encoder_requests.labels(model.name, "error").inc()
+            raise web.HTTPInternalServerError(text=f"the {model.kind} model failed: {exc}") from exc
+        finally:
+            registry.done(model, len(items))
+        used = sum(out.num_tokens for out in outputs)
+        metrics.encoder_requests.labels(model.name, "ok").inc()
+        return outputs
+    finally:
+        admission.release(ticket, used)
+
+
+# ---- embeddings ----------------------------------------------------------------------------
+
+
+def base64_floats(values: list[float]) -> str:
+    """OpenAI's base64 encoding: the little-endian float32 bytes of the vector."""
+    return base64.b64encode(struct.pack(f"<{len(values)}f", *values)).decode()
+
+
+def cache_flag(body: Any) -> bool | None:
+    return body.galley.cache if body.galley is not None else None
+
+
+async def embeddings(request: web.Request) -> web.Response:
+    body = await parse_body(request, EmbeddingRequest)
+    model = encoder_for(request, body.model, "embed")
+    if body.dimensions is not None and body.dimensions != model.dimensions:
+        raise InvalidRequestError(f"`{model.name}` makes {model.dimensions}-dimensional embeddings; "
+                                  f"dimensions={body.dimensions} is not supported", param="dimensions")
+    items = body.inputs()
+    check_token_ids(model, items)
+    outputs = await run_encoder(request, model, items, {}, wants_cache(request, cache_flag(body)))
+    encode = base64_floats if body.encoding_format == "base64" else (lambda v: v)
+    data = [{"object": "embedding", "index": i, "embedding": encode(out.values)} for i, out in enumerate(outputs)]
+    tokens = sum(out.num_tokens for out in outputs)
+    return json_response({"object": "list", "data": data, "model": model.name,
+                          "usage": {"prompt_tokens": tokens, "total_tokens": tokens}},
+                         headers={"X-Model-Version": model.version})
+
+
+async def embed(request: web.Request) -> web.Response:
+    body = await parse_body(request, EmbedRequest)
+    model = encoder_for(request, body.model, "embed")
+    outputs = await run_encoder(request, model, body.texts(), {}, wants_cache(request, cache_flag(body)))
+    tokens = sum(out.num_tokens for out in outputs)
+    return json_response({"model": model.name, "embeddings": [out.values for out in outputs],
+                          "dimensions": model.dimensions, "model_version": model.version,
+                          "usage": {"prompt_tokens": tokens, "total_tokens": tokens}},
+                         headers={"X-Model-Version": model.version})
+
+
+# ---- classification ------------------------------------------------------------------------
+
+
+def scores_from_logits(logits: list[float], function: str) -> list[float]:
+    if function == "sigmoid":
+        return [1 / (1 + math.exp(-x)) for x in logits]
+    if function == "softmax":
+        top = max(logits)
+        exps = [math.exp(x - top) for x in logits]
+        total = sum(exps)
+        return [e / total for e in exps]
+    return list(logits)
+
+
+def prediction(model: ServedEncoder, logits: list[float], params: PredictParams) -> dict:
+    function = params.function_to_apply or ("sigmoid" if model.multi_label else "softmax")
+    scores = scores_from_logits(logits, function)
+    ranked = sorted(zip(model.labels, scores), key=lambda pair: -pair[1])
+    if params.top_k is not None:
+        ranked = ranked[:params.top_k]
+    return {"prediction": ranked[0][0], "confidence": ranked[0][1], "scores": dict(ranked)}
+
+
+async def predict(request: web.Request) -> web.Response:
+    started = time.monotonic()
+    body = await parse_body(request, PredictRequest)
+    name = path_model(request, body.model)
+    model = encoder_for(request, name, "classify")
+    params = body.params or PredictParams()
+    texts = [body.input] if body.input is not None else list(body.inputs)
+    outputs = await run_encoder(request, model, texts, {}, wants_cache(request, cache_flag(body)))
+    results = [prediction(model, out.values, params) for out in outputs]
+    if body.input is not None:
+        fields = results[0]
+    else:
+        fields = {key: [r[key] for r in results] for key in ("prediction", "confidence", "scores")}
+    return json_response({"model": model.name, **fields, "model_version": model.version,
+                          "latency_ms": round((time.monotonic() - started) * 1000, 3)},
+                         headers={"X-Model-Version": model.version})
+
+
+async def predict_named(request: web.Request) -> web.Response:
+    return await predict(request)
+
+
+ROUTES = [
+    Route("POST", "/v1/embeddings", embeddings, "Create embeddings (OpenAI)",
+          request=EmbeddingRequest, response=EmbeddingResponse),
+    Route("POST", "/api/v1/embed", embed, "Embed texts (native)", request=EmbedRequest, response=EmbedResponse),
+    Route("POST", "/api/v1/predict", predict, "Classify text (native)",
+          request=PredictRequest, response=PredictResponse),
+    Route("POST", "/api/v1/models/{name}/predict", predict_named, "Classify text with the model in the path (native)",
+          request=PredictRequest, response=PredictResponse),
+]

@@ -1,0 +1,128 @@
+"""The native generation API: POST /api/v1/generate and /api/v1/models/{name}/generate, and
+`find_model`, the one function through which native and embedding endpoints resolve a model.
+
+Generation reuses the OpenAI handlers' engine path (`sampling_params`, `submit`, `collect`,
+`scheduled_events`); only the wire format differs: `{"text", ...}` or SSE events
+`{"token": "..."}` then `{"type": "done", "usage": {...}}`. Deterministic requests (greedy or
+seeded) that do not stream are answered from the response cache when they can be.
+"""
+
+from __future__ import annotations
+
+import time
+
+from aiohttp import web
+
+from api.auth import check_model_access, check_priority_access, tenant_of
+from api.context import ENCODERS, ROUTER
+from api.errors import InvalidRequestError, json_response
+from api.metrics import METRICS
+from api.native_schemas import GenerateEvent, GenerateRequest, GenerateResponse
+from api.openai import collect, finish_reason, sampling_params, scheduled_events, served_model, submit, usage
+from api.response_cache import RESPONSE_CACHE, cache_key, wants_cache
+from api.routes import Route
+from api.sse import open_sse, send_event
+from api.streams import prepend
+from api.validation import parse_body
+from scheduling.encoders import ServedEncoder
+from scheduling.router import RequestStream, ServedModel
+
+DEFAULT_MAX_TOKENS = 128
+
+
+def find_model(request: web.Request, name: str) -> ServedModel | ServedEncoder:
+    """The served model called `name`, of any kind (404 if none, 503 while loading).
+
+    The single lookup of the native API; version routing (`name@version`, traffic splits)
+    belongs behind it."""
+    encoder = request.app[ENCODERS].models.get(name)
+    return encoder if encoder is not None else served_model(request, name)
+
+
+def path_model(request: web.Request, body_model: str | None) -> str:
+    """The model named by the path (`/api/v1/models/{name}/...`) or else by the body."""
+    name = request.match_info.get("name")
+    if name is not None and body_model is not None and body_model != name:
+        raise InvalidRequestError(f"the path names model `{name}` but the body names `{body_model}`", param="model")
+    if name is None and body_model is None:
+        raise InvalidRequestError("model: field required", param="model")
+    return name or body_model
+
+
+def prompt_token_ids(model: ServedModel, prompt: str | list[int]) -> list[int]:
+    if isinstance(prompt, str):
+        return model.tokenizer.encode(prompt)
+    if any(not 0 <= t < model.vocab_size for t in prompt):
+        raise InvalidRequestError(f"prompt token ids must be in [0, {model.vocab_size})", param="prompt")
+    return list(prompt)
+
+
+async def generate(request: web.Request) -> web.StreamResponse:
+    started = time.monotonic()
+    body = await parse_body(request, GenerateRequest)
+    model = find_model(request, path_model(request, body.model))
+    check_model_access(request, model.name)
+    if isinstance(model, ServedEncoder):
+        raise InvalidRequestError(f"The model `{model.name}` is a `{model.kind}` model; generate needs a "
+                                  "`generate` model.", param="model", code="wrong_model_kind")
+    check_priority_access(request, body.priority)
+    prompt_ids = prompt_token_ids(model, body.prompt)
+    max_tokens = body.max_tokens or max(1, min(DEFAULT_MAX_TOKENS, model.max_model_len - len(prompt_ids)))
+    params = sampling_params(request, body, max_tokens, len(prompt_ids), model, None)
+    headers = {"X-Request-Id": request["request_id"], "X-Model-Version": model.version}
+    if body.stream:
+        return await stream_generation(request, model, submit(request, model, prompt_ids, params, body.priority),
+                                       headers)
+    deterministic = params.temperature == 0 or params.seed is not None
+    use_cache = deterministic and wants_cache(request, body.galley.cache if body.galley else None)
+    cache, metrics = request.app[RESPONSE_CACHE], request.app[METRICS]
+    key = cache_key(tenant_of(request).name, model.name, model.version, prompt_ids,
+                    {**params.__dict__, "stop": list(params.stop), "stop_token_ids": list(params.stop_token_ids)})
+    result = cache.get(key) if use_cache else None
+    if use_cache:
+        (metrics.cache_hits if result is not None else metrics.cache_misses).labels(model.name).inc()
+    if result is None:
+        text, _, last = await collect(request, submit(request, model, prompt_ids, params, body.priority))
+        result = {"model": model.name, "text": text, "finish_reason": finish_reason(last.finish_reason),
+                  "usage": usage(last), "model_version": model.version}
+        if use_cache:
+            cache.put(key, result)
+    return json_response({**result, "latency_ms": round((time.monotonic() - started) * 1000, 3)}, headers=headers)
+
+
+async def stream_generation(request: web.Request, model: ServedModel, stream: RequestStream,
+                            headers: dict[str, str]) -> web.StreamResponse:
+    """SSE `{"token"}` events then one `{"type": "done"}`; an error before the first token is a plain
+    HTTP error, after it an `{"type": "error"}` event. A client that leaves aborts the generation."""
+    try:
+        events = scheduled_events(request, stream)
+        first = await anext(events)
+        response = await open_sse(request, headers)
+        async for event in prepend(first, events):
+            if event.error:
+                error = {"message": event.error, "type": "internal_error", "param": None, "code": None}
+                await send_event(response, {"type": "error", "error": error})
+                break
+            if event.text:
+                await send_event(response, {"token": event.text})
+            if event.finished:
+                await send_event(response, {"type": "done", "usage": usage(event),
+                                            "finish_reason": event.finish_reason.value,
+                                            "model_version": model.version})
+        return response
+    finally:
+        if not stream.finished:  # the client went away: the handler was cancelled
+            request.app[ROUTER].abort(stream)
+
+
+async def generate_named(request: web.Request) -> web.StreamResponse:
+    return await generate(request)
+
+
+ROUTES = [
+    Route("POST", "/api/v1/generate", generate, "Generate text (native; SSE with `stream`)",
+          request=GenerateRequest, response=GenerateResponse, stream_response=GenerateEvent),
+    Route("POST", "/api/v1/models/{name}/generate", generate_named,
+          "Generate text with the model in the path (native; SSE with `stream`)",
+          request=GenerateRequest, response=GenerateResponse, stream_response=GenerateEvent),
+]

@@ -1,0 +1,155 @@
+"""Request and response bodies of /v1/embeddings and the native API (/api/v1/embed, predict,
+generate); the same pydantic models validate requests and write /openapi.json."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, Field, model_validator
+
+from api.schemas import GalleyOptions, SamplingFields, Strict
+
+MAX_INPUTS = 2048
+Text = Annotated[str, Field(min_length=1)]
+TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+
+
+class CacheOptions(Strict):
+    cache: bool | None = Field(None, description="false: skip the response cache for this request "
+                               "(as does the header `Cache-Control: no-cache`)")
+
+
+class GenerateGalleyOptions(GalleyOptions):
+    cache: bool | None = Field(None, description="false: skip the response cache for this request")
+
+
+# ---- /v1/embeddings (OpenAI) -------------------------------------------------------------
+
+
+class EmbeddingRequest(Strict):
+    model: str = Field(min_length=1)
+    input: (Text | Annotated[list[Text], Field(min_length=1, max_length=MAX_INPUTS)] | TokenIds
+            | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_INPUTS)]) = Field(
+        description="A string, a list of strings, a list of token ids, or a list of such lists.")
+    encoding_format: Literal["float", "base64"] = Field(
+        "float", description="base64: each embedding is the base64 of its little-endian float32 bytes.")
+    dimensions: int | None = Field(None, ge=1, description="Only the model's own dimension is supported.")
+    user: str | None = None
+    galley: CacheOptions | None = Field(None, description="galley extensions")
+
+    def inputs(self) -> list[str | list[int]]:
+        if isinstance(self.input, str):
+            return [self.input]
+        if isinstance(self.input[0], int):
+            return [list(self.input)]
+        return list(self.input)
+
+
+class Embedding(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[Embedding]
+    model: str
+    usage: EmbeddingUsage
+
+
+# ---- /api/v1/embed ------------------------------------------------------------------------
+
+
+class EmbedRequest(Strict):
+    model: str = Field(min_length=1)
+    inputs: Text | Annotated[list[Text], Field(min_length=1, max_length=MAX_INPUTS)]
+    galley: CacheOptions | None = Field(None, description="galley extensions")
+
+    def texts(self) -> list[str]:
+        return [self.inputs] if isinstance(self.inputs, str) else list(self.inputs)
+
+
+class EmbedResponse(BaseModel):
+    model: str
+    embeddings: list[list[float]]
+    dimensions: int
+    model_version: str
+    usage: EmbeddingUsage
+
+
+# ---- /api/v1/predict ----------------------------------------------------------------------
+
+
+class PredictParams(Strict):
+    function_to_apply: Literal["softmax", "sigmoid", "none"] | None = Field(
+        None, description="How logits become scores; default softmax (sigmoid for multi-label models).")
+    top_k: int | None = Field(None, ge=1, description="Return only the k best-scoring labels in `scores`.")
+
+
+class PredictRequest(Strict):
+    model: str | None = Field(None, min_length=1, description="Required unless the path names the model.")
+    input: Text | None = None
+    inputs: Annotated[list[Text], Field(min_length=1, max_length=MAX_INPUTS)] | None = None
+    params: PredictParams | None = None
+    galley: CacheOptions | None = Field(None, description="galley extensions")
+
+    @model_validator(mode="after")
+    def _one_input(self) -> PredictRequest:
+        if (self.input is None) == (self.inputs is None):
+            raise ValueError("give exactly one of `input` (a string) or `inputs` (a list of strings)")
+        return self
+
+
+class PredictResponse(BaseModel):
+    """For `input`: one prediction; for `inputs`: `prediction`, `confidence`, `scores` are lists."""
+
+    model: str
+    prediction: str | list[str]
+    confidence: float | list[float]
+    scores: dict[str, float] | list[dict[str, float]]
+    model_version: str
+    latency_ms: float
+
+
+# ---- /api/v1/generate ---------------------------------------------------------------------
+
+
+class GenerateRequest(SamplingFields):
+    model: str | None = Field(None, min_length=1, description="Required unless the path names the model.")
+    prompt: Annotated[str, Field(min_length=1)] | Annotated[list[int], Field(min_length=1)] = Field(
+        description="A string or a list of token ids.")
+    max_tokens: int | None = Field(None, ge=1, description="Default 128.")
+    galley: GenerateGalleyOptions | None = Field(None, description="galley extensions")
+
+
+class GenerateUsage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class GenerateResponse(BaseModel):
+    model: str
+    text: str
+    finish_reason: str | None
+    usage: GenerateUsage
+    model_version: str
+    latency_ms: float
+
+
+class GenerateEvent(BaseModel):
+    """One SSE event: `{"token": "..."}` per piece of text, then `{"type": "done", "usage", ...}`
+    (or `{"type": "error", "error": {...}}`)."""
+
+    token: str | None = None
+    type: Literal["done", "error"] | None = None
+    usage: GenerateUsage | None = None
+    finish_reason: str | None = None
+    model_version: str | None = None
+    error: dict | None = None

@@ -1,0 +1,182 @@
+"""Encoder models (embeddings, classifiers): HF `AutoModel*` forwards over padded batches.
+
+No KV cache and no scheduler: each model gets a `DynamicBatcher` thread whose `run_batch`
+is `Encoder.run`. Embedding models honour a sentence-transformers folder: pooling from
+`1_Pooling/config.json` (cls / mean / max / mean_sqrt_len / lasttoken), a `Normalize`
+module in `modules.json`, `max_seq_length` from `sentence_bert_config.json`. A model
+source `pkg:PACKAGE/SUBDIR` is a folder inside an installed Python package (how the
+default `minilm` ships), found through `importlib.resources`, never downloaded.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModel, AutoModelForSequenceClassification, AutoTokenizer
+
+from engine.batcher import DynamicBatcher
+from engine.loader import ModelLoadError, resolve_dtype, resolve_model_path
+
+KINDS = ("embed", "classify")
+POOLING_MODES = ("cls", "mean", "max", "mean_sqrt_len", "lasttoken")
+KNOWN_MODULES = {"Transformer", "Pooling", "Normalize"}
+
+
+@dataclass(frozen=True)
+class EncoderOutput:
+    """One input's result: an embedding or a classifier's per-label scores, and its token count."""
+
+    values: list[float]
+    num_tokens: int
+
+
+def resolve_encoder_path(source: str) -> Path:
+    """`pkg:PACKAGE/SUBDIR` inside an installed package; else a local folder or a hub id."""
+    if not source.startswith("pkg:"):
+        return resolve_model_path(source)
+    package, _, sub = source.removeprefix("pkg:").partition("/")
+    try:
+        root = importlib.resources.files(package)
+    except ModuleNotFoundError as exc:
+        raise ModelLoadError(f"model source {source!r}: package {package!r} is not installed") from exc
+    path = Path(str(root / sub)) if sub else Path(str(root))
+    if not path.is_dir():
+        raise ModelLoadError(f"model source {source!r}: {path} is not a folder")
+    return path
+
+
+@dataclass(frozen=True)
+class SentenceConfig:
+    """What a sentence-transformers folder says about turning token states into one vector."""
+
+    pooling: str = "mean"
+    normalize: bool = False
+    max_seq_length: int | None = None
+
+
+def read_sentence_config(path: Path) -> SentenceConfig:
+    modules_file = path / "modules.json"
+    if not modules_file.exists():
+        return SentenceConfig()
+    modules = json.loads(modules_file.read_text())
+    kinds = [m["type"].rsplit(".", 1)[-1] for m in modules]
+    unknown = [k for k in kinds if k not in KNOWN_MODULES]
+    if unknown:
+        raise ModelLoadError(f"{path}: sentence-transformers modules {unknown} are not supported "
+                             f"(only {sorted(KNOWN_MODULES)})")
+    pooling = "mean"
+    for module in modules:
+        if module["type"].endswith("Pooling"):
+            pooling = pooling_mode(json.loads((path / module["path"] / "config.json").read_text()))
+    bert_config = path / "sentence_bert_config.json"
+    max_len = json.loads(bert_config.read_text()).get("max_seq_length") if bert_config.exists() else None
+    return SentenceConfig(pooling, "Normalize" in kinds, max_len)
+
+
+def pooling_mode(cfg: dict) -> str:
+    if "pooling_mode" in cfg:  # newer sentence-transformers write the mode by name
+        mode = {"mean_sqrt_len_tokens": "mean_sqrt_len"}.get(cfg["pooling_mode"], cfg["pooling_mode"])
+    else:
+        flags = [m for m in ("cls", "mean", "max", "mean_sqrt_len", "lasttoken")
+                 if cfg.get(f"pooling_mode_{m}_token" if m in ("cls", "lasttoken") else f"pooling_mode_{m}_tokens")]
+        if len(flags) != 1:
+            raise ModelLoadError(f"pooling config {cfg}: exactly one pooling mode must be set, got {flags}")
+        mode = flags[0]
+    if mode not in POOLING_MODES:
+        raise ModelLoadError(f"pooling mode {mode!r} is not supported (only {', '.join(POOLING_MODES)})")
+    return mode
+
+
+def pool(hidden: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Tensor:
+    """[batch, seq, dim] token states and [batch, seq] mask -> [batch, dim] (right padding)."""
+    m = mask.unsqueeze(-1).to(hidden.dtype)  # [batch, seq, 1]
+    if mode == "cls":
+        return hidden[:, 0]
+    if mode == "max":
+        return hidden.masked_fill(m == 0, torch.finfo(hidden.dtype).min).max(dim=1).values
+    if mode == "lasttoken":
+        last = mask.sum(dim=1) - 1  # [batch]
+        return hidden[torch.arange(hidden.shape[0], device=hidden.device), last]
+    summed = (hidden * m).sum(dim=1)
+    counts = m.sum(dim=1).clamp(min=1e-9)
+    return summed / (counts.sqrt() if mode == "mean_sqrt_len" else counts)
+
+
+class Encoder:
+    """A loaded encoder: tokenizer, model, and how its outputs become vectors or scores."""
+
+    def __init__(self, path: Path, kind: str, device: str = "cpu", dtype: str = "auto") -> None:
+        if kind not in KINDS:
+            raise ModelLoadError(f"encoder kind must be one of {KINDS}, not {kind!r}")
+        self.path, self.kind = path, kind
+        self.device = torch.device(device)
+        self.dtype = resolve_dtype(dtype, self.device)
+        self.sentence = read_sentence_config(path) if kind == "embed" else SentenceConfig()
+        self.config = AutoConfig.from_pretrained(path)
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        auto = AutoModel if kind == "embed" else AutoModelForSequenceClassification
+        try:
+            self.model = auto.from_pretrained(path, dtype=self.dtype).to(self.device).eval()
+        except (OSError, ValueError) as exc:
+            raise ModelLoadError(f"cannot load {kind} model from {path}: {exc}") from exc
+        limits = [n for n in (self.sentence.max_seq_length, getattr(self.config, "max_position_embeddings", None),
+                              self.tokenizer.model_max_length) if n]
+        self.max_seq_len = min(limits) if limits else 512
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+
+    @property
+    def dimensions(self) -> int:
+        return self.config.hidden_size
+
+    @property
+    def labels(self) -> list[str]:
+        """Classifier labels by output index, from the config's id2label."""
+        if self.kind != "classify":
+            return []
+        return [self.config.id2label.get(i, f"LABEL_{i}") for i in range(self.config.num_labels)]
+
+    @property
+    def multi_label(self) -> bool:
+        return getattr(self.config, "problem_type", None) == "multi_label_classification"
+
+    def token_ids(self, inputs: list[str | list[int]]) -> list[list[int]]:
+        """Strings are tokenized (special tokens, truncated to max_seq_len); id lists are taken as given."""
+        texts = [i for i in inputs if isinstance(i, str)]
+        encoded = iter(self.tokenizer(texts, truncation=True, max_length=self.max_seq_len)["input_ids"]
+                       if texts else [])
+        return [next(encoded) if isinstance(i, str) else list(i) for i in inputs]
+
+    @torch.inference_mode()
+    def run(self, inputs: list[str | list[int]]) -> list[EncoderOutput]:
+        """One forward over the whole batch, padded to its longest input."""
+        ids = self.token_ids(inputs)
+        width = max(len(x) for x in ids)
+        input_ids = torch.full((len(ids), width), self.pad_id, dtype=torch.long)  # [batch, seq]
+        mask = torch.zeros((len(ids), width), dtype=torch.long)  # [batch, seq]
+        for row, x in enumerate(ids):
+            input_ids[row, :len(x)] = torch.tensor(x, dtype=torch.long)
+            mask[row, :len(x)] = 1
+        input_ids, mask = input_ids.to(self.device), mask.to(self.device)
+        out = self.model(input_ids=input_ids, attention_mask=mask)
+        if self.kind == "embed":
+            values = pool(out.last_hidden_state, mask, self.sentence.pooling)  # [batch, dim]
+            if self.sentence.normalize:
+                values = torch.nn.functional.normalize(values, p=2, dim=1)
+        else:
+            values = out.logits  # [batch, num_labels]
+        rows = values.float().cpu().tolist()
+        return [EncoderOutput(row, len(x)) for row, x in zip(rows, ids)]
+
+
+def start_encoder(name: str, source: str, kind: str, device: str, dtype: str, max_batch: int,
+                  max_wait_ms: float) -> tuple[Encoder, DynamicBatcher]:
+    """Load an encoder and start its batching thread (blocking: run it off the event loop)."""
+    encoder = Encoder(resolve_encoder_path(source), kind, device, dtype)
+    batcher = DynamicBatcher(name, encoder.run, max_batch, max_wait_ms)
+    encoder.run(["warm up"])  # the first forward is slow: pay for it before serving
+    batcher.start()
+    return encoder, batcher

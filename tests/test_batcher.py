@@ -1,0 +1,136 @@
+"""The dynamic batcher and the response cache as plain state: batches, splits, failures, LRU and TTL."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from api.response_cache import ResponseCache, ResponseCacheConfig, cache_key
+from engine.batcher import DynamicBatcher
+
+
+class Recorder:
+    """A run_batch that records each batch and doubles its inputs; it can be held or made to fail."""
+
+    def __init__(self) -> None:
+        self.batches: list[list[int]] = []
+        self.gate = threading.Event()
+        self.gate.set()
+        self.fail_on: int | None = None
+
+    def __call__(self, items: list[int]) -> list[int]:
+        self.gate.wait(5)
+        self.batches.append(list(items))
+        if self.fail_on in items:
+            raise ValueError("bad input")
+        return [2 * x for x in items]
+
+
+@pytest.fixture
+def recorder():
+    return Recorder()
+
+
+def make(recorder: Recorder, max_batch: int = 4, max_wait_ms: float = 50.0) -> DynamicBatcher:
+    batcher = DynamicBatcher("m", recorder, max_batch, max_wait_ms)
+    batcher.start()
+    return batcher
+
+
+def test_requests_waiting_together_share_one_forward(recorder):
+    recorder.gate.clear()  # hold the first batch so that the next three queue behind it
+    batcher = make(recorder, max_batch=8, max_wait_ms=0)
+    first = batcher.submit([1])
+    time.sleep(0.05)
+    rest = [batcher.submit([10 + i, 20 + i]) for i in range(3)]
+    recorder.gate.set()
+    assert first.result(5) == [2]
+    assert [f.result(5) for f in rest] == [[20, 40], [22, 42], [24, 44]]
+    assert recorder.batches == [[1], [10, 20, 11, 21, 12, 22]]
+    assert batcher.stats.batch_sizes == {1: 1, 6: 1} and batcher.stats.num_requests == 4
+    batcher.stop()
+
+
+def test_a_full_batch_runs_before_the_wait_expires(recorder):
+    batcher = make(recorder, max_batch=4, max_wait_ms=10_000)
+    started = time.monotonic()
+    futures = [batcher.submit([i]) for i in range(4)]
+    assert [f.result(5) for f in futures] == [[0], [2], [4], [6]]
+    assert time.monotonic() - started < 5
+    assert recorder.batches == [[0, 1, 2, 3]]
+    batcher.stop()
+
+
+def test_a_lone_input_waits_at_most_max_wait(recorder):
+    batcher = make(recorder, max_batch=64, max_wait_ms=30)
+    started = time.monotonic()
+    assert batcher.submit([5]).result(5) == [10]
+    assert 0.025 <= time.monotonic() - started < 2
+    batcher.stop()
+
+
+def test_a_request_larger_than_max_batch_is_split_and_reassembled(recorder):
+    batcher = make(recorder, max_batch=4, max_wait_ms=0)
+    assert batcher.submit(list(range(10))).result(5) == [2 * x for x in range(10)]
+    assert [len(b) for b in recorder.batches] == [4, 4, 2]
+    assert batcher.stats.num_items == 10 and batcher.stats.num_requests == 1
+    batcher.stop()
+
+
+def test_a_failed_batch_fails_only_its_requests(recorder):
+    recorder.gate.clear()
+    recorder.fail_on = 7
+    batcher = make(recorder, max_batch=2, max_wait_ms=0)
+    held = batcher.submit([1])
+    time.sleep(0.05)
+    bad, good = batcher.submit([7, 8]), batcher.submit([3])
+    recorder.gate.set()
+    assert held.result(5) == [2]
+    with pytest.raises(ValueError, match="bad input"):
+        bad.result(5)
+    assert good.result(5) == [6]
+    assert batcher.stats.num_failed_batches == 1
+    batcher.stop()
+
+
+def test_cancelled_requests_are_skipped_and_stop_fails_the_rest(recorder):
+    recorder.gate.clear()
+    batcher = make(recorder, max_batch=1, max_wait_ms=0)
+    running = batcher.submit([1])
+    time.sleep(0.05)
+    cancelled = batcher.submit([2])
+    assert cancelled.cancel()
+    recorder.gate.set()
+    assert running.result(5) == [2]
+    assert batcher.submit([3]).result(5) == [6]
+    assert [2] not in recorder.batches
+    batcher.stop()
+    assert batcher.submit([]).result(1) == []
+
+
+def test_cache_is_lru_bounded_and_expires():
+    now = [0.0]
+    cache = ResponseCache(ResponseCacheConfig(max_entries=2, ttl_seconds=10), clock=lambda: now[0])
+    cache.put("a", 1)
+    cache.put("b", 2)
+    assert cache.get("a") == 1  # a is now the most recently used
+    cache.put("c", 3)
+    assert cache.get("b") is None and cache.get("a") == 1 and cache.get("c") == 3
+    now[0] = 10.5
+    assert cache.get("a") is None and len(cache) == 1
+
+
+def test_cache_keys_separate_tenants_versions_and_params():
+    base = cache_key("t1", "m", "1", "hello", {"x": 1, "y": 2})
+    assert base == cache_key("t1", "m", "1", "hello", {"y": 2, "x": 1})
+    others = [cache_key("t2", "m", "1", "hello", {"x": 1, "y": 2}), cache_key("t1", "m", "2", "hello", {"x": 1, "y": 2}),
+              cache_key("t1", "m", "1", "hello!", {"x": 1, "y": 2}), cache_key("t1", "m", "1", "hello", {"x": 2, "y": 2})]
+    assert base not in others and len(set(others)) == 4
+
+
+def test_disabled_cache_stores_nothing():
+    cache = ResponseCache(ResponseCacheConfig(enabled=False))
+    cache.put("a", 1)
+    assert cache.get("a") is None

