@@ -95,7 +95,7 @@ def create_app(router: Router, state: ServerState | None = None, *, db: Database
     app.cleanup_ctx.append(run_stream_sweeper)
     tenants = lambda name: app[AUTH].directory.tenants.get(name)  # noqa: E731
     batch.setup(app, BatchRunner(router, app[DATABASE], app[METRICS], tenants, app[STATE],
-                                 batch_config or BatchConfig()))
+                                 batch_config or BatchConfig(), encoders=app[ENCODERS]))
     ws.setup(app)
     routes = all_routes()
     for route in routes:

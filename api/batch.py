@@ -8,6 +8,7 @@ handlers validate, store and read.
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Annotated, Any, Literal
 from urllib.parse import urlparse
 
@@ -16,13 +17,16 @@ from pydantic import BaseModel, Field, field_validator
 
 from api.auth import check_model_access, tenant_of
 from api.batch_runner import BatchRunner, job_summary
+from api.context import ENCODERS
 from api.errors import InvalidRequestError, NotFoundError, json_response
 from api.openai import served_model
 from api.routes import Route
 from api.schemas import ChatMessage, Strict, Usage
 from api.validation import parse_body
+from scheduling.encoders import ServedEncoder
+from scheduling.router import ServedModel
 from storage import batches
-from storage.batches import BatchItem
+from storage.batches import BatchItem, BatchJob
 
 BATCH = web.AppKey("batch_runner", BatchRunner)
 MAX_INPUTS = 100_000  # the schema's bound; [batch] max_inputs is the configured one
@@ -65,8 +69,9 @@ BatchInput = Annotated[str, Field(min_length=1)] | Annotated[list[ChatMessage], 
 class BatchCreate(Strict):
     model: str = Field(min_length=1)
     inputs: list[BatchInput] = Field(min_length=1, max_length=MAX_INPUTS,
-                                     description="Prompts (strings) or chat conversations (lists of messages).")
-    params: BatchParams | None = None
+                                     description="Prompts (strings) or chat conversations (lists of messages); "
+                                     "texts (strings) for embed and classify models.")
+    params: BatchParams | None = Field(None, description="Generative models only.")
     callback_url: str | None = Field(None, max_length=2048,
                                      description="http(s) URL that gets the job summary by POST when it ends.")
 
@@ -88,6 +93,7 @@ class BatchCreated(BaseModel):
     object: Literal["batch"] = "batch"
     status: JobStatus
     model: str
+    kind: Literal["generate", "embed", "classify"]
     num_inputs: int
     estimated_time: float = Field(description="Rough seconds until the job completes.")
 
@@ -110,6 +116,7 @@ class BatchOut(BaseModel):
     batch_id: str
     object: Literal["batch"] = "batch"
     model: str
+    kind: Literal["generate", "embed", "classify"]
     status: JobStatus
     progress: BatchProgress
     error: str | None
@@ -127,10 +134,14 @@ class BatchList(BaseModel):
 class BatchItemOut(BaseModel):
     index: int
     status: Literal["pending", "completed", "failed", "cancelled"]
-    output: str | None
+    output: str | None = Field(description="Generative models: the generated text.")
     finish_reason: str | None
     usage: Usage | None
     error: str | None
+    embedding: list[float] | None = Field(None, description="Embed models: the input's embedding.")
+    prediction: str | None = Field(None, description="Classify models: the top label ...")
+    confidence: float | None = Field(None, description="... its score ...")
+    scores: dict[str, float] | None = Field(None, description="... and every label's score.")
 
 
 class BatchResults(BaseModel):
@@ -140,13 +151,18 @@ class BatchResults(BaseModel):
     results: list[BatchItemOut] = Field(description="One per input, in input order.")
 
 
-def item_json(item: BatchItem) -> dict[str, Any]:
+def item_json(job: BatchJob, item: BatchItem) -> dict[str, Any]:
     usage = None
     if item.prompt_tokens is not None:
         usage = {"prompt_tokens": item.prompt_tokens, "completion_tokens": item.completion_tokens,
                  "total_tokens": item.prompt_tokens + item.completion_tokens}
-    return {"index": item.idx, "status": item.status, "output": item.output, "finish_reason": item.finish_reason,
-            "usage": usage, "error": item.error}
+    out = {"index": item.idx, "status": item.status, "output": item.output, "finish_reason": item.finish_reason,
+           "usage": usage, "error": item.error}
+    if job.kind != "generate" and item.output is not None:
+        value = json.loads(item.output)
+        out["output"] = None
+        out.update({"embedding": value} if job.kind == "embed" else value)
+    return out
 
 
 def batch_not_found(job_id: str) -> NotFoundError:
@@ -171,17 +187,34 @@ async def create_batch(request: web.Request) -> web.Response:
     if len(body.inputs) > runner.config.max_inputs:
         raise InvalidRequestError(f"{len(body.inputs)} inputs; at most {runner.config.max_inputs} per job",
                                   param="inputs")
-    model = served_model(request, body.model)
-    check_model_access(request, model.name)
+    model = batch_model(request, body.model)
     params = body.params or BatchParams()
-    check_params(request, params, model.vocab_size)
-    inputs = [value if isinstance(value, str) else [{"role": "system" if m.role == "developer" else m.role,
-                                                     "content": m.text()} for m in value]
-              for value in body.inputs]
+    if isinstance(model, ServedEncoder):
+        kind = model.kind
+        if body.params is not None:
+            raise InvalidRequestError(f"params apply to generative models; `{model.name}` is a `{kind}` model",
+                                      param="params")
+        if not all(isinstance(value, str) for value in body.inputs):
+            raise InvalidRequestError(f"inputs of a `{kind}` model are texts (strings)", param="inputs")
+        inputs = list(body.inputs)
+    else:
+        kind = "generate"
+        check_params(request, params, model.vocab_size)
+        inputs = [value if isinstance(value, str) else [{"role": "system" if m.role == "developer" else m.role,
+                                                         "content": m.text()} for m in value]
+                  for value in body.inputs]
     estimate = runner.estimate_seconds(model, len(inputs), params.max_tokens)
-    job = await runner.submit(tenant_of(request).name, model.name, inputs, params.model_dump(), body.callback_url)
+    job = await runner.submit(tenant_of(request).name, body.model, inputs, params.model_dump(), body.callback_url,
+                              kind)
     return json_response({"batch_id": job.id, "object": "batch", "status": job.status, "model": job.model,
-                          "num_inputs": job.num_items, "estimated_time": estimate})
+                          "kind": job.kind, "num_inputs": job.num_items, "estimated_time": estimate})
+
+
+def batch_model(request: web.Request, name: str) -> ServedModel | ServedEncoder:
+    """The model a job names, of any kind (404 if none, 403 if the tenant may not use it)."""
+    model = request.app[ENCODERS].models.get(name) or served_model(request, name)
+    check_model_access(request, model.name)
+    return model
 
 
 async def get_batch(request: web.Request) -> web.Response:
@@ -214,7 +247,7 @@ async def batch_results(request: web.Request) -> web.Response:
         raise batch_not_found(job_id)
     job, items = found
     return json_response({"batch_id": job.id, "object": "batch.results", "status": job.status,
-                          "results": [item_json(item) for item in items]})
+                          "results": [item_json(job, item) for item in items]})
 
 
 async def cancel_batch(request: web.Request) -> web.Response:

@@ -26,9 +26,12 @@ import structlog
 from prometheus_client import Counter
 
 from api.context import ServerState
+from api.encoders_api import prediction
 from api.metrics import Metrics
+from api.native_schemas import PredictParams
 from engine.types import FinishReason, GenerationRequest, Priority, SamplingParams
 from scheduling.admission import Rejected, TenantLimits
+from scheduling.encoders import EncoderBusy, EncoderRegistry, ServedEncoder
 from scheduling.router import QueueFull, RequestStream, Router, ServedModel
 from storage import batches
 from storage.batches import BatchItem, BatchJob, ItemResult, ItemStatus, JobStatus
@@ -90,13 +93,20 @@ def sampling_params(params: dict[str, Any], max_tokens: int) -> SamplingParams:
     )
 
 
+def encoder_result(model: ServedEncoder, output: Any) -> ItemResult:
+    """An embedding (the vector) or a classification (prediction, confidence, scores) as a stored result."""
+    value = output.values if model.kind == "embed" else prediction(model, output.values, PredictParams())
+    return ItemResult(ItemStatus.COMPLETED.value, output=batches.dumps(value), prompt_tokens=output.num_tokens,
+                      completion_tokens=0)
+
+
 def job_summary(job: BatchJob, counts: dict[str, int]) -> dict[str, Any]:
     """The job as GET /api/v1/batch/{id} and the callback show it."""
     callback = None
     if job.callback_url is not None:
         callback = {"url": job.callback_url, "status": job.callback_status, "attempts": job.callback_attempts}
     return {
-        "batch_id": job.id, "object": "batch", "model": job.model, "status": job.status,
+        "batch_id": job.id, "object": "batch", "model": job.model, "kind": job.kind, "status": job.status,
         "progress": {"total": job.num_items, **counts}, "error": job.error, "callback": callback,
         "created_at": job.created_at, "started_at": job.started_at, "finished_at": job.finished_at,
     }
@@ -104,8 +114,10 @@ def job_summary(job: BatchJob, counts: dict[str, int]) -> dict[str, Any]:
 
 class BatchRunner:
     def __init__(self, router: Router, db: Database, metrics: Metrics, tenants: Callable[[str], Tenant | None],
-                 state: ServerState, config: BatchConfig = BatchConfig()) -> None:
+                 state: ServerState, config: BatchConfig = BatchConfig(),
+                 encoders: EncoderRegistry | None = None) -> None:
         self.router = router
+        self.encoders = encoders or EncoderRegistry()
         self.db = db
         self.metrics = metrics
         self.tenants = tenants
@@ -124,8 +136,8 @@ class BatchRunner:
     # ---- lifecycle -----------------------------------------------------------------------
 
     async def submit(self, tenant: str, model: str, inputs: list[Any], params: dict,
-                     callback_url: str | None) -> BatchJob:
-        job = await self._write(lambda db: batches.create_job(db, tenant, model, inputs, params, callback_url))
+                     callback_url: str | None, kind: str = "generate") -> BatchJob:
+        job = await self._write(lambda db: batches.create_job(db, tenant, model, inputs, params, callback_url, kind))
         self.jobs_total.labels(JobStatus.QUEUED.value).inc()
         self._start(job)
         log.info("batch job queued", batch_id=job.id, model=model, tenant=tenant, num_items=job.num_items)
@@ -166,7 +178,7 @@ class BatchRunner:
         if self._session is not None:
             await self._session.close()
 
-    def estimate_seconds(self, model: ServedModel, num_items: int, max_tokens: int | None) -> float:
+    def estimate_seconds(self, model: ServedModel | ServedEncoder, num_items: int, max_tokens: int | None) -> float:
         """Rough: this job's items plus those ahead of it on the model, in waves of max_in_flight_per_job."""
         per_item = self.item_seconds.get(model.name)
         if per_item is None:
@@ -201,9 +213,12 @@ class BatchRunner:
         items = await self._read(lambda db: batches.list_items(db, job.id, ItemStatus.PENDING))
         run.remaining = len(items)
         await self._write(lambda db: batches.start_job(db, job.id))
-        todo = iter(items)
-        num_workers = min(self.config.max_in_flight_per_job, len(items))
-        await asyncio.gather(*(self._work(run, model, todo) for _ in range(num_workers)))
+        if isinstance(model, ServedEncoder):
+            await self._encode_all(run, model, items)
+        else:
+            todo = iter(items)
+            num_workers = min(self.config.max_in_flight_per_job, len(items))
+            await asyncio.gather(*(self._work(run, model, todo) for _ in range(num_workers)))
         if run.cancelled or self.state.draining:
             return  # a cancel has written the final state; a drain leaves the job to resume after restart
         counts = await self._read(lambda db: batches.item_counts(db, job.id))
@@ -212,8 +227,9 @@ class BatchRunner:
         else:
             await self._finish(job, JobStatus.COMPLETED)
 
-    def find_model(self, name: str) -> ServedModel | None:
-        return self.router.models.get(name)
+    def find_model(self, name: str) -> ServedModel | ServedEncoder | None:
+        """The served model of any kind: an encoder by name, else a generative model (`name` or `name@version`)."""
+        return self.encoders.models.get(name) or self.router.find(name)
 
     async def _work(self, run: JobRun, model: ServedModel, todo: Iterator[BatchItem]) -> None:
         """One slot of the job's in-flight window: run items one after another."""
@@ -302,6 +318,56 @@ class BatchRunner:
                 run.streams.add(stream)
                 return stream
             await asyncio.sleep(delay)
+        return None
+
+    async def _encode_all(self, run: JobRun, model: ServedEncoder, items: list[BatchItem]) -> None:
+        """Encoder jobs: items in chunks of max_in_flight_per_job, one batcher submit each, one at a time."""
+        size = self.config.max_in_flight_per_job
+        for start in range(0, len(items), size):
+            chunk = items[start:start + size]
+            started = time.monotonic()
+            results = await self._encode(run, model, [item.input for item in chunk])
+            if results is None:
+                return  # cancelled or draining
+            self._observe_item(model.name, time.monotonic() - started)
+            stored = await self._write(lambda db, c=chunk, r=results: [
+                batches.finish_item(db, run.job.id, item.idx, result) for item, result in zip(c, r)])
+            run.remaining -= len(chunk)
+            for result, was_stored in zip(results, stored):
+                if was_stored:
+                    self.items_total.labels(result.status).inc()
+
+    async def _encode(self, run: JobRun, model: ServedEncoder, texts: list[str]) -> list[ItemResult] | None:
+        """One result per text, waiting out refusals (tenant limits, the batcher's bound) as `_submit` does."""
+        estimate = sum(len(text) // 4 + 2 for text in texts)
+        while not (run.cancelled or self.state.draining):
+            tenant = self.tenants(run.job.tenant)
+            if tenant is None:
+                run.cancelled = True
+                return None
+            limits = TenantLimits(tenant.name, tenant.max_concurrent, tenant.requests_per_minute,
+                                  tenant.tokens_per_minute)
+            try:
+                ticket = self.router.admission.admit(limits, estimate)
+            except Rejected as exc:
+                await asyncio.sleep(max(self.config.retry_seconds, exc.retry_after_s))
+                continue
+            used = estimate
+            try:
+                future = self.encoders.submit(model, texts)
+            except EncoderBusy:
+                self.router.admission.release(ticket, 0)
+                await asyncio.sleep(self.config.retry_seconds)
+                continue
+            try:
+                outputs = await asyncio.wrap_future(future)
+                used = sum(out.num_tokens for out in outputs)
+            except Exception as exc:
+                return [ItemResult(ItemStatus.FAILED.value, error=f"the {model.kind} model failed: {exc}")] * len(texts)
+            finally:
+                self.encoders.done(model, len(texts))
+                self.router.admission.release(ticket, used)
+            return [encoder_result(model, out) for out in outputs]
         return None
 
     def _observe_item(self, model: str, seconds: float) -> None:

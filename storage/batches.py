@@ -68,6 +68,7 @@ class BatchJob:
     created_at: str
     started_at: str | None
     finished_at: str | None
+    kind: str = "generate"  # the model's: generate | embed | classify
 
     @property
     def is_final(self) -> bool:
@@ -82,7 +83,7 @@ class BatchItem:
     idx: int
     input: Any  # JSON: a prompt string or a list of chat messages
     status: str
-    output: str | None
+    output: str | None  # generate: the text; embed/classify: JSON (the vector, the prediction)
     finish_reason: str | None
     prompt_tokens: int | None
     completion_tokens: int | None
@@ -143,6 +144,11 @@ def create_batch_tables(db: sqlite_utils.Database) -> None:
         )""")
 
 
+def add_batch_job_kind(db: sqlite_utils.Database) -> None:
+    """Migration: the kind of a job's model (generate, embed, classify)."""
+    db.execute("ALTER TABLE batch_jobs ADD COLUMN kind TEXT NOT NULL DEFAULT 'generate'")
+
+
 def dumps(value: Any) -> str:
     return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
 
@@ -159,13 +165,13 @@ def item_from_row(row: Mapping[str, Any]) -> BatchItem:
 
 
 def create_job(db: sqlite_utils.Database, tenant: str, model: str, inputs: list[Any], params: dict,
-               callback_url: str | None = None) -> BatchJob:
+               callback_url: str | None = None, kind: str = "generate") -> BatchJob:
     """A queued job with one pending item per input, in order."""
     if not inputs:
         raise ValueError("a batch job needs at least one input")
     job = BatchJob(ID_PREFIX + uuid.uuid4().hex, tenant, model, params, callback_url, JobStatus.QUEUED.value,
                    len(inputs), None, CallbackStatus.PENDING.value if callback_url else None, 0, utc_now(),
-                   None, None)
+                   None, None, kind)
     db.table("batch_jobs").insert({**job.__dict__, "params": dumps(params)})
     db.table("batch_items").insert_all(
         {"job_id": job.id, "idx": i, "input": dumps(value), "status": ItemStatus.PENDING.value}

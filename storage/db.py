@@ -31,6 +31,7 @@ MIGRATIONS: tuple[Migration, ...] = (
     streams.create_stream_tables,
     registry.create_registry_tables,
     batches.create_batch_tables,
+    batches.add_batch_job_kind,
 )
 
 

@@ -13,11 +13,14 @@ from prometheus_client.parser import text_string_to_metric_families
 from api.app import create_app
 from api.batch_runner import BatchConfig
 from engine.model_runner import CacheConfig
-from launch import EngineConfig, start_models
+from launch import EncoderLaunch, EngineConfig, start_encoders, start_models
+from scheduling.encoders import EncoderRegistry
 from scheduling.router import Router
 from storage.tenants import hash_key
+from tests.encoder_models import save_tiny_classifier
 from tests.test_api import wait_blocks_free
 from tests.test_auth import ADMIN, Client
+from tests.test_encoders import MINILM
 
 PROMPTS = [f"Item {i}: the quick brown fox" if i % 3 else f"To be, or not {i}" for i in range(50)]
 GREEDY = {"temperature": 0, "max_tokens": 8, "ignore_eos": True}
@@ -245,3 +248,50 @@ async def test_an_interactive_request_overtakes_queued_batch_items(make_stack):
     assert reference["usage"]["completion_tokens"] == 4
     status, _ = await client.call("DELETE", f"/api/v1/batch/{batch_id}", key)
     assert status == 200
+
+
+@pytest.fixture(scope="module")
+def encoders(tmp_path_factory):
+    registry = EncoderRegistry()
+    classifier = save_tiny_classifier(tmp_path_factory.mktemp("classifier"))
+    batchers = start_encoders([EncoderLaunch("minilm", MINILM, "embed", max_batch=32, max_wait_ms=5),
+                               EncoderLaunch("clf", str(classifier), "classify", max_batch=8, max_wait_ms=2)],
+                              EngineConfig(), registry)
+    yield registry
+    for batcher in batchers:
+        batcher.stop()
+
+
+async def test_embed_and_classify_jobs_equal_the_direct_endpoints(aiohttp_server, db, encoders):
+    app = create_app(Router(), db=db, auth_enabled=True, admin_key_hash=hash_key(ADMIN), encoders=encoders,
+                     batch_config=BatchConfig(max_in_flight_per_job=8))
+    server = await aiohttp_server(app)
+    texts = [f"sentence {i}: the quick brown fox" for i in range(20)]
+    async with aiohttp.ClientSession(base_url=server.make_url("/")) as session:
+        client = Client(session)
+        key = await client.new_key("alice")
+        status, created = await client.call("POST", "/api/v1/batch", key, json={"model": "minilm", "inputs": texts})
+        assert status == 200 and created["kind"] == "embed", created
+        job = await wait_for(client, key, created["batch_id"])
+        assert job["status"] == "completed" and job["progress"]["completed"] == 20
+        _, results = await client.call("GET", f"/api/v1/batch/{created['batch_id']}/results", key)
+        _, direct = await client.call("POST", "/v1/embeddings", key, json={"model": "minilm", "input": texts})
+        for result, reference in zip(results["results"], direct["data"]):
+            assert result["output"] is None and len(result["embedding"]) == 384
+            assert max(abs(a - b) for a, b in zip(result["embedding"], reference["embedding"])) < 1e-5
+            assert result["usage"]["prompt_tokens"] > 0
+
+        status, created = await client.call("POST", "/api/v1/batch", key, json={"model": "clf", "inputs": texts[:5]})
+        assert status == 200 and created["kind"] == "classify", created
+        await wait_for(client, key, created["batch_id"])
+        _, results = await client.call("GET", f"/api/v1/batch/{created['batch_id']}/results", key)
+        _, direct = await client.call("POST", "/api/v1/predict", key, json={"model": "clf", "inputs": texts[:5]})
+        assert [r["prediction"] for r in results["results"]] == direct["prediction"]
+        for result, scores in zip(results["results"], direct["scores"]):
+            assert result["scores"].keys() == scores.keys()
+            assert all(abs(result["scores"][label] - scores[label]) < 1e-5 for label in scores)
+
+        for body, param in [({"model": "minilm", "inputs": ["a"], "params": {"max_tokens": 3}}, "params"),
+                            ({"model": "minilm", "inputs": [[{"role": "user", "content": "hi"}]]}, "inputs")]:
+            status, error = await client.call("POST", "/api/v1/batch", key, json=body)
+            assert status == 400 and error["error"]["param"] == param, error
