@@ -17,7 +17,7 @@ import asyncio
 import math
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -118,6 +118,8 @@ class BatchRunner:
                  encoders: EncoderRegistry | None = None) -> None:
         self.router = router
         self.encoders = encoders or EncoderRegistry()
+        # (ref, routing key) -> the version to use, loading it if cold; None: the router's loaded default
+        self.resolve: Callable[[str, str], Awaitable[ServedModel]] | None = None
         self.db = db
         self.metrics = metrics
         self.tenants = tenants
@@ -206,7 +208,7 @@ class BatchRunner:
 
     async def _execute(self, run: JobRun) -> None:
         job = run.job
-        model = self.find_model(job.model)
+        model = await self.find_model(job)
         if model is None:
             await self._finish(job, JobStatus.FAILED, f"the model {job.model!r} is not served")
             return
@@ -218,7 +220,7 @@ class BatchRunner:
         else:
             todo = iter(items)
             num_workers = min(self.config.max_in_flight_per_job, len(items))
-            await asyncio.gather(*(self._work(run, model, todo) for _ in range(num_workers)))
+            await asyncio.gather(*(self._work(run, todo) for _ in range(num_workers)))
         if run.cancelled or self.state.draining:
             return  # a cancel has written the final state; a drain leaves the job to resume after restart
         counts = await self._read(lambda db: batches.item_counts(db, job.id))
@@ -227,17 +229,31 @@ class BatchRunner:
         else:
             await self._finish(job, JobStatus.COMPLETED)
 
-    def find_model(self, name: str) -> ServedModel | ServedEncoder | None:
-        """The served model of any kind: an encoder by name, else a generative model (`name` or `name@version`)."""
-        return self.encoders.models.get(name) or self.router.find(name)
+    async def find_model(self, job: BatchJob) -> ServedModel | ServedEncoder | None:
+        """The job's model: an encoder by name, else the generative version for `name` or `name@version`
+        (routed by the job id, so a job's items stay on one version while the split is unchanged)."""
+        encoder = self.encoders.models.get(job.model)
+        if encoder is not None:
+            return encoder
+        if self.resolve is None:
+            return self.router.find(job.model)
+        try:
+            return await self.resolve(job.model, job.id)
+        except Exception as exc:
+            log.warning("batch job's model unavailable", batch_id=job.id, model=job.model, error=str(exc))
+            return None
 
-    async def _work(self, run: JobRun, model: ServedModel, todo: Iterator[BatchItem]) -> None:
+    async def _work(self, run: JobRun, todo: Iterator[BatchItem]) -> None:
         """One slot of the job's in-flight window: run items one after another."""
         for item in todo:
             if run.cancelled or self.state.draining:
                 return
             try:
-                result = await self._run_item(run, model, item)
+                current = await self.find_model(run.job)  # the version may have changed (rollout, unload)
+                if current is None:
+                    result = ItemResult(ItemStatus.FAILED.value, error=f"the model {run.job.model!r} is not served")
+                else:
+                    result = await self._run_item(run, current, item)
             except Exception as exc:  # a bug must fail this item, not stall the job
                 log.exception("batch item failed", batch_id=run.job.id, index=item.idx)
                 result = ItemResult(ItemStatus.FAILED.value, error=f"internal error: {type(exc).__name__}")
