@@ -24,6 +24,9 @@ from engine.loader import ModelLoadError, resolve_dtype, resolve_model_path
 KINDS = ("embed", "classify")
 POOLING_MODES = ("cls", "mean", "max", "mean_sqrt_len", "lasttoken")
 KNOWN_MODULES = {"Transformer", "Pooling", "Normalize"}
+POOLING_KEYS = {"cls": "pooling_mode_cls_token", "mean": "pooling_mode_mean_tokens", "max": "pooling_mode_max_tokens",
+                "mean_sqrt_len": "pooling_mode_mean_sqrt_len_tokens", "lasttoken": "pooling_mode_lasttoken",
+                "weightedmean": "pooling_mode_weightedmean_tokens"}  # sentence-transformers' 1_Pooling/config.json
 
 
 @dataclass(frozen=True)
@@ -81,8 +84,7 @@ def pooling_mode(cfg: dict) -> str:
     if "pooling_mode" in cfg:  # newer sentence-transformers write the mode by name
         mode = {"mean_sqrt_len_tokens": "mean_sqrt_len"}.get(cfg["pooling_mode"], cfg["pooling_mode"])
     else:
-        flags = [m for m in ("cls", "mean", "max", "mean_sqrt_len", "lasttoken")
-                 if cfg.get(f"pooling_mode_{m}_token" if m in ("cls", "lasttoken") else f"pooling_mode_{m}_tokens")]
+        flags = [mode for mode, key in POOLING_KEYS.items() if cfg.get(key)]
         if len(flags) != 1:
             raise ModelLoadError(f"pooling config {cfg}: exactly one pooling mode must be set, got {flags}")
         mode = flags[0]

@@ -241,3 +241,44 @@ async def test_tenants_never_share_cache_entries_and_model_access_is_checked(aio
             assert status == 401
     finally:
         db.close()
+
+
+def save_sentence_folder(out, pooling: str, normalize: bool):
+    """A tiny random BERT as a sentence-transformers folder with the given pooling and normalisation."""
+    import json
+
+    from transformers import BertConfig, BertModel
+
+    from tests.encoder_models import build_wordpiece
+
+    torch.manual_seed(1)
+    tokenizer = build_wordpiece()
+    BertModel(BertConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                         intermediate_size=64, max_position_embeddings=128)).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
+    if normalize:
+        modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
+    (out / "modules.json").write_text(json.dumps(modules))
+    (out / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 64, "do_lower_case": False}))
+    (out / "1_Pooling").mkdir()
+    flags = {f"pooling_mode_{m}": m.removesuffix("_token").removesuffix("_tokens") == pooling for m in
+             ("cls_token", "mean_tokens", "max_tokens", "mean_sqrt_len_tokens", "lasttoken")}
+    (out / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 32, **flags}))
+    return out
+
+
+@pytest.mark.parametrize(("pooling", "normalize"), [("cls", False), ("max", True), ("mean_sqrt_len", False),
+                                                    ("lasttoken", False)])
+def test_pooling_and_normalisation_follow_the_folder_like_sentence_transformers(tmp_path, pooling, normalize):
+    from sentence_transformers import SentenceTransformer
+
+    from engine.encoders import Encoder
+
+    path = save_sentence_folder(tmp_path / pooling, pooling, normalize)
+    texts = ["the quick brown fox", "to be", "emoji 🚀 and 中文 text that is rather longer than the others"]
+    ours = np.array([out.values for out in Encoder(path, "embed").run(texts)])
+    reference = SentenceTransformer(str(path), device="cpu").encode(texts, batch_size=2)
+    assert np.abs(ours - reference).max() < 1e-5
+    assert np.allclose(np.linalg.norm(ours, axis=1), 1.0) == normalize
