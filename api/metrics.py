@@ -6,18 +6,27 @@ gauges are read at scrape time from each replica's `EngineStats` snapshot.
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+
+import structlog
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-from engine.types import TokenEvent
+from api.telemetry import SUCCESS, RequestRecord
+from engine.types import BATCH_TOKEN_BOUNDS, EngineStats, FinishReason, TokenEvent
 from scheduling.encoders import EncoderRegistry
-from scheduling.router import RequestStream, Router
+from scheduling.router import RequestStream, Router, ServedModel
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+STATUS = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.ABORT: "cancelled",
+          FinishReason.ERROR: "error"}
+
+log = structlog.get_logger(__name__)
+Sink = Callable[[RequestRecord], None]
 
 
 class EngineCollector:
@@ -27,7 +36,7 @@ class EngineCollector:
         self.router = router
 
     def collect(self):
-        labels = ["model", "replica"]
+        labels = ["model", "version", "replica"]
         gauge = lambda name, doc: GaugeMetricFamily(name, doc, labels=labels)  # noqa: E731
         counter = lambda name, doc: CounterMetricFamily(name, doc, labels=labels)  # noqa: E731
         gauges = {
@@ -35,32 +44,74 @@ class EngineCollector:
             "num_waiting": gauge("galley_requests_waiting", "Sequences waiting to run"),
             "kv_blocks_used": gauge("galley_kv_blocks_used", "KV cache blocks in use"),
             "kv_blocks_total": gauge("galley_kv_blocks_total", "KV cache blocks in the pool"),
+            "weights_bytes": gauge("galley_model_weights_bytes", "Bytes of the replica's weights"),
+            "kv_cache_bytes": gauge("galley_kv_cache_bytes", "Bytes of the replica's KV cache pool"),
         }
         counters = {
             "num_preemptions": counter("galley_preemptions", "Sequences preempted for KV space"),
             "num_steps": counter("galley_engine_steps", "Engine steps run"),
             "num_batched_tokens": counter("galley_batched_tokens", "Tokens run through the model"),
         }
-        for model in self.router.models.values():
+        batch = HistogramMetricFamily("galley_batch_tokens", "Tokens per engine step", labels=labels)
+        devices: dict[str, EngineStats] = {}
+        for model in self.router.served_models():
             for replica in model.replicas:
                 stats = replica.worker.stats(replica.engine_id)
+                key = [model.name, model.version, replica.device]
                 for name, family in {**gauges, **counters}.items():
-                    family.add_metric([model.name, replica.device], getattr(stats, name))
+                    family.add_metric(key, getattr(stats, name))
+                batch.add_metric(key, batch_buckets(stats), sum_value=stats.num_batched_tokens)
+                if stats.device_memory_total_bytes is not None:
+                    devices[replica.device] = stats
         yield from gauges.values()
         yield from counters.values()
+        yield batch
         yield self._queue_depth()
+        yield from device_memory(devices)
 
     def _queue_depth(self) -> GaugeMetricFamily:
         depth = GaugeMetricFamily("galley_queue_depth", "Waiting sequences by priority and tenant",
                                   labels=["model", "priority", "tenant"])
-        for model in self.router.models.values():
-            totals: dict[tuple[str, str], int] = {}
-            for replica in model.replicas:
-                for key, count in replica.worker.stats(replica.engine_id).waiting_by_class.items():
-                    totals[key] = totals.get(key, 0) + count
+        for name, totals in queue_depths(self.router).items():
             for (priority, tenant), count in sorted(totals.items()):
-                depth.add_metric([model.name, priority, tenant], count)
+                depth.add_metric([name, priority, tenant], count)
         return depth
+
+
+def queue_depths(router: Router) -> dict[str, dict[tuple[str, str], int]]:
+    """Waiting sequences per model name by (priority, tenant), summed over versions and replicas."""
+    out: dict[str, dict[tuple[str, str], int]] = {}
+    for model in router.served_models():
+        totals = out.setdefault(model.name, {})
+        for replica in model.replicas:
+            for key, count in replica.worker.stats(replica.engine_id).waiting_by_class.items():
+                totals[key] = totals.get(key, 0) + count
+    return out
+
+
+def batch_buckets(stats: EngineStats) -> list[tuple[str, int]]:
+    """The engine's per-bucket step counts as Prometheus' cumulative `le` buckets."""
+    counts = stats.batch_token_counts or (0,) * (len(BATCH_TOKEN_BOUNDS) + 1)
+    buckets, total = [], 0
+    for bound, count in zip(BATCH_TOKEN_BOUNDS, counts):
+        total += count
+        buckets.append((str(float(bound)), total))
+    buckets.append(("+Inf", total + counts[-1]))
+    return buckets
+
+
+def device_memory(devices: dict[str, EngineStats]):
+    """CUDA memory gauges, one sample per device (absent on CPU-only servers)."""
+    if not devices:
+        return
+    used = GaugeMetricFamily("galley_device_memory_used_bytes", "Bytes torch has allocated on the device",
+                             labels=["device"])
+    total = GaugeMetricFamily("galley_device_memory_total_bytes", "The device's memory", labels=["device"])
+    for device, stats in sorted(devices.items()):
+        used.add_metric([device], stats.device_memory_used_bytes)
+        total.add_metric([device], stats.device_memory_total_bytes)
+    yield used
+    yield total
 
 
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -90,52 +141,122 @@ class Metrics:
     def __init__(self, router: Router) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("galley_requests", "Finished generation requests", ["model", "finish_reason"],
-                                registry=r)
+        version = ["model", "version"]
+        self.requests = Counter("galley_requests", "Generation requests by how they ended: stop, length, "
+                                "cancelled, error, timeout (not scheduled in time), rejected (at admission)",
+                                ["model", "version", "status"], registry=r)
         self.admitted = Counter("galley_admitted", "Requests admitted to a model's queue",
                                 ["model", "tenant", "priority"], registry=r)
         self.rejected = Counter("galley_rejected", "Requests refused at admission", ["model", "reason"], registry=r)
-        self.prompt_tokens = Counter("galley_prompt_tokens", "Prompt tokens of finished requests",
-                                     ["model", "tenant"], registry=r)
-        self.generation_tokens = Counter("galley_generation_tokens", "Generated tokens of finished requests",
-                                         ["model", "tenant"], registry=r)
-        self.ttft = Histogram("galley_time_to_first_token_seconds", "Arrival to first token", ["model"],
+        self.prompt_tokens = Counter("galley_prompt_tokens", "Prompt tokens of requests that ran",
+                                     ["model", "version", "tenant"], registry=r)
+        self.generation_tokens = Counter("galley_generation_tokens", "Generated tokens, counted as they stream",
+                                         ["model", "version", "tenant"], registry=r)
+        self.ttft = Histogram("galley_time_to_first_token_seconds", "Arrival to first token", version,
                               buckets=LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("galley_inter_token_latency_seconds", "Gap between consecutive token events",
-                             ["model"], buckets=LATENCY_BUCKETS, registry=r)
-        self.duration = Histogram("galley_request_duration_seconds", "Arrival to last token", ["model"],
-                                  buckets=LATENCY_BUCKETS, registry=r)
+                             version, buckets=LATENCY_BUCKETS, registry=r)
+        self.duration = Histogram("galley_request_duration_seconds", "Arrival to last token of completed requests",
+                                  version, buckets=LATENCY_BUCKETS, registry=r)
+        self.queue_wait = Histogram("galley_queue_wait_seconds", "Arrival to first scheduled step",
+                                    ["model", "priority"], buckets=LATENCY_BUCKETS, registry=r)
+        self.sinks: list[Sink] = []  # called with each finished RequestRecord (log line, ring, spans)
         self.cache_hits = Counter("galley_response_cache_hits", "Response cache hits (encoders: per input)",
                                   ["model"], registry=r)
         self.cache_misses = Counter("galley_response_cache_misses", "Response cache misses (encoders: per input)",
                                     ["model"], registry=r)
         self.encoder_requests = Counter("galley_encoder_requests", "Embedding and classification requests",
                                         ["model", "status"], registry=r)
+        self.log_prompts = False
         self.registry.register(EngineCollector(router))
 
     def watch_encoders(self, encoders: EncoderRegistry) -> None:
         self.registry.register(EncoderCollector(encoders))
 
-    async def observe(self, stream: RequestStream) -> AsyncIterator[TokenEvent]:
-        """Pass a stream's events through, recording its latencies and tokens."""
-        model, arrival = stream.model.name, time.monotonic()
-        last: float | None = None
-        event = None
-        async for event in stream:
-            now = time.monotonic()
-            if event.token_ids:
-                if last is None:
-                    self.ttft.labels(model).observe(now - arrival)
-                else:
-                    self.itl.labels(model).observe(now - last)
-                last = now
-            yield event
-        if event is not None and event.finished:
-            self.duration.labels(model).observe(time.monotonic() - arrival)
-            self.requests.labels(model, event.finish_reason.value).inc()
-            tenant = stream.request.tenant
-            self.prompt_tokens.labels(model, tenant).inc(event.num_prompt_tokens)
-            self.generation_tokens.labels(model, tenant).inc(event.num_output_tokens)
+    def reject(self, model: ServedModel, reason: str, tenant: str = "default", priority: str = "normal",
+               request_id: str | None = None) -> None:
+        """A request refused at admission (queue full, a tenant limit): counted and recorded."""
+        self.rejected.labels(model.name, reason).inc()
+        self.requests.labels(model.name, model.version, "rejected").inc()
+        now = time.monotonic()
+        record = RequestRecord(request_id or current_request_id() or "", "", tenant, model.name, model.version,
+                               priority, now, status="rejected", end_s=now, error=reason)
+        self._emit(record)
+
+    async def observe(self, stream: RequestStream, first_event_timeout_s: float | None = None,
+                      keep_text: bool = False) -> AsyncIterator[TokenEvent]:
+        """Pass a stream's events through, recording latencies and tokens as they come and the
+        request's record when it ends, however it ends (finished, cancelled, left unread).
+
+        With `first_event_timeout_s`, raises TimeoutError (status `timeout`) when the first event
+        does not come in time; the caller aborts the stream.
+        """
+        req, model = stream.request, stream.model
+        record = RequestRecord(current_request_id() or req.request_id, req.request_id, req.tenant, model.name,
+                               model.version, req.priority.name.lower(), req.arrival_s)
+        keep_text = keep_text or self.log_prompts
+        if keep_text:
+            record.prompt, record.output = model.tokenizer.decode(req.prompt_token_ids), ""
+        events = aiter(stream)
+        try:
+            try:
+                event = await asyncio.wait_for(anext(events), first_event_timeout_s)
+            except TimeoutError:
+                record.status = "timeout"
+                self.rejected.labels(model.name, "queue_timeout").inc()
+                raise
+            while True:
+                self._on_event(record, event)
+                yield event
+                if event.finished:
+                    return
+                event = await anext(events)
+        finally:
+            self._finish(record)
+
+    def _on_event(self, record: RequestRecord, event: TokenEvent) -> None:
+        now = time.monotonic()
+        labels = (record.model, record.version)
+        if record.scheduled_s is None and event.scheduled_s is not None:
+            record.scheduled_s = event.scheduled_s
+            self.queue_wait.labels(record.model, record.priority).observe(max(0.0, event.scheduled_s -
+                                                                              record.arrival_s))
+            self.prompt_tokens.labels(*labels, record.tenant).inc(event.num_prompt_tokens)
+        if event.token_ids:
+            if record.first_token_s is None:
+                self.ttft.labels(*labels).observe(now - record.arrival_s)
+            else:
+                self.itl.labels(*labels).observe(now - record.end_s)
+            record.first_token_s = record.first_token_s or now
+            record.end_s = now
+            self.generation_tokens.labels(*labels, record.tenant).inc(len(event.token_ids))
+        record.prompt_tokens, record.output_tokens = event.num_prompt_tokens, event.num_output_tokens
+        record.num_preemptions = event.num_preemptions
+        if record.output is not None:
+            record.output += event.text
+        if event.finished:
+            record.status, record.finish_reason = STATUS[event.finish_reason], event.finish_reason.value
+            record.error = event.error
+
+    def _finish(self, record: RequestRecord) -> None:
+        record.status = record.status or "cancelled"  # the reader stopped before the end
+        record.end_s = time.monotonic() if record.status not in SUCCESS or record.end_s is None else record.end_s
+        self.requests.labels(record.model, record.version, record.status).inc()
+        if record.status in SUCCESS:
+            self.duration.labels(record.model, record.version).observe(record.end_s - record.arrival_s)
+        self._emit(record)
+
+    def _emit(self, record: RequestRecord) -> None:
+        for sink in self.sinks:
+            try:
+                sink(record)
+            except Exception:
+                log.exception("request record sink failed", sink=repr(sink))
+
+
+def current_request_id() -> str | None:
+    """The X-Request-Id bound by the HTTP middleware in this task's context, if any."""
+    return structlog.contextvars.get_contextvars().get("request_id")
 
 
 METRICS = web.AppKey("metrics", Metrics)

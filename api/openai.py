@@ -111,10 +111,10 @@ def submit(request: web.Request, model: ServedModel, prompt_ids: list[int], para
     try:
         stream = request.app[ROUTER].submit(model, generation, limits)
     except QueueFull as exc:
-        metrics.rejected.labels(model.name, "queue_full").inc()
+        metrics.reject(model, "queue_full", limits.name, priority)
         raise QueueFullError(f"{exc}; retry shortly", headers={"Retry-After": "1"}) from exc
     except Rejected as exc:
-        metrics.rejected.labels(model.name, exc.reason).inc()
+        metrics.reject(model, exc.reason, limits.name, priority)
         raise RateLimitError(str(exc), code=exc.reason, headers={"Retry-After": str(exc.retry_after_s)}) from exc
     metrics.admitted.labels(model.name, limits.name, priority).inc()
     return stream
@@ -122,13 +122,12 @@ def submit(request: web.Request, model: ServedModel, prompt_ids: list[int], para
 
 async def scheduled_events(request: web.Request, stream: RequestStream) -> AsyncIterator[TokenEvent]:
     """The stream's events; if the first does not come within the queue timeout, abort with 503."""
-    events = request.app[METRICS].observe(stream)
     timeout_s = request.app[ROUTER].queue_timeout_s
+    events = request.app[METRICS].observe(stream, timeout_s)
     try:
-        first = await asyncio.wait_for(anext(events), timeout_s)
+        first = await anext(events)
     except TimeoutError:
         request.app[ROUTER].abort(stream)
-        request.app[METRICS].rejected.labels(stream.model.name, "queue_timeout").inc()
         raise ServiceUnavailableError(
             f"the request waited {timeout_s:g}s without being scheduled (queue_timeout_seconds); "
             "the server is overloaded, retry later",
@@ -161,7 +160,6 @@ async def collect(request: web.Request, stream: RequestStream) -> tuple[str, lis
     finally:
         if not stream.finished:  # client went away: the handler was cancelled
             request.app[ROUTER].abort(stream)
-            request.app[METRICS].requests.labels(stream.model.name, "abort").inc()
     if last.error:
         raise web.HTTPInternalServerError(text=last.error)
     return text, logprobs, last

@@ -151,16 +151,15 @@ class StreamHub:
         if live.followers == 0 and not live.done and live.on_disconnect == "cancel":
             if live.request_stream is not None:
                 self.router.abort(live.request_stream)
-                self.metrics.requests.labels(live.fmt.model, "abort").inc()
 
     async def _produce(self, live: LiveStream, rs: RequestStream) -> None:
         token_ids = list(live.record.token_ids)
         texts = list(live.record.texts)
         checkpointed, checkpoint_s = len(texts), time.monotonic()
         status, finish = "failed", None
-        events = self.metrics.observe(rs)
+        events = self.metrics.observe(rs, self.router.queue_timeout_s)
         try:
-            first = await asyncio.wait_for(anext(events), self.router.queue_timeout_s)
+            first = await anext(events)
             async for event in prepend(first, events):
                 token_ids.extend(event.token_ids)
                 texts.extend([event.text] if event.token_ids else [])
@@ -175,7 +174,6 @@ class StreamHub:
                     checkpointed, checkpoint_s = len(texts), time.monotonic()
         except TimeoutError:
             self.router.abort(rs)
-            self.metrics.rejected.labels(live.fmt.model, "queue_timeout").inc()
             live.append(StreamEvent(
                 len(live.events), "", live.text_length, finish_reason="error", error_status=503,
                 error_code="queue_timeout",
@@ -254,7 +252,7 @@ class StreamHub:
         records = await asyncio.to_thread(self.db.read, lambda db: streams.list_streams(db, "running"))
         resumed = 0
         for record in records:
-            model = self.router.models.get(record.model)
+            model = self.router.find(record.model)
             if model is None:
                 self.db.write(lambda db, r=record: streams.finish_stream(
                     db, r.id, r.token_ids, r.texts, "failed", None))

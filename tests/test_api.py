@@ -224,14 +224,15 @@ async def test_metrics_count_what_happened(served):
     async with aiohttp.ClientSession() as session:
         text = await (await session.get(server.make_url("/metrics"))).text()
     m = scrape(text)
-    model = (("model", "tiny"),)
-    assert m[("galley_requests_total", (("finish_reason", "length"), ("model", "tiny")))] == 2
-    assert m[("galley_generation_tokens_total", (("model", "tiny"), ("tenant", "default")))] == 8
+    model = (("model", "tiny"), ("version", "1"))
+    replica = (("model", "tiny"), ("replica", "cpu#0"), ("version", "1"))
+    assert m[("galley_requests_total", (("model", "tiny"), ("status", "length"), ("version", "1")))] == 2
+    assert m[("galley_generation_tokens_total", (*model[:1], ("tenant", "default"), *model[1:]))] == 8
     assert m[("galley_admitted_total", (("model", "tiny"), ("priority", "normal"), ("tenant", "default")))] == 2
     assert m[("galley_time_to_first_token_seconds_count", model)] == 2
     assert m[("galley_inter_token_latency_seconds_count", model)] == 6
-    assert m[("galley_kv_blocks_total", (("model", "tiny"), ("replica", "cpu#0")))] > 0
-    assert m[("galley_engine_steps_total", (("model", "tiny"), ("replica", "cpu#0")))] >= 5
+    assert m[("galley_kv_blocks_total", replica)] > 0
+    assert m[("galley_engine_steps_total", replica)] >= 5
 
 
 async def test_queue_bound_answers_429_with_retry_after(aiohttp_server, llama_path):
