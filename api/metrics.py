@@ -11,7 +11,6 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 import structlog
-
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily

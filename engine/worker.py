@@ -123,12 +123,13 @@ class DeviceWorker:
                 self.profiler.stop()
                 return
             for engine_id, engine in self.engines.items():
+                events = None
                 if engine.has_work():
                     with self.profiler.label(f"step {engine_id}"):
                         events = engine.step()
-                    if events:
-                        self.emit(events)
-                engine.refresh_stats()
+                engine.refresh_stats()  # before emitting: a client that saw its last token sees its blocks freed
+                if events:
+                    self.emit(events)
             self.profiler.tick()
 
     def _drain(self, block: bool) -> bool:
