@@ -127,6 +127,28 @@ def list_conversations(db: sqlite_utils.Database, tenant: str, limit: int = 100)
     return [conversation_from_row(row) for row in rows]
 
 
+def find_conversation(db: sqlite_utils.Database, conversation_id: str) -> Conversation | None:
+    """Any tenant's conversation by id: for the admin API only (tenant-facing code uses get_conversation)."""
+    rows = list(db.query("SELECT * FROM conversations WHERE id = ?", [conversation_id]))
+    return conversation_from_row(rows[0]) if rows else None
+
+
+def list_all_conversations(db: sqlite_utils.Database, limit: int = 100,
+                           tenant: str | None = None) -> list[tuple[Conversation, int]]:
+    """Conversations across tenants (or one tenant's) with their message counts, most recent first: admin API."""
+    if limit < 1:
+        raise ValueError(f"limit must be >= 1, got {limit}")
+    where, params = ("WHERE c.tenant = ?", [tenant]) if tenant else ("", [])
+    rows = db.query(f"""
+        SELECT c.*, (SELECT COUNT(*) FROM messages m WHERE m.conversation_id = c.id) AS num_messages
+        FROM conversations c {where} ORDER BY c.updated_at DESC, c.rowid DESC LIMIT ?""", [*params, limit])
+    out = []
+    for row in rows:
+        count = row.pop("num_messages")
+        out.append((conversation_from_row(row), count))
+    return out
+
+
 def delete_conversation(db: sqlite_utils.Database, conversation_id: str, tenant: str) -> bool:
     """Deletes the conversation and its messages; False when it is not there (or another tenant's)."""
     cursor = db.execute("DELETE FROM conversations WHERE id = ? AND tenant = ?", [conversation_id, tenant])
