@@ -13,9 +13,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from api.alerts import DEFAULT_ALERTS, AlertRule
 from api.batch_runner import BatchConfig
 from api.response_cache import ResponseCacheConfig
 from api.streams import StreamsConfig
+from api.telemetry import ObservabilityConfig, TracingConfig
 from engine.model_runner import CacheConfig
 from launch import EngineConfig
 from scheduling.fair_queue import FairShareConfig
@@ -79,6 +81,9 @@ class GalleyConfig:
     batch: BatchConfig = BatchConfig()
     engine: EngineConfig = EngineConfig()  # [engine], [cache] (as engine.cache), policy from [scheduling]
     response_cache: ResponseCacheConfig = ResponseCacheConfig()
+    observability: ObservabilityConfig = ObservabilityConfig()
+    tracing: TracingConfig = TracingConfig()
+    alerts: tuple[AlertRule, ...] = DEFAULT_ALERTS  # [[alerts]]
     models: tuple[ModelSpec, ...] = (ModelSpec("demo", str(ROOT / "models" / "demo")),
                                      ModelSpec("minilm", MINILM_SOURCE, kind="embed"))
 
@@ -114,6 +119,17 @@ def unique_names(models: tuple[ModelSpec, ...]) -> tuple[ModelSpec, ...]:
     return models
 
 
+def alert_rules(entries: list[dict[str, Any]] | None) -> tuple[AlertRule, ...]:
+    """`[[alerts]]` entries; none in the file means the default rules, an empty list `alerts = []` none."""
+    if entries is None:
+        return DEFAULT_ALERTS
+    rules = tuple(build(AlertRule, entry, "alerts") for entry in entries)
+    names = [r.name for r in rules]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"[[alerts]]: names must be unique, got {names}")
+    return rules
+
+
 def load_config(path: str | Path | None = None) -> GalleyConfig:
     """The file's values over the defaults; no file means the embedded defaults."""
     if path is None:
@@ -123,7 +139,8 @@ def load_config(path: str | Path | None = None) -> GalleyConfig:
         raw = tomllib.loads(path.read_text())
     except (OSError, tomllib.TOMLDecodeError) as exc:
         raise ConfigError(f"cannot read config {path}: {exc}") from exc
-    sections = ("server", "auth", "scheduling", "streams", "batch", "response_cache", "engine", "cache", "models")
+    sections = ("server", "auth", "scheduling", "streams", "batch", "response_cache", "engine", "cache",
+                "observability", "tracing", "alerts", "models")
     unknown = sorted(set(raw) - set(sections))
     if unknown:
         raise ConfigError(f"unknown section(s) {unknown} in {path}; known: {', '.join(sections)}")
@@ -145,6 +162,9 @@ def load_config(path: str | Path | None = None) -> GalleyConfig:
         batch=build(BatchConfig, raw.get("batch", {}), "batch"),
         response_cache=build(ResponseCacheConfig, raw.get("response_cache", {}), "response_cache"),
         engine=dataclasses.replace(engine, cache=cache, policy=scheduling.policy, fair_share=scheduling.fair_share),
+        observability=build(ObservabilityConfig, raw.get("observability", {}), "observability"),
+        tracing=build(TracingConfig, raw.get("tracing", {}), "tracing"),
+        alerts=alert_rules(raw.get("alerts")),
         models=GalleyConfig.models if models is None else unique_names(tuple(model_spec(m, base) for m in models)),
     )
 
@@ -175,6 +195,9 @@ def with_overrides(cfg: GalleyConfig, server: dict[str, Any], engine: dict[str, 
         batch=cfg.batch,
         response_cache=cfg.response_cache,
         engine=dataclasses.replace(cfg.engine, cache=new_cache, **pick(engine)),
+        observability=cfg.observability,
+        tracing=cfg.tracing,
+        alerts=cfg.alerts,
         models=tuple(models),
     )
 

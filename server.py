@@ -119,7 +119,8 @@ async def serve(cfg: GalleyConfig, db: Database, admin_key_hash: str) -> int:
     state = ServerState(started_s=time.monotonic())
     app = create_app(router, state, db=db, auth_enabled=cfg.auth.enabled, admin_key_hash=admin_key_hash,
                      streams_config=cfg.streams, batch_config=cfg.batch, encoders=encoders,
-                     response_cache=cfg.response_cache)
+                     response_cache=cfg.response_cache, observability=cfg.observability, tracing=cfg.tracing,
+                     alerts=cfg.alerts)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, cfg.server.host, cfg.server.port)

@@ -12,7 +12,8 @@ from pathlib import Path
 import structlog
 from aiohttp import web
 
-from api import admin, batch, conversations, encoders_api, health, native, openai, stream_api, ws
+from api import admin, batch, conversations, dashboard, encoders_api, health, native, openai, stream_api, ws
+from api.alerts import DEFAULT_ALERTS, AlertRule
 from api.auth import AUTH, DATABASE, Auth, TenantDirectory, auth_middleware
 from api.batch_runner import BatchConfig, BatchRunner
 from api.context import ENCODERS, ROUTER, STATE, ServerState
@@ -22,6 +23,7 @@ from api.openapi import build_spec
 from api.response_cache import RESPONSE_CACHE, ResponseCache, ResponseCacheConfig
 from api.routes import Route
 from api.streams import HUB, StreamHub, StreamsConfig
+from api.telemetry import ObservabilityConfig, TracingConfig
 from scheduling.encoders import EncoderRegistry
 from scheduling.router import Router
 from storage.db import Database
@@ -44,14 +46,15 @@ async def request_context(request: web.Request, handler):
         structlog.contextvars.unbind_contextvars("request_id")
     if not response.prepared:
         response.headers.setdefault("X-Request-Id", request_id)
-    log.info("request", method=request.method, path=request.path, status=response.status,
+    log.info("request", request_id=request_id, method=request.method, path=request.path, status=response.status,
              duration_s=round(time.monotonic() - started, 4))
     return response
 
 
 def all_routes() -> list[Route]:
     return [*health.ROUTES, *openai.ROUTES, *stream_api.ROUTES, *admin.ROUTES, *conversations.ROUTES,
-            *ws.ROUTES, *batch.ROUTES, *native.ROUTES, *encoders_api.ROUTES]
+            *ws.ROUTES, *batch.ROUTES, *native.ROUTES, *encoders_api.ROUTES,
+            *dashboard.ROUTES]
 
 
 def temporary_database(app: web.Application) -> Database:
@@ -79,7 +82,9 @@ def create_app(router: Router, state: ServerState | None = None, *, db: Database
                auth_enabled: bool = False, admin_key_hash: str | None = None,
                streams_config: StreamsConfig | None = None,
                batch_config: BatchConfig | None = None, encoders: EncoderRegistry | None = None,
-               response_cache: ResponseCacheConfig | None = None) -> web.Application:
+               response_cache: ResponseCacheConfig | None = None,
+               observability: ObservabilityConfig | None = None, tracing: TracingConfig | None = None,
+               alerts: tuple[AlertRule, ...] = DEFAULT_ALERTS, span_exporter=None) -> web.Application:
     """The app; `db` stays open after cleanup (its owner closes it). No admin key: the admin API refuses all."""
     app = web.Application(middlewares=[request_context, error_middleware, auth_middleware],
                           client_max_size=MAX_BODY_BYTES)
@@ -88,6 +93,7 @@ def create_app(router: Router, state: ServerState | None = None, *, db: Database
     app[ROUTER] = router
     app[STATE] = state or ServerState(ready=True)
     app[METRICS] = Metrics(router)
+    dashboard.setup(app, observability or ObservabilityConfig(), tracing or TracingConfig(), alerts, span_exporter)
     app[ENCODERS] = encoders if encoders is not None else EncoderRegistry()
     app[METRICS].watch_encoders(app[ENCODERS])
     app[RESPONSE_CACHE] = ResponseCache(response_cache or ResponseCacheConfig())

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import collections
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
@@ -157,7 +157,8 @@ class Tracing:
         self.tracer = self.provider.get_tracer("galley")
 
     def __call__(self, record: RequestRecord) -> None:
-        ns = lambda s: int(unix_time(s) * 1e9)  # noqa: E731
+        offset_s = time.time() - time.monotonic()  # one offset, so the spans nest exactly
+        ns = lambda s: int((s + offset_s) * 1e9)  # noqa: E731
         end = record.end_s if record.end_s is not None else time.monotonic()
         attributes = {"galley.request_id": record.request_id, "galley.generation_id": record.generation_id,
                       "galley.tenant": record.tenant, "galley.model": record.model,
