@@ -15,11 +15,13 @@ from typing import Any
 
 from api.alerts import DEFAULT_ALERTS, AlertRule
 from api.batch_runner import BatchConfig
+from api.lifecycle import LifecycleConfig
 from api.response_cache import ResponseCacheConfig
 from api.streams import StreamsConfig
 from api.telemetry import ObservabilityConfig, TracingConfig
 from engine.model_runner import CacheConfig
 from launch import EngineConfig
+from scheduling.deployments import DeploymentsConfig
 from scheduling.fair_queue import FairShareConfig
 
 ROOT = Path(__file__).resolve().parent
@@ -70,6 +72,17 @@ class ModelSpec:
     kind: str = "generate"  # generate | embed | classify
     max_batch: int = 32  # embed/classify: most inputs in one forward of the dynamic batcher
     max_wait_ms: float = 5.0  # embed/classify: how long the first waiting input may wait for others
+    version: str = "1"  # registry version; several entries may share a name with different versions
+    pinned: bool = False  # stays loaded (never unloaded for idleness or the memory budget)
+    keep_alive: float = 0.0  # seconds idle before it unloads (loads again on the next request); 0: never
+
+    @property
+    def options(self) -> dict[str, Any]:
+        """The registry options these fields stand for."""
+        options: dict[str, Any] = {"pinned": True} if self.pinned else {}
+        if self.keep_alive:
+            options["keep_alive"] = self.keep_alive
+        return options
 
 
 @dataclass(frozen=True)
@@ -84,6 +97,8 @@ class GalleyConfig:
     observability: ObservabilityConfig = ObservabilityConfig()
     tracing: TracingConfig = TracingConfig()
     alerts: tuple[AlertRule, ...] = DEFAULT_ALERTS  # [[alerts]]
+    deployments: DeploymentsConfig = DeploymentsConfig()
+    lifecycle: LifecycleConfig = LifecycleConfig()
     models: tuple[ModelSpec, ...] = (ModelSpec("demo", str(ROOT / "models" / "demo")),
                                      ModelSpec("minilm", MINILM_SOURCE, kind="embed"))
 
@@ -112,7 +127,7 @@ def model_spec(entry: dict[str, Any], base: Path) -> ModelSpec:
 
 
 def unique_names(models: tuple[ModelSpec, ...]) -> tuple[ModelSpec, ...]:
-    names = [m.name for m in models]
+    names = [f"{m.name}@{m.version}" for m in models]
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
         raise ConfigError(f"[[models]]: names {duplicates} are used more than once")
@@ -140,7 +155,7 @@ def load_config(path: str | Path | None = None) -> GalleyConfig:
     except (OSError, tomllib.TOMLDecodeError) as exc:
         raise ConfigError(f"cannot read config {path}: {exc}") from exc
     sections = ("server", "auth", "scheduling", "streams", "batch", "response_cache", "engine", "cache",
-                "observability", "tracing", "alerts", "models")
+                "observability", "tracing", "alerts", "deployments", "lifecycle", "models")
     unknown = sorted(set(raw) - set(sections))
     if unknown:
         raise ConfigError(f"unknown section(s) {unknown} in {path}; known: {', '.join(sections)}")
@@ -165,6 +180,8 @@ def load_config(path: str | Path | None = None) -> GalleyConfig:
         observability=build(ObservabilityConfig, raw.get("observability", {}), "observability"),
         tracing=build(TracingConfig, raw.get("tracing", {}), "tracing"),
         alerts=alert_rules(raw.get("alerts")),
+        deployments=build(DeploymentsConfig, raw.get("deployments", {}), "deployments"),
+        lifecycle=build(LifecycleConfig, raw.get("lifecycle", {}), "lifecycle"),
         models=GalleyConfig.models if models is None else unique_names(tuple(model_spec(m, base) for m in models)),
     )
 
@@ -198,6 +215,8 @@ def with_overrides(cfg: GalleyConfig, server: dict[str, Any], engine: dict[str, 
         observability=cfg.observability,
         tracing=cfg.tracing,
         alerts=cfg.alerts,
+        deployments=cfg.deployments,
+        lifecycle=cfg.lifecycle,
         models=tuple(models),
     )
 

@@ -25,12 +25,14 @@ from api.app import create_app
 from api.auth import resolve_admin_key
 from api.batch import BATCH
 from api.context import ServerState
+from api.lifecycle import MODELS
 from api.streams import HUB
 from config import ConfigError, GalleyConfig, load_config, with_overrides
-from launch import EncoderLaunch, start_encoders, start_models
+from launch import EncoderLaunch, EngineLoader, start_encoders, start_workers
 from scheduling.encoders import EncoderRegistry
 from scheduling.router import Router
 from storage.db import Database
+from storage.registry import ModelVersion
 
 log = structlog.get_logger("galley")
 
@@ -117,10 +119,17 @@ async def serve(cfg: GalleyConfig, db: Database, admin_key_hash: str) -> int:
     router = Router(queue_timeout_s=cfg.scheduling.queue_timeout_seconds)
     encoders = EncoderRegistry()
     state = ServerState(started_s=time.monotonic())
+
+    def emit(events) -> None:
+        loop.call_soon_threadsafe(router.dispatch, events)
+
+    workers = start_workers(cfg.engine, emit)  # idle until the model manager attaches engines
+    loader = EngineLoader(cfg.engine, cfg.scheduling.max_waiting, workers)
     app = create_app(router, state, db=db, auth_enabled=cfg.auth.enabled, admin_key_hash=admin_key_hash,
                      streams_config=cfg.streams, batch_config=cfg.batch, encoders=encoders,
                      response_cache=cfg.response_cache, observability=cfg.observability, tracing=cfg.tracing,
-                     alerts=cfg.alerts)
+                     alerts=cfg.alerts, loader=loader, lifecycle_config=cfg.lifecycle,
+                     deployments_config=cfg.deployments)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, cfg.server.host, cfg.server.port)
@@ -131,22 +140,22 @@ async def serve(cfg: GalleyConfig, db: Database, admin_key_hash: str) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
 
-    def emit(events) -> None:
-        loop.call_soon_threadsafe(router.dispatch, events)
-
-    models = [(m.name, m.path) for m in cfg.models if m.kind == "generate"]
-    loading = loop.run_in_executor(None, start_models, models, cfg.engine, cfg.scheduling.max_waiting, router, emit)
+    seed = [ModelVersion(m.name, m.version, m.path, m.kind, m.options) for m in cfg.models if m.kind == "generate"]
+    loading = asyncio.ensure_future(app[MODELS].start(seed))  # the registry: config models, deployments, loads
     encoding = loop.run_in_executor(None, start_encoders, encoder_launches(cfg), cfg.engine, encoders)
     done, _ = await asyncio.wait([loading, asyncio.ensure_future(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
     if loading not in done:
+        loading.cancel()
         await runner.cleanup()
+        stop_workers(workers)
         return 0
     try:
-        workers = loading.result()
+        loading.result()
         batchers = await encoding
     except Exception as exc:
         log.error("model loading failed", error=str(exc))
         await runner.cleanup()
+        stop_workers(workers)
         return 1
     await app[HUB].recover()  # streams a crash left running continue from their checkpoint
     await app[BATCH].recover()  # so do batch jobs, from their unfinished items
@@ -160,12 +169,16 @@ async def serve(cfg: GalleyConfig, db: Database, admin_key_hash: str) -> int:
     while router.num_in_flight and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
     await runner.cleanup()
-    for worker in workers:
-        worker.stop()
+    stop_workers(workers)
     for batcher in batchers:
         batcher.stop()
     log.info("stopped", unfinished=router.num_in_flight)
     return 0
+
+
+def stop_workers(workers) -> None:
+    for worker in workers:
+        worker.stop()
 
 
 def main(argv: list[str] | None = None) -> int:

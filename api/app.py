@@ -12,7 +12,8 @@ from pathlib import Path
 import structlog
 from aiohttp import web
 
-from api import admin, batch, conversations, dashboard, encoders_api, health, native, openai, stream_api, ws
+from api import admin, batch, conversations, dashboard, encoders_api, health, lifecycle, native, openai, stream_api, ws
+from api import deployments as deployments_api
 from api.alerts import DEFAULT_ALERTS, AlertRule
 from api.auth import AUTH, DATABASE, Auth, TenantDirectory, auth_middleware
 from api.batch_runner import BatchConfig, BatchRunner
@@ -24,6 +25,7 @@ from api.response_cache import RESPONSE_CACHE, ResponseCache, ResponseCacheConfi
 from api.routes import Route
 from api.streams import HUB, StreamHub, StreamsConfig
 from api.telemetry import ObservabilityConfig, TracingConfig
+from scheduling.deployments import DeploymentsConfig
 from scheduling.encoders import EncoderRegistry
 from scheduling.router import Router
 from storage.db import Database
@@ -53,7 +55,7 @@ async def request_context(request: web.Request, handler):
 
 def all_routes() -> list[Route]:
     return [*health.ROUTES, *openai.ROUTES, *stream_api.ROUTES, *admin.ROUTES, *conversations.ROUTES,
-            *ws.ROUTES, *batch.ROUTES, *native.ROUTES, *encoders_api.ROUTES,
+            *ws.ROUTES, *batch.ROUTES, *native.ROUTES, *encoders_api.ROUTES, *deployments_api.ROUTES,
             *dashboard.ROUTES]
 
 
@@ -82,10 +84,14 @@ def create_app(router: Router, state: ServerState | None = None, *, db: Database
                auth_enabled: bool = False, admin_key_hash: str | None = None,
                streams_config: StreamsConfig | None = None,
                batch_config: BatchConfig | None = None, encoders: EncoderRegistry | None = None,
-               response_cache: ResponseCacheConfig | None = None,
+               response_cache: ResponseCacheConfig | None = None, loader: lifecycle.Loader | None = None,
+               lifecycle_config: lifecycle.LifecycleConfig | None = None,
+               deployments_config: DeploymentsConfig | None = None,
                observability: ObservabilityConfig | None = None, tracing: TracingConfig | None = None,
                alerts: tuple[AlertRule, ...] = DEFAULT_ALERTS, span_exporter=None) -> web.Application:
-    """The app; `db` stays open after cleanup (its owner closes it). No admin key: the admin API refuses all."""
+    """The app; `db` stays open after cleanup (its owner closes it). No admin key: the admin API refuses all.
+
+    Without a `loader` only the models already in `router` are served (the registry cannot load more)."""
     app = web.Application(middlewares=[request_context, error_middleware, auth_middleware],
                           client_max_size=MAX_BODY_BYTES)
     app[DATABASE] = db if db is not None else temporary_database(app)
@@ -97,6 +103,7 @@ def create_app(router: Router, state: ServerState | None = None, *, db: Database
     app[ENCODERS] = encoders if encoders is not None else EncoderRegistry()
     app[METRICS].watch_encoders(app[ENCODERS])
     app[RESPONSE_CACHE] = ResponseCache(response_cache or ResponseCacheConfig())
+    lifecycle.setup(app, app[DATABASE], app[METRICS].registry, loader, lifecycle_config, deployments_config)
     app[HUB] = StreamHub(router, app[DATABASE], app[METRICS], streams_config or StreamsConfig())
     app.cleanup_ctx.append(run_stream_sweeper)
     tenants = lambda name: app[AUTH].directory.tenants.get(name)  # noqa: E731

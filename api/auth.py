@@ -25,6 +25,7 @@ ADMIN_KEY_SETTING = "admin_key_hash"
 TENANT_PATHS = ("/v1/", "/api/", "/ws/")
 WS_PATH = "/ws/"  # browsers cannot set headers on a WebSocket: these also take the key as `?token=`
 ADMIN_PATH = "/admin/api/"
+DEPLOYMENTS_PATH = "/api/v1/deployments"  # reads: any tenant key; writes: the admin key (when auth is on)
 
 
 @dataclass
@@ -143,6 +144,8 @@ async def auth_middleware(request: web.Request, handler):
     request[TENANT] = auth.directory.default
     if request.path.startswith(ADMIN_PATH):
         authenticate_admin(request, auth)
+    elif auth.enabled and request.path.startswith(DEPLOYMENTS_PATH) and request.method not in ("GET", "HEAD"):
+        authenticate_admin(request, auth)  # changing a deployment is an admin act
     elif auth.enabled and request.path.startswith(TENANT_PATHS):
         request[TENANT] = authenticate_tenant(request, auth.directory)
     return await handler(request)

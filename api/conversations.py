@@ -17,13 +17,12 @@ import sqlite_utils
 from aiohttp import web
 from pydantic import BaseModel, Field
 
-from api.auth import DATABASE, check_model_access, tenant_of
-from api.context import ROUTER, STATE
-from api.errors import ModelNotFoundError, NotFoundError, ServiceUnavailableError, json_response
+from api.auth import DATABASE, tenant_of
+from api.errors import NotFoundError, json_response
+from api.lifecycle import resolve_model
 from api.routes import Route
 from api.schemas import Strict
 from api.validation import parse_body
-from scheduling.router import ServedModel
 from storage import conversations
 from storage.conversations import Conversation, Message
 
@@ -94,15 +93,6 @@ async def read(request: web.Request, fn: Callable[[sqlite_utils.Database], T]) -
     return await asyncio.to_thread(request.app[DATABASE].read, fn)
 
 
-def served_model(request: web.Request, name: str) -> ServedModel:
-    model = request.app[ROUTER].models.get(name)
-    if model is None and not request.app[STATE].ready:
-        raise ServiceUnavailableError("models are still loading", headers={"Retry-After": "5"})
-    if model is None:
-        raise ModelNotFoundError(f"The model `{name}` does not exist.", param="model")
-    return model
-
-
 def conversation_not_found(conversation_id: str) -> NotFoundError:
     return NotFoundError(f"No conversation `{conversation_id}`.", param="conversation_id",
                          code="conversation_not_found")
@@ -113,8 +103,7 @@ def conversation_not_found(conversation_id: str) -> NotFoundError:
 
 async def create_conversation(request: web.Request) -> web.Response:
     body = await parse_body(request, ConversationCreate)
-    model = served_model(request, body.model)
-    check_model_access(request, model.name)
+    model = await resolve_model(request, body.model)
     tenant = tenant_of(request).name
     made = await write(request, lambda db: conversations.create_conversation(
         db, tenant, model.name, model.version, body.title))

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import structlog
 from aiohttp import web
 
-from api.auth import check_model_access, check_priority_access, tenant_of
+from api.auth import check_priority_access, tenant_of
 from api.chunks import ChunkFormat, chat_logprobs, completion_logprobs
 from api.context import ROUTER, STATE
 from api.errors import (
@@ -29,6 +29,7 @@ from api.errors import (
     ServiceUnavailableError,
     json_response,
 )
+from api.lifecycle import model_label, resolve_model
 from api.metrics import METRICS
 from api.routes import Route
 from api.schemas import (
@@ -45,6 +46,7 @@ from api.streams import HUB, LiveStream
 from api.validation import parse_body
 from engine.types import GenerationRequest, Priority, SamplingParams, TokenEvent, TokenLogprob
 from scheduling.admission import Rejected, TenantLimits
+from scheduling.deployments import parse_model_ref
 from scheduling.router import QueueFull, RequestStream, ServedModel
 from storage import conversations
 
@@ -52,7 +54,9 @@ log = structlog.get_logger(__name__)
 
 
 def served_model(request: web.Request, name: str) -> ServedModel:
-    model = request.app[ROUTER].models.get(name)
+    """A loaded version by `name` (its default) or `name@version`, without loading or routing
+    (handlers that generate use `api.lifecycle.resolve_model`)."""
+    model = request.app[ROUTER].find(name)
     if model is None and not request.app[STATE].ready:
         raise ServiceUnavailableError("models are still loading", headers={"Retry-After": "5"})
     if model is None:
@@ -175,8 +179,8 @@ def on_disconnect(request: web.Request, body: SamplingFields, conversation: bool
 # ---- chat ------------------------------------------------------------------------------
 
 
-async def load_history(request: web.Request, conversation_id: str, model: ServedModel) -> list[dict]:
-    """The stored messages of the caller's conversation (404 if it is not theirs)."""
+async def load_history(request: web.Request, conversation_id: str, model_ref: str) -> tuple[list[dict], str]:
+    """The stored messages of the caller's conversation (404 if it is not theirs) and its pinned version."""
     tenant = tenant_of(request).name
     db = request.app[HUB].db
 
@@ -188,10 +192,11 @@ async def load_history(request: web.Request, conversation_id: str, model: Served
     if found is None:
         raise NotFoundError(f"no conversation {conversation_id!r}", param="conversation_id",
                             code="conversation_not_found")
-    if found.model != model.name or found.model_version != model.version:
+    name, version = parse_model_ref(model_ref)
+    if found.model != name or version not in (None, found.model_version):
         raise ConflictError(f"conversation {conversation_id!r} is pinned to {found.model}@{found.model_version}",
                             param="model")
-    return [{"role": m.role, "content": m.content} for m in messages]
+    return [{"role": m.role, "content": m.content} for m in messages], found.model_version
 
 
 @dataclass
@@ -207,11 +212,13 @@ class ChatStart:
 async def start_chat(request: web.Request, body: ChatCompletionRequest) -> ChatStart:
     """Validate, apply the chat template (with the conversation's history), submit; store the
     new messages of a conversation. Shared by /v1/chat/completions and the WebSocket."""
-    model = served_model(request, body.model)
-    check_model_access(request, model.name)
     check_priority_access(request, body.priority)
     new = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
-    history = await load_history(request, body.conversation_id, model) if body.conversation_id else []
+    history, pinned = [], None
+    if body.conversation_id:
+        history, pinned = await load_history(request, body.conversation_id, body.model)
+    model = await resolve_model(request, body.model, user=body.user, conversation_id=body.conversation_id,
+                                pinned_version=pinned)
     try:
         rendered = model.tokenizer.apply_chat_template(history + new, add_generation_prompt=True, tokenize=False)
     except Exception as exc:  # jinja raises on conversations the template rejects
@@ -222,8 +229,8 @@ async def start_chat(request: web.Request, body: ChatCompletionRequest) -> ChatS
                              want_logprobs)
     stream = submit(request, model, prompt_ids, params, body.priority)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    fmt = ChunkFormat("chat", f"chatcmpl-{stream.request_id}", int(time.time()), model.name, include_usage,
-                      body.logprobs)
+    fmt = ChunkFormat("chat", f"chatcmpl-{stream.request_id}", int(time.time()), model_label(request, model),
+                      include_usage, body.logprobs)
     if body.conversation_id:
         conversation_id = body.conversation_id
         await asyncio.wrap_future(request.app[HUB].db.write(lambda db: [
@@ -265,8 +272,7 @@ def chat_response(request: web.Request, chat: ChatStart, text: str, logprobs: li
 
 async def completions(request: web.Request) -> web.StreamResponse:
     body = await parse_body(request, CompletionRequest)
-    model = served_model(request, body.model)
-    check_model_access(request, model.name)
+    model = await resolve_model(request, body.model, user=body.user)
     check_priority_access(request, body.priority)
     if isinstance(body.prompt, str):
         prompt_ids = model.tokenizer.encode(body.prompt)
@@ -278,8 +284,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     params = sampling_params(request, body, body.max_tokens or 16, len(prompt_ids), model, body.logprobs)
     stream = submit(request, model, prompt_ids, params, body.priority)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    fmt = ChunkFormat("completion", f"cmpl-{stream.request_id}", int(time.time()), model.name, include_usage,
-                      body.logprobs is not None)
+    fmt = ChunkFormat("completion", f"cmpl-{stream.request_id}", int(time.time()), model_label(request, model),
+                      include_usage, body.logprobs is not None)
 
     if body.stream:
         live = request.app[HUB].start(stream, fmt, kind="completion", conversation_id=None,

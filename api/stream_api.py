@@ -45,8 +45,8 @@ async def serve_live(request: web.Request, live: LiveStream, after: int = -1) ->
         response = await open_sse(request, {"X-Stream-Id": live.id, "X-Request-Id": request["request_id"]})
         if after == -1 and live.fmt.kind == "chat":
             await send_event(response, role_chunk(live.fmt))
-        tokenizer = request.app[ROUTER].models[live.fmt.model].tokenizer if live.fmt.model in request.app[
-            ROUTER].models else None
+        served = request.app[ROUTER].find(live.fmt.model)
+        tokenizer = served.tokenizer if served is not None else None
         if first is not None:
             async for event in prepend(first, events):
                 if event.error:

@@ -1,0 +1,237 @@
+"""The registry and deployment endpoints: `/admin/api/models*` (admin key) and `/api/v1/deployments*`
+(writes need the admin key when auth is on; see api/auth.py).
+
+Thin: validate with pydantic, call the `ModelManager`, answer with its state. Loads and
+unloads answer 202 at once and run in the background; poll `GET /admin/api/models`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any, Literal
+
+from aiohttp import web
+from pydantic import BaseModel, Field, RootModel
+
+from api.errors import ConflictError, InvalidRequestError, json_response
+from api.lifecycle import MODELS, ModelManager, VersionState
+from api.routes import Route
+from api.schemas import Strict
+from api.validation import parse_body
+from storage import registry
+from storage.registry import ModelVersion
+
+Name = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$",
+                            description="Letters, digits and `._:/-`; no `@` (it separates the version).")]
+
+
+class VersionOptions(Strict):
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] | None = None
+    device: str | None = Field(None, description="One of the configured devices; default: all of them.")
+    pinned: bool | None = Field(None, description="Stays loaded: never unloaded for idleness or memory.")
+    keep_alive: float | None = Field(None, ge=0, description="Seconds idle before it unloads; 0: never.")
+    max_batch: int | None = Field(None, ge=1, description="Encoders: most inputs in one forward.")
+    max_wait_ms: float | None = Field(None, ge=0, description="Encoders: how long a batch waits to fill.")
+    fault: Literal["raise"] | None = Field(None, description="TEST ONLY: engine steps after the warm-up raise.")
+
+
+class ModelCreate(Strict):
+    name: Name
+    version: Name = "1"
+    source: str = Field(min_length=1, description="A local model folder or a Hugging Face hub id.")
+    kind: Literal["generate", "embed", "classify"] = "generate"
+    options: VersionOptions = VersionOptions()
+
+
+class VersionOut(BaseModel):
+    name: str
+    version: str
+    source: str
+    kind: str
+    options: dict[str, Any]
+    state: Literal["unloaded", "loading", "ready", "failed"]
+    error: str | None
+    draining: bool
+    devices: list[str] = Field(description="Devices it is loaded on.")
+    mem_bytes: int = Field(description="Weights + KV cache per device while loaded.")
+    num_in_flight: int
+    idle_seconds: float
+    created_at: str
+
+
+class VersionList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[VersionOut]
+
+
+class Accepted(BaseModel):
+    name: str
+    version: str
+    state: str
+    action: Literal["load", "unload"]
+
+
+class DeploymentCreate(Strict):
+    model_name: Name
+    version: Name
+    traffic_percent: int = Field(ge=1, le=100, description="The version's share; the stable version keeps the rest.")
+
+
+class TrafficSplit(RootModel[dict[Name, Annotated[int, Field(strict=True, ge=0, le=100)]]]):
+    """`{"version": percent, ...}`: integers summing to 100."""
+
+
+class VersionHealth(BaseModel):
+    requests: int
+    error_rate: float
+    p99_latency_s: float | None
+
+
+class EventOut(BaseModel):
+    kind: str
+    traffic_before: dict[str, int] | None
+    traffic_after: dict[str, int]
+    reason: str | None
+    created_at: str
+
+
+class DeploymentOut(BaseModel):
+    model_name: str
+    traffic: dict[str, int]
+    stable_version: str
+    previous_stable_version: str | None
+    versions: dict[str, VersionOut]
+    health: dict[str, VersionHealth] = Field(description="Per version, over the canary window.")
+    events: list[EventOut] = Field(description="Most recent changes first.")
+
+
+class DeploymentList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[DeploymentOut]
+
+
+# ---- rendering -------------------------------------------------------------------------
+
+
+def version_json(vs: VersionState) -> dict[str, Any]:
+    served = vs.served
+    return VersionOut(
+        name=vs.spec.name, version=vs.spec.version, source=vs.spec.source, kind=vs.spec.kind,
+        options=vs.spec.options, state=vs.state, error=vs.error, draining=bool(served and served.draining),
+        devices=vs.devices if served else [], mem_bytes=vs.mem_bytes,
+        num_in_flight=served.num_in_flight if served else 0,
+        idle_seconds=round(time.monotonic() - vs.last_used_s, 3), created_at=vs.spec.created_at,
+    ).model_dump()
+
+
+async def deployment_json(manager: ModelManager, name: str) -> dict[str, Any]:
+    deployment, previous = manager.deployment(name)
+    versions = {vs.spec.version: version_json(vs) for vs in manager.versions.values() if vs.spec.name == name}
+    health = {}
+    for version in versions:
+        window = manager.health.get(f"{name}@{version}")
+        if window is not None:
+            health[version] = {"requests": window.num_requests, "error_rate": round(window.error_rate, 4),
+                               "p99_latency_s": window.p99_latency_s}
+    events = [{"kind": e.kind, "traffic_before": e.traffic_before, "traffic_after": e.traffic_after,
+               "reason": e.reason, "created_at": e.created_at} for e in await manager.events(name, 10)]
+    return DeploymentOut(model_name=name, traffic=deployment.traffic, stable_version=deployment.stable,
+                         previous_stable_version=previous, versions=versions, health=health,
+                         events=events).model_dump()
+
+
+# ---- registry handlers (admin key) ------------------------------------------------------
+
+
+async def create_model(request: web.Request) -> web.Response:
+    body = await parse_body(request, ModelCreate)
+    spec = ModelVersion(body.name, body.version, body.source, body.kind, body.options.model_dump(exclude_none=True))
+    try:
+        vs = await request.app[MODELS].register(spec)
+    except registry.VersionExistsError as exc:
+        raise ConflictError(f"`{spec.ref}` is already registered.", param="version", code="version_exists") from exc
+    return json_response(version_json(vs), status=201)
+
+
+async def list_models(request: web.Request) -> web.Response:
+    manager = request.app[MODELS]
+    return json_response({"object": "list", "data": [version_json(vs) for vs in manager.versions.values()]})
+
+
+async def load_version(request: web.Request) -> web.Response:
+    manager = request.app[MODELS]
+    vs = manager.get(request.match_info["name"], request.match_info["version"])
+    manager.load_in_background(vs)
+    return accepted(vs, "load")
+
+
+async def unload_version(request: web.Request) -> web.Response:
+    manager = request.app[MODELS]
+    vs = manager.get(request.match_info["name"], request.match_info["version"])
+    manager.unload_in_background(vs)
+    return accepted(vs, "unload")
+
+
+def accepted(vs: VersionState, action: str) -> web.Response:
+    return json_response({"name": vs.spec.name, "version": vs.spec.version, "state": vs.state, "action": action},
+                         status=202)
+
+
+# ---- deployment handlers ---------------------------------------------------------------
+
+
+async def create_deployment(request: web.Request) -> web.Response:
+    body = await parse_body(request, DeploymentCreate)
+    manager = request.app[MODELS]
+    await manager.deploy(body.model_name, body.version, body.traffic_percent)
+    return json_response(await deployment_json(manager, body.model_name), status=201)
+
+
+async def update_traffic(request: web.Request) -> web.Response:
+    name = request.match_info["model_name"]
+    raw = (await parse_body(request, TrafficSplit)).root
+    try:
+        registry.check_traffic(raw)
+    except ValueError as exc:
+        raise InvalidRequestError(str(exc), param="traffic") from exc
+    manager = request.app[MODELS]
+    await manager.set_traffic(name, raw, "traffic")
+    return json_response(await deployment_json(manager, name))
+
+
+async def rollback(request: web.Request) -> web.Response:
+    name = request.match_info["model_name"]
+    manager = request.app[MODELS]
+    if not await manager.rollback(name, "requested"):
+        raise ConflictError(f"`{name}` has no canary and no previous stable version to roll back to.",
+                            param="model_name", code="nothing_to_roll_back")
+    return json_response(await deployment_json(manager, name))
+
+
+async def list_deployments(request: web.Request) -> web.Response:
+    manager = request.app[MODELS]
+    data = [await deployment_json(manager, name) for name in sorted(manager.router.deployments)]
+    return json_response({"object": "list", "data": data})
+
+
+VERSION_PATH = "/admin/api/models/{name}/versions/{version}"
+DEPLOYMENTS_PATH = "/api/v1/deployments"
+
+ROUTES = [
+    Route("POST", "/admin/api/models", create_model, "Register a model version (admin key)",
+          request=ModelCreate, response=VersionOut),
+    Route("GET", "/admin/api/models", list_models, "List model versions and their state (admin key)",
+          response=VersionList),
+    Route("POST", VERSION_PATH + "/load", load_version, "Load a version in the background (admin key)",
+          response=Accepted),
+    Route("POST", VERSION_PATH + "/unload", unload_version, "Drain and unload a version (admin key)",
+          response=Accepted),
+    Route("POST", DEPLOYMENTS_PATH, create_deployment, "Deploy a version with a share of the traffic",
+          request=DeploymentCreate, response=DeploymentOut),
+    Route("GET", DEPLOYMENTS_PATH, list_deployments, "List deployments, their splits, health and history",
+          response=DeploymentList),
+    Route("PUT", DEPLOYMENTS_PATH + "/{model_name}/traffic", update_traffic,
+          "Set a traffic split {version: percent} summing to 100", request=TrafficSplit, response=DeploymentOut),
+    Route("POST", DEPLOYMENTS_PATH + "/{model_name}/rollback", rollback,
+          "All traffic back to the stable (or previous stable) version at once", response=DeploymentOut),
+]

@@ -1,0 +1,541 @@
+"""Model lifecycle on the event loop: registry versions loading and unloading, routing a request
+to a version, canary health with automatic rollback, hot/cold under a per-device memory budget.
+
+`ModelManager` owns the in-memory view of the registry (SQLite is written through the DB
+writer thread after each change; memory is authoritative while the process runs) and the
+router's deployments. Weights load off the loop through an injected `Loader` (launch.py's
+`EngineLoader`: api/ never imports torch). A version becomes routable only after it loaded
+and answered a one-token warm-up; one being unloaded drains first (routing skips it,
+in-flight requests finish) and only then is detached from its workers. Loads and unloads
+run one at a time (`_lock`), so the memory budget is counted exactly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Coroutine
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import structlog
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+
+from api.auth import check_model_access
+from api.context import ROUTER, STATE
+from api.errors import ModelNotFoundError, ServiceUnavailableError
+from engine.types import FinishReason, GenerationRequest, SamplingParams, TokenEvent
+from scheduling.deployments import DeploymentsConfig, HealthWindow, parse_model_ref, rollback_reason
+from scheduling.router import ModelDeployment, RequestStream, Router, ServedModel
+from storage import registry
+from storage.db import Database
+from storage.registry import Deployment, ModelVersion
+
+log = structlog.get_logger(__name__)
+
+GIB = 1024**3
+WARMUP_PREFIX = "warmup-"
+MODEL_VERSION = "model_version"  # request[MODEL_VERSION]: name@version that served it (X-Model-Version)
+
+
+@dataclass(frozen=True)
+class LifecycleConfig:
+    memory_budget_gib: float = 0.0  # per device: weights + KV cache of loaded versions; 0: no budget
+    load_timeout_seconds: float = 300.0  # a request waiting for a cold model gets 503 after this
+    check_interval_seconds: float = 1.0  # how often idle versions (keep_alive) are looked for
+
+
+class Loader(Protocol):
+    def devices_for(self, spec: ModelVersion) -> list[str]: ...
+    def estimate_bytes(self, spec: ModelVersion) -> int: ...
+    def load(self, spec: ModelVersion) -> ServedModel: ...
+    def unload(self, served: ServedModel) -> None: ...
+
+
+class LoadFailed(Exception):
+    pass
+
+
+@dataclass
+class VersionState:
+    """One registered version at runtime. Invariant: `served` is set exactly while attached to workers."""
+
+    spec: ModelVersion
+    state: str = "unloaded"
+    error: str | None = None
+    served: ServedModel | None = None
+    devices: list[str] = field(default_factory=list)
+    mem_bytes: int = 0
+    last_used_s: float = field(default_factory=time.monotonic)
+    loading: asyncio.Task | None = None
+    num_waiters: int = 0  # requests waiting for it to load: it is not evicted before they submit
+
+    @property
+    def ref(self) -> str:
+        return self.spec.ref
+
+    @property
+    def keep_alive_s(self) -> float:
+        return float(self.spec.options.get("keep_alive", 0))
+
+
+class LifecycleMetrics:
+    def __init__(self, registry_: CollectorRegistry, manager: ModelManager) -> None:
+        self.load_seconds = Histogram("galley_model_load_seconds", "Time to load and warm up a model version",
+                                      ["model"], buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
+                                      registry=registry_)
+        self.rollbacks = Counter("galley_rollbacks", "Deployments rolled back", ["model", "trigger"],
+                                 registry=registry_)
+        self.unloads = Counter("galley_model_unloads", "Model versions unloaded", ["model", "reason"],
+                               registry=registry_)
+        self.manager = manager
+        registry_.register(self)
+
+    def collect(self):
+        loaded = GaugeMetricFamily("galley_models_loaded", "Model versions loaded, per device", labels=["device"])
+        counts: dict[str, int] = {}
+        for vs in self.manager.versions.values():
+            for device in vs.devices if vs.served is not None else []:
+                counts[device] = counts.get(device, 0) + 1
+        for device, count in sorted(counts.items()):
+            loaded.add_metric([device], count)
+        yield loaded
+
+
+class ModelManager:
+    def __init__(self, router: Router, db: Database, metrics_registry: CollectorRegistry, loader: Loader | None = None,
+                 lifecycle: LifecycleConfig | None = None, deployments: DeploymentsConfig | None = None) -> None:
+        self.router = router
+        self.db = db
+        self.loader = loader
+        self.cfg = lifecycle or LifecycleConfig()
+        self.deploy_cfg = deployments or DeploymentsConfig()
+        self.versions: dict[str, VersionState] = {}
+        self.health: dict[str, HealthWindow] = {}  # name@version -> recent outcomes
+        self.previous_stable: dict[str, str | None] = {}  # model name -> what a rollback returns to
+        self._rolling_back: set[str] = set()  # model names with an automatic rollback under way
+        self.metrics = LifecycleMetrics(metrics_registry, self)
+        self._lock = asyncio.Lock()
+        self._tasks: set[asyncio.Task] = set()
+        router.on_finish = self.on_finish
+
+    # ---- startup ------------------------------------------------------------------------
+
+    async def start(self, seed: list[ModelVersion] = ()) -> None:
+        """Register the config's models, restore deployments, load what takes traffic.
+
+        A seeded (config) version that fails to load raises LoadFailed: the server cannot start."""
+        def prepare(db) -> tuple[list[ModelVersion], list[Deployment]]:
+            registry.reset_states(db)
+            for spec in seed:
+                if registry.get_version(db, spec.name, spec.version) is None:
+                    registry.add_version(db, spec)
+                if registry.get_deployment(db, spec.name) is None:
+                    registry.save_deployment(db, Deployment(spec.name, {spec.version: 100}, spec.version),
+                                             "deploy", "config")
+            return registry.list_versions(db), registry.list_deployments(db)
+
+        versions, deployments = await asyncio.wrap_future(self.db.write(prepare))
+        for spec in versions:
+            self.versions[spec.ref] = VersionState(spec, spec.state, spec.error)
+        for d in deployments:
+            self._apply_deployment(d)
+        seeded = {s.ref for s in seed}
+        wanted = [vs for vs in self.versions.values() if vs.state != "failed" and self._has_traffic(vs)]
+        for vs in sorted(wanted, key=lambda v: (not v.spec.pinned, v.ref not in seeded)):
+            if not self._fits(vs):
+                log.info("left cold: over the memory budget", model=vs.ref)
+                continue
+            try:
+                await self._load_task(vs)
+            except LoadFailed:
+                if vs.ref in seeded:
+                    raise
+
+    def _has_traffic(self, vs: VersionState) -> bool:
+        d = self.router.deployments.get(vs.spec.name)
+        return d is not None and (d.traffic.get(vs.spec.version, 0) > 0 or vs.spec.pinned)
+
+    def _apply_deployment(self, d: Deployment) -> None:
+        current = self.router.deployments.get(d.model_name)
+        if current is None:
+            current = self.router.deployments[d.model_name] = ModelDeployment(d.model_name, d.traffic,
+                                                                               d.stable_version)
+        current.traffic, current.stable = dict(d.traffic), d.stable_version
+        current.num_registered = sum(v.spec.name == d.model_name for v in self.versions.values())
+        self.previous_stable[d.model_name] = d.previous_stable_version
+
+    # ---- routing ------------------------------------------------------------------------
+
+    async def resolve(self, ref: str, key: str, pinned_version: str | None = None) -> ServedModel:
+        """The version that serves a request for `ref` (`name` or `name@version`).
+
+        Pinned (a conversation's) version, else the explicit one, else the split by `key`. A
+        canary that is not ready yet (or failed) leaves its share to the stable version; an
+        explicit, pinned or stable version that is cold is loaded while the caller waits."""
+        name, version = parse_model_ref(ref)
+        version = pinned_version or version
+        deployment = self.router.deployments.get(name)
+        if deployment is None:
+            raise ModelNotFoundError(f"The model `{name}` does not exist.", param="model")
+        explicit = version is not None
+        version = version or deployment.choose(key)
+        served = deployment.routable(version)
+        if served is None and not explicit and version != deployment.stable:
+            self._warm_in_background(f"{name}@{version}")
+            version, served = deployment.stable, deployment.routable(deployment.stable)
+        while served is None or served.draining:  # draining: unloaded (e.g. evicted) before this caller ran
+            served = await self._wait_loaded(f"{name}@{version}")
+        self.touch(served)
+        return served  # the caller submits before its next await, so a drain counts the request
+
+    def touch(self, served: ServedModel) -> None:
+        vs = self.versions.get(served.ref)
+        if vs is not None:
+            vs.last_used_s = time.monotonic()
+
+    async def _wait_loaded(self, ref: str) -> ServedModel:
+        vs = self.versions.get(ref)
+        if vs is None or self.loader is None:
+            raise ModelNotFoundError(f"The model version `{ref}` does not exist.", param="model")
+        if vs.state == "failed":
+            raise ServiceUnavailableError(f"`{ref}` failed to load: {vs.error}", code="model_load_failed")
+        vs.num_waiters += 1
+        try:
+            return await asyncio.wait_for(asyncio.shield(self._load_task(vs)), self.cfg.load_timeout_seconds)
+        except TimeoutError:
+            raise ServiceUnavailableError(f"`{ref}` is still loading; retry shortly", code="model_loading",
+                                          headers={"Retry-After": "5"}) from None
+        except LoadFailed as exc:
+            raise ServiceUnavailableError(f"`{ref}` failed to load: {exc}", code="model_load_failed") from None
+        finally:
+            vs.num_waiters -= 1
+
+    def _warm_in_background(self, ref: str) -> None:
+        vs = self.versions.get(ref)
+        if vs is not None and vs.state == "unloaded" and self.loader is not None:
+            self._load_task(vs).add_done_callback(lambda t: t.cancelled() or t.exception())
+
+    # ---- load and unload ----------------------------------------------------------------
+
+    def _load_task(self, vs: VersionState) -> asyncio.Task:
+        if vs.loading is None or vs.loading.done():
+            vs.loading = self._spawn(self._load(vs))
+        return vs.loading
+
+    async def _load(self, vs: VersionState) -> ServedModel:
+        async with self._lock:
+            if vs.served is not None and not vs.served.draining:
+                return vs.served
+            if vs.served is not None:  # draining: let it finish unloading before loading anew
+                await self._unload_locked(vs, "reload")
+            return await self._load_locked(vs)
+
+    async def _load_locked(self, vs: VersionState) -> ServedModel:
+        loop = asyncio.get_running_loop()
+        started = time.monotonic()
+        served = None
+        try:
+            vs.devices = self.loader.devices_for(vs.spec)
+            await self._make_room(vs)
+            self._set_state(vs, "loading")
+            served = await loop.run_in_executor(None, self.loader.load, vs.spec)
+            await self._warm_up(served)
+        except Exception as exc:
+            if served is not None:
+                await loop.run_in_executor(None, self.loader.unload, served)
+            self._set_state(vs, "failed", f"{type(exc).__name__}: {exc}")
+            log.error("model version failed to load", model=vs.ref, error=vs.error)
+            raise LoadFailed(vs.error) from exc
+        vs.served, vs.mem_bytes, vs.last_used_s = served, self.loader.estimate_bytes(vs.spec), time.monotonic()
+        self.router.add_model(served)
+        self._set_state(vs, "ready")
+        load_s = time.monotonic() - started
+        self.metrics.load_seconds.labels(vs.spec.name).observe(load_s)
+        log.info("model version ready", model=vs.ref, load_s=round(load_s, 2), devices=vs.devices,
+                 mem_bytes=vs.mem_bytes)
+        return served
+
+    async def _warm_up(self, served: ServedModel) -> None:
+        """One token through the real engine path before the version gets any traffic."""
+        prompt = served.tokenizer.encode("Hello", add_special_tokens=False)[:4] or [0]
+        request = GenerationRequest(WARMUP_PREFIX + uuid.uuid4().hex, prompt,
+                                    SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True),
+                                    tenant="galley-warmup")
+        last = None
+        async for event in self.router.submit(served, request):
+            last = event
+        if last is None or last.finish_reason == FinishReason.ERROR:
+            raise RuntimeError(f"warm-up failed: {last.error if last else 'no event'}")
+
+    async def _unload_locked(self, vs: VersionState, reason: str) -> None:
+        served = vs.served
+        if served is None:
+            return
+        served.draining = True
+        while served.num_in_flight:
+            await asyncio.sleep(0.02)
+        self.router.remove_model(served)
+        await asyncio.get_running_loop().run_in_executor(None, self.loader.unload, served)
+        vs.served, vs.mem_bytes = None, 0
+        self._set_state(vs, "unloaded")
+        self.metrics.unloads.labels(vs.spec.name, reason).inc()
+        log.info("model version unloaded", model=vs.ref, reason=reason)
+
+    async def unload(self, vs: VersionState, reason: str) -> None:
+        async with self._lock:
+            await self._unload_locked(vs, reason)
+
+    def _used_bytes(self, device: str, exclude: VersionState) -> int:
+        return sum(v.mem_bytes for v in self.versions.values()
+                   if v is not exclude and v.served is not None and device in v.devices)
+
+    def _fits(self, vs: VersionState) -> bool:
+        budget = self.cfg.memory_budget_gib * GIB
+        if not budget or self.loader is None:
+            return True
+        need = self.loader.estimate_bytes(vs.spec)
+        return all(self._used_bytes(d, vs) + need <= budget for d in self.loader.devices_for(vs.spec))
+
+    async def _make_room(self, vs: VersionState) -> None:
+        """Under the budget, unload least recently used unpinned versions until `vs` fits."""
+        budget = self.cfg.memory_budget_gib * GIB
+        if not budget:
+            return
+        need = self.loader.estimate_bytes(vs.spec)
+        for device in vs.devices:
+            while self._used_bytes(device, vs) + need > budget:
+                victims = [v for v in self.versions.values() if v is not vs and v.served is not None
+                           and device in v.devices and not v.spec.pinned]
+                if not victims:
+                    raise MemoryError(f"{vs.ref} needs {need} bytes on {device}: over the memory budget "
+                                      f"({self.cfg.memory_budget_gib:g} GiB) with only pinned models left")
+                free = [v for v in victims if not v.num_waiters]
+                if not free:  # its callers are about to submit: let them, then it drains
+                    await asyncio.sleep(0.005)
+                    continue
+                await self._unload_locked(min(free, key=lambda v: v.last_used_s), "memory_budget")
+
+    def _set_state(self, vs: VersionState, state: str, error: str | None = None) -> None:
+        vs.state, vs.error = state, error
+        name, version = vs.spec.name, vs.spec.version
+        self.db.write(lambda db: registry.set_state(db, name, version, state, error))
+
+    # ---- health and idleness ------------------------------------------------------------
+
+    def on_finish(self, stream: RequestStream, event: TokenEvent) -> None:
+        """Router hook: every finished request feeds its version's health window and idle clock."""
+        if stream.request_id.startswith(WARMUP_PREFIX):
+            return
+        now = time.monotonic()
+        ref = stream.model.ref
+        if ref in self.versions:
+            self.versions[ref].last_used_s = now
+        window = self.health.setdefault(ref, HealthWindow())
+        window.record(now, event.finish_reason != FinishReason.ERROR, now - stream.request.arrival_s)
+        self.check_canaries(stream.model.name)
+
+    def check_canaries(self, name: str) -> None:
+        deployment = self.router.deployments.get(name)
+        if deployment is None or name in self._rolling_back:
+            return
+        now, window_s = time.monotonic(), self.deploy_cfg.window_seconds
+        stable = self.health.setdefault(f"{name}@{deployment.stable}", HealthWindow())
+        stable.trim(now, window_s)
+        for version, percent in deployment.traffic.items():
+            if version == deployment.stable or percent == 0:
+                continue
+            canary = self.health.setdefault(f"{name}@{version}", HealthWindow())
+            canary.trim(now, window_s)
+            reason = rollback_reason(canary, stable, self.deploy_cfg)
+            if reason is not None:
+                self._rolling_back.add(name)
+                task = self._spawn(self.rollback(name, f"canary {version}: {reason}", automatic=True))
+                task.add_done_callback(lambda _: self._rolling_back.discard(name))
+                return
+
+    async def run(self) -> None:
+        """Background: unload idle versions past their keep_alive; re-judge canaries."""
+        while True:
+            await asyncio.sleep(self.cfg.check_interval_seconds)
+            now = time.monotonic()
+            for vs in list(self.versions.values()):
+                served = vs.served
+                if (served is not None and not served.draining and not vs.spec.pinned and vs.keep_alive_s > 0
+                        and served.num_in_flight == 0 and now - vs.last_used_s > vs.keep_alive_s):
+                    self._spawn(self.unload(vs, "keep_alive"))
+            for name in list(self.router.deployments):
+                self.check_canaries(name)
+
+    # ---- registry and deployments -------------------------------------------------------
+
+    async def register(self, spec: ModelVersion) -> VersionState:
+        first = not any(v.spec.name == spec.name for v in self.versions.values())
+
+        def add(db) -> Deployment | None:
+            registry.add_version(db, spec)
+            if first:
+                return registry.save_deployment(db, Deployment(spec.name, {spec.version: 100}, spec.version),
+                                                "deploy", "first version")
+            return None
+
+        deployment = await asyncio.wrap_future(self.db.write(add))
+        vs = self.versions[spec.ref] = VersionState(spec)
+        if deployment is not None:
+            self._apply_deployment(deployment)
+        self.router.deployments[spec.name].num_registered = sum(
+            v.spec.name == spec.name for v in self.versions.values())
+        if spec.pinned:
+            self._warm_in_background(spec.ref)
+        return vs
+
+    def get(self, name: str, version: str) -> VersionState:
+        vs = self.versions.get(f"{name}@{version}")
+        if vs is None:
+            raise ModelNotFoundError(f"The model version `{name}@{version}` does not exist.", param="version")
+        return vs
+
+    def load_in_background(self, vs: VersionState) -> None:
+        if vs.state == "failed":
+            vs.state = "unloaded"
+        self._warm_in_background(vs.ref)
+
+    def unload_in_background(self, vs: VersionState) -> None:
+        self._spawn(self.unload(vs, "admin"))
+
+    def deployment(self, name: str) -> tuple[ModelDeployment, str | None]:
+        deployment = self.router.deployments.get(name)
+        if deployment is None:
+            raise ModelNotFoundError(f"The model `{name}` has no deployment.", param="model_name")
+        return deployment, self.previous_stable.get(name)
+
+    async def set_traffic(self, name: str, traffic: dict[str, int], kind: str, reason: str | None = None,
+                          stable: str | None = None) -> None:
+        """Change a split; a new stable version that is not ready yet loads first (the old one serves)."""
+        deployment, previous = self.deployment(name)
+        for version in traffic:
+            self.get(name, version)
+        traffic = {v: p for v, p in traffic.items() if p > 0}
+        if stable is None:
+            stable = deployment.stable if deployment.stable in traffic else max(traffic, key=traffic.get)
+        if stable != deployment.stable:
+            previous = deployment.stable
+        new = Deployment(name, traffic, stable, previous)
+        for version in traffic:
+            if self.versions[f"{name}@{version}"].state != "ready":
+                self.load_in_background(self.versions[f"{name}@{version}"])
+        target = self.versions[f"{name}@{stable}"]
+        if stable != deployment.stable and target.state != "ready":
+            self._spawn(self._switch_when_ready(target, new, kind, reason))
+            return
+        await self._save(new, kind, reason)
+
+    async def _switch_when_ready(self, target: VersionState, new: Deployment, kind: str, reason: str | None) -> None:
+        try:
+            await self._load_task(target)
+        except LoadFailed:
+            log.error("deployment not applied: its new stable version failed to load", model=target.ref)
+            return
+        await self._save(new, kind, reason)
+
+    async def _save(self, new: Deployment, kind: str, reason: str | None) -> None:
+        saved = await asyncio.wrap_future(self.db.write(lambda db: registry.save_deployment(db, new, kind, reason)))
+        self._apply_deployment(saved)
+        log.info("deployment changed", model=new.model_name, kind=kind, traffic=new.traffic,
+                 stable=new.stable_version, reason=reason)
+
+    async def deploy(self, name: str, version: str, percent: int) -> None:
+        deployment, _ = self.deployment(name)
+        self.get(name, version)
+        if version == deployment.stable or percent == 100:
+            await self.set_traffic(name, {version: 100}, "deploy", stable=version)
+        else:
+            await self.set_traffic(name, {deployment.stable: 100 - percent, version: percent}, "deploy")
+
+    async def rollback(self, name: str, reason: str | None = None, automatic: bool = False) -> bool:
+        """All traffic to the stable version (dropping canaries), or, with none, back to the previous stable."""
+        deployment, previous = self.deployment(name)
+        canaries = [v for v, p in deployment.traffic.items() if v != deployment.stable and p > 0]
+        if canaries:
+            target = deployment.stable
+        elif previous is not None and f"{name}@{previous}" in self.versions:
+            target = previous
+        else:
+            return False
+        kind = "auto_rollback" if automatic else "rollback"
+        if automatic and not canaries:
+            return False
+        await self.set_traffic(name, {target: 100}, kind, reason, stable=target)
+        for canary in canaries:
+            self.health.pop(f"{name}@{canary}", None)  # a later canary of the same version starts clean
+        self.metrics.rollbacks.labels(name, "auto" if automatic else "manual").inc()
+        log.warning("deployment rolled back", model=name, to=target, automatic=automatic, reason=reason)
+        return True
+
+    async def events(self, name: str | None = None, limit: int = 20) -> list[registry.DeploymentEvent]:
+        return await asyncio.to_thread(self.db.read, lambda db: registry.list_events(db, name, limit))
+
+    # ---- plumbing -----------------------------------------------------------------------
+
+    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+MODELS = web.AppKey("models", ModelManager)
+
+
+async def resolve_model(request: web.Request, ref: str, *, user: str | None = None,
+                        conversation_id: str | None = None, pinned_version: str | None = None) -> ServedModel:
+    """The one lookup for every endpoint: the served version for `ref` (`name` or `name@version`).
+
+    Routing key: `user`, else the conversation, else the request id. An unknown model is a
+    404 (503 while startup loading runs), then the tenant must be allowed it (403), then a
+    cold version loads. Records the version for the `X-Model-Version` header."""
+    manager = request.app[MODELS]
+    name, _ = parse_model_ref(ref)
+    if name not in manager.router.deployments:
+        if not request.app[STATE].ready:
+            raise ServiceUnavailableError("models are still loading", headers={"Retry-After": "5"})
+        raise ModelNotFoundError(f"The model `{name}` does not exist.", param="model")
+    check_model_access(request, name)
+    served = await manager.resolve(ref, user or conversation_id or request["request_id"], pinned_version)
+    request[MODEL_VERSION] = served.ref
+    return served
+
+
+def model_label(request: web.Request, served: ServedModel) -> str:
+    """The `model` field of responses: `name`, or `name@version` while the model has several versions."""
+    return request.app[ROUTER].label(served)
+
+
+async def add_version_header(request: web.Request, response: web.StreamResponse) -> None:
+    if MODEL_VERSION in request:
+        response.headers["X-Model-Version"] = request[MODEL_VERSION]
+
+
+async def run_lifecycle(app: web.Application):
+    """cleanup_ctx: the keep_alive / canary loop while the app runs; stop loads and unloads at cleanup."""
+    manager = app[MODELS]
+    checker = asyncio.get_running_loop().create_task(manager.run())
+    yield
+    checker.cancel()
+    await manager.close()
+
+
+def setup(app: web.Application, db: Database, metrics_registry: CollectorRegistry, loader: Loader | None,
+          lifecycle: LifecycleConfig | None, deployments: DeploymentsConfig | None) -> None:
+    app[MODELS] = ModelManager(app[ROUTER], db, metrics_registry, loader, lifecycle, deployments)
+    app.on_response_prepare.append(add_version_header)
+    app.cleanup_ctx.append(run_lifecycle)
+
