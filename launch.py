@@ -15,8 +15,8 @@ import structlog
 from engine.batcher import DynamicBatcher
 from engine.encoders import start_encoder
 from engine.engine import LLMEngine
-from engine.kv_cache import KVCacheManager
 from engine.faults import FaultyRunner
+from engine.kv_cache import KVCacheManager
 from engine.loader import LoadedModel, ModelLoadError, load_model
 from engine.model_runner import GIB, CacheConfig, ModelRunner, num_kv_blocks
 from engine.worker import DeviceWorker, Emit
