@@ -23,15 +23,11 @@ from api.alerts import AlertManager, AlertRule, MetricsWindow, snapshot, total
 from api.auth import AUTH, DATABASE
 from api.context import ROUTER, STATE
 from api.errors import APIError, ConflictError, InvalidRequestError, NotFoundError, json_response
+from api.lifecycle import MODELS
 from api.metrics import METRICS, queue_depths
 from api.routes import Route
 from api.telemetry import ObservabilityConfig, RecentRequests, Tracing, TracingConfig, build_tracing, log_request
 from storage import conversations
-
-try:  # the model lifecycle owns version states (registry loads); without it, the router's models are all "ready"
-    from api.lifecycle import MODELS
-except ImportError:
-    MODELS = None
 
 STATIC_DIR = Path(__file__).resolve().parents[1] / "static"
 
@@ -58,7 +54,7 @@ class ModelStateCollector:
 
 def model_states(app: web.Application) -> list[tuple[str, str, str]]:
     """(name, version, state) per version: the lifecycle manager's registry when there is one, else the router's."""
-    manager = app.get(MODELS) if MODELS is not None else None
+    manager = app.get(MODELS)  # the model lifecycle owns version states; models attached without it are ready
     states = {(vs.spec.name, vs.spec.version): vs.state for vs in manager.versions.values()} if manager else {}
     for served in app[ROUTER].served_models():  # attached without the registry (tests, embedders)
         states.setdefault((served.name, served.version), "ready")
