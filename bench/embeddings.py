@@ -193,7 +193,7 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--inputs-per-request", type=int, default=1)
     p.add_argument("--batch-sizes", default="16,32,64,128", help="sentence-transformers batch sizes to try")
-    p.add_argument("--max-batch", type=int, default=64, help="the server's max_batch for minilm")
+    p.add_argument("--max-batch", type=int, default=32, help="the server's max_batch for minilm (the config default)")
     p.add_argument("--max-wait-ms", type=float, default=5.0, help="the server's max_wait_ms for minilm")
     p.add_argument("--rounds", type=int, default=2, help="timed server rounds; the best counts (default 2)")
     p.add_argument("--quick", action="store_true", help="512 texts")
