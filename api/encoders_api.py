@@ -17,7 +17,7 @@ from typing import Any
 
 from aiohttp import web
 
-from api.auth import check_model_access, tenant_of
+from api.auth import tenant_of
 from api.context import ENCODERS, ROUTER
 from api.errors import InvalidRequestError, QueueFullError, RateLimitError, json_response
 from api.metrics import METRICS
@@ -39,9 +39,8 @@ from scheduling.admission import Rejected
 from scheduling.encoders import EncoderBusy, ServedEncoder
 
 
-def encoder_for(request: web.Request, name: str, kind: str) -> ServedEncoder:
-    model = find_model(request, name)
-    check_model_access(request, model.name)
+async def encoder_for(request: web.Request, name: str, kind: str) -> ServedEncoder:
+    model = await find_model(request, name)
     if not isinstance(model, ServedEncoder) or model.kind != kind:
         have = model.kind if isinstance(model, ServedEncoder) else "generate"
         raise InvalidRequestError(f"The model `{name}` is a `{have}` model; this endpoint needs a `{kind}` model.",
@@ -127,7 +126,7 @@ def cache_flag(body: Any) -> bool | None:
 
 async def embeddings(request: web.Request) -> web.Response:
     body = await parse_body(request, EmbeddingRequest)
-    model = encoder_for(request, body.model, "embed")
+    model = await encoder_for(request, body.model, "embed")
     if body.dimensions is not None and body.dimensions != model.dimensions:
         raise InvalidRequestError(f"`{model.name}` makes {model.dimensions}-dimensional embeddings; "
                                   f"dimensions={body.dimensions} is not supported", param="dimensions")
@@ -139,18 +138,18 @@ async def embeddings(request: web.Request) -> web.Response:
     tokens = sum(out.num_tokens for out in outputs)
     return json_response({"object": "list", "data": data, "model": model.name,
                           "usage": {"prompt_tokens": tokens, "total_tokens": tokens}},
-                         headers={"X-Model-Version": model.version})
+                         headers={"X-Model-Version": f"{model.name}@{model.version}"})
 
 
 async def embed(request: web.Request) -> web.Response:
     body = await parse_body(request, EmbedRequest)
-    model = encoder_for(request, body.model, "embed")
+    model = await encoder_for(request, body.model, "embed")
     outputs = await run_encoder(request, model, body.texts(), {}, wants_cache(request, cache_flag(body)))
     tokens = sum(out.num_tokens for out in outputs)
     return json_response({"model": model.name, "embeddings": [out.values for out in outputs],
                           "dimensions": model.dimensions, "model_version": model.version,
                           "usage": {"prompt_tokens": tokens, "total_tokens": tokens}},
-                         headers={"X-Model-Version": model.version})
+                         headers={"X-Model-Version": f"{model.name}@{model.version}"})
 
 
 # ---- classification ------------------------------------------------------------------------
@@ -180,7 +179,7 @@ async def predict(request: web.Request) -> web.Response:
     started = time.monotonic()
     body = await parse_body(request, PredictRequest)
     name = path_model(request, body.model)
-    model = encoder_for(request, name, "classify")
+    model = await encoder_for(request, name, "classify")
     params = body.params or PredictParams()
     texts = [body.input] if body.input is not None else list(body.inputs)
     outputs = await run_encoder(request, model, texts, {}, wants_cache(request, cache_flag(body)))
@@ -191,7 +190,7 @@ async def predict(request: web.Request) -> web.Response:
         fields = {key: [r[key] for r in results] for key in ("prediction", "confidence", "scores")}
     return json_response({"model": model.name, **fields, "model_version": model.version,
                           "latency_ms": round((time.monotonic() - started) * 1000, 3)},
-                         headers={"X-Model-Version": model.version})
+                         headers={"X-Model-Version": f"{model.name}@{model.version}"})
 
 
 async def predict_named(request: web.Request) -> web.Response:

@@ -16,9 +16,10 @@ from aiohttp import web
 from api.auth import check_model_access, check_priority_access, tenant_of
 from api.context import ENCODERS, ROUTER
 from api.errors import InvalidRequestError, json_response
+from api.lifecycle import model_label, resolve_model
 from api.metrics import METRICS
 from api.native_schemas import GenerateEvent, GenerateRequest, GenerateResponse
-from api.openai import collect, finish_reason, sampling_params, scheduled_events, served_model, submit, usage
+from api.openai import collect, finish_reason, sampling_params, scheduled_events, submit, usage
 from api.response_cache import RESPONSE_CACHE, cache_key, wants_cache
 from api.routes import Route
 from api.sse import open_sse, send_event
@@ -30,13 +31,15 @@ from scheduling.router import RequestStream, ServedModel
 DEFAULT_MAX_TOKENS = 128
 
 
-def find_model(request: web.Request, name: str) -> ServedModel | ServedEncoder:
-    """The served model called `name`, of any kind (404 if none, 503 while loading).
-
-    The single lookup of the native API; version routing (`name@version`, traffic splits)
-    belongs behind it."""
+async def find_model(request: web.Request, name: str, user: str | None = None) -> ServedModel | ServedEncoder:
+    """The served model called `name`, of any kind, that the caller's tenant may use (404 if none,
+    503 while loading, 403 if not allowed). The single lookup of the native and embedding API:
+    generative models go through version routing (`name@version`, traffic split by `user`)."""
     encoder = request.app[ENCODERS].models.get(name)
-    return encoder if encoder is not None else served_model(request, name)
+    if encoder is None:
+        return await resolve_model(request, name, user=user)
+    check_model_access(request, encoder.name)
+    return encoder
 
 
 def path_model(request: web.Request, body_model: str | None) -> str:
@@ -60,8 +63,7 @@ def prompt_token_ids(model: ServedModel, prompt: str | list[int]) -> list[int]:
 async def generate(request: web.Request) -> web.StreamResponse:
     started = time.monotonic()
     body = await parse_body(request, GenerateRequest)
-    model = find_model(request, path_model(request, body.model))
-    check_model_access(request, model.name)
+    model = await find_model(request, path_model(request, body.model), user=body.user)
     if isinstance(model, ServedEncoder):
         raise InvalidRequestError(f"The model `{model.name}` is a `{model.kind}` model; generate needs a "
                                   "`generate` model.", param="model", code="wrong_model_kind")
@@ -69,7 +71,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     prompt_ids = prompt_token_ids(model, body.prompt)
     max_tokens = body.max_tokens or max(1, min(DEFAULT_MAX_TOKENS, model.max_model_len - len(prompt_ids)))
     params = sampling_params(request, body, max_tokens, len(prompt_ids), model, None)
-    headers = {"X-Request-Id": request["request_id"], "X-Model-Version": model.version}
+    headers = {"X-Request-Id": request["request_id"]}  # X-Model-Version: set by the lifecycle's routing
     if body.stream:
         return await stream_generation(request, model, submit(request, model, prompt_ids, params, body.priority),
                                        headers)
@@ -83,8 +85,9 @@ async def generate(request: web.Request) -> web.StreamResponse:
         (metrics.cache_hits if result is not None else metrics.cache_misses).labels(model.name).inc()
     if result is None:
         text, _, last = await collect(request, submit(request, model, prompt_ids, params, body.priority))
-        result = {"model": model.name, "text": text, "finish_reason": finish_reason(last.finish_reason),
-                  "usage": usage(last), "model_version": model.version}
+        result = {"model": model_label(request, model), "text": text,
+                  "finish_reason": finish_reason(last.finish_reason), "usage": usage(last),
+                  "model_version": model.version}
         if use_cache:
             cache.put(key, result)
     return json_response({**result, "latency_ms": round((time.monotonic() - started) * 1000, 3)}, headers=headers)

@@ -48,7 +48,7 @@ async def test_streamed_tokens_then_done_equal_the_json_answer_and_hf(served, ll
     body = {"prompt": "The quick brown", "max_tokens": 10, "temperature": 0, "ignore_eos": True}
     async with http.post("/api/v1/models/tiny/generate", json={**body, "stream": True}) as resp:
         assert resp.status == 200 and resp.headers["Content-Type"].startswith("text/event-stream")
-        assert resp.headers["X-Model-Version"] == "1"
+        assert resp.headers["X-Model-Version"] == "tiny@1"
         events = await sse_events(resp)
     *tokens, done = events
     assert tokens and all(set(e) == {"token"} for e in tokens)
@@ -59,6 +59,9 @@ async def test_streamed_tokens_then_done_equal_the_json_answer_and_hf(served, ll
     assert resp.status == 200
     assert answer["text"] == "".join(e["token"] for e in tokens)
     assert answer["usage"] == done["usage"] and answer["model_version"] == "1" and answer["model"] == "tiny"
+    async with http.post("/api/v1/generate", json={**body, "model": "tiny@1", "galley": {"cache": False}}) as resp:
+        pinned = await resp.json()
+    assert resp.status == 200 and pinned["text"] == answer["text"]  # name@version goes through routing
     tokenizer = AutoTokenizer.from_pretrained(llama_path)
     expected = hf_greedy(llama_path, tokenizer.encode("The quick brown"), 10)
     assert answer["text"] == tokenizer.decode(expected, skip_special_tokens=True)
