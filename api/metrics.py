@@ -123,7 +123,7 @@ class EncoderCollector:
         self.encoders = encoders
 
     def collect(self):
-        sizes = HistogramMetricFamily("galley_encoder_batch_size", "Inputs per encoder forward", labels=["model"])
+        sizes = HistogramMetricFamily("galley_encoder_batch_size", "Inputs per encoder batch", labels=["model"])
         inputs = CounterMetricFamily("galley_encoder_inputs", "Inputs run through encoder models", labels=["model"])
         for model in self.encoders.models.values():
             stats = model.handle.stats

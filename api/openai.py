@@ -18,7 +18,7 @@ from aiohttp import web
 
 from api.auth import check_priority_access, tenant_of
 from api.chunks import ChunkFormat, chat_logprobs, completion_logprobs
-from api.context import ROUTER, STATE
+from api.context import ENCODERS, ROUTER, STATE
 from api.errors import (
     ConflictError,
     InvalidRequestError,
@@ -300,11 +300,13 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 
 async def list_models(request: web.Request) -> web.Response:
+    """Generative models and encoders (embed, classify) the caller's tenant may use."""
     tenant = tenant_of(request)
-    models = [m for m in request.app[ROUTER].models.values() if tenant.allows_model(m.name)]
-    data = [{"id": m.name, "object": "model", "created": m.created, "owned_by": "galley",
-             "max_model_len": m.max_model_len} for m in models]
-    return json_response({"object": "list", "data": data})
+    data = [{"id": m.name, "object": "model", "created": m.created, "owned_by": "galley", "kind": "generate",
+             "max_model_len": m.max_model_len} for m in request.app[ROUTER].models.values()]
+    data += [{"id": m.name, "object": "model", "created": m.created, "owned_by": "galley", "kind": m.kind,
+              "max_model_len": m.max_seq_len} for m in request.app[ENCODERS].models.values()]
+    return json_response({"object": "list", "data": [m for m in data if tenant.allows_model(m["id"])]})
 
 
 ROUTES = [

@@ -123,7 +123,8 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "galley"
-    max_model_len: int
+    kind: Literal["generate", "embed", "classify"] = "generate"
+    max_model_len: int  # context (generate) or longest input (encoders), in tokens
 
 
 class ModelList(BaseModel):

@@ -357,7 +357,7 @@ def test_admin_key_is_shown_once_and_keys_survive_a_restart(tmp_path, monkeypatc
                           timeout=10).status_code == 201
         key = httpx.post(server.url + "/admin/api/tenants/acme/keys", headers=admin, timeout=10).json()["key"]
         sdk = openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0)
-        assert [m.id for m in sdk.models.list().data] == ["demo"]
+        assert [m.id for m in sdk.models.list().data] == ["demo", "minilm"]
     finally:
         assert server.stop() == 0
     log = "".join(server.output)
@@ -370,6 +370,6 @@ def test_admin_key_is_shown_once_and_keys_survive_a_restart(tmp_path, monkeypatc
         listed = httpx.get(again.url + "/admin/api/tenants", headers=admin, timeout=10)
         assert listed.status_code == 200 and "acme" in {t["name"] for t in listed.json()["data"]}
         sdk = openai.OpenAI(base_url=again.url + "/v1", api_key=key, max_retries=0)
-        assert [m.id for m in sdk.models.list().data] == ["demo"]
+        assert [m.id for m in sdk.models.list().data] == ["demo", "minilm"]
     finally:
         assert again.stop() == 0

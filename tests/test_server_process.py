@@ -70,7 +70,7 @@ def demo_server(tmp_path):
 
 def test_defaults_serve_the_demo_model_to_the_openai_sdk(demo_server):
     sdk = openai.OpenAI(base_url=demo_server.url + "/v1", api_key="x", max_retries=0)
-    assert [m.id for m in sdk.models.list().data] == ["demo"]
+    assert [m.id for m in sdk.models.list().data] == ["demo", "minilm"]  # the embedded defaults
     stream = sdk.chat.completions.create(
         model="demo", messages=[{"role": "user", "content": "Good morrow, my lord."}],
         max_tokens=40, temperature=0, stream=True)
@@ -101,7 +101,7 @@ def test_model_flag_and_two_cpu_workers(tmp_path, tiny_models):
     try:
         server.wait_ready()
         sdk = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
-        assert sorted(m.id for m in sdk.models.list().data) == ["demo", "tiny"]
+        assert sorted(m.id for m in sdk.models.list().data) == ["demo", "minilm", "tiny"]
         out = sdk.completions.create(model="tiny", prompt="hello", max_tokens=5, temperature=0,
                                      extra_body={"ignore_eos": True})
         assert out.usage.completion_tokens == 5
