@@ -21,7 +21,7 @@ from api.context import ENCODERS
 from api.errors import InvalidRequestError, NotFoundError, json_response
 from api.openai import served_model
 from api.routes import Route
-from api.schemas import ChatMessage, Strict, Usage
+from api.schemas import ChatMessage, Stop, Strict, Usage
 from api.validation import parse_body
 from scheduling.encoders import ServedEncoder
 from scheduling.router import ServedModel
@@ -45,22 +45,12 @@ class BatchParams(Strict):
     top_k: int | None = Field(None, ge=-1)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
-    stop: str | list[str] | None = Field(None, description="Up to 4 stop sequences.")
+    stop: Stop = None
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
-
-    @field_validator("stop")
-    @classmethod
-    def _check_stop(cls, value: str | list[str] | None) -> str | list[str] | None:
-        stops = [value] if isinstance(value, str) else value or []
-        if len(stops) > 4:
-            raise ValueError("at most 4 stop sequences")
-        if any(s == "" for s in stops):
-            raise ValueError("stop sequences must not be empty")
-        return value
 
 
 BatchInput = Annotated[str, Field(min_length=1)] | Annotated[list[ChatMessage], Field(min_length=1)]

@@ -10,7 +10,19 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+
+
+def check_stop(value: str | list[str] | None) -> str | list[str] | None:
+    stops = [value] if isinstance(value, str) else value or []
+    if len(stops) > 4:
+        raise ValueError("at most 4 stop sequences")
+    if any(s == "" for s in stops):
+        raise ValueError("stop sequences must not be empty")
+    return value
+
+
+Stop = Annotated[str | list[str] | None, AfterValidator(check_stop), Field(description="Up to 4 stop sequences.")]
 
 
 class Strict(BaseModel):
@@ -53,7 +65,7 @@ class SamplingFields(Strict):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     n: int = Field(1, ge=1, le=1, description="Only 1 is supported.")
     max_tokens: int | None = Field(None, ge=1)
-    stop: str | list[str] | None = None
+    stop: Stop = None
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
@@ -67,16 +79,6 @@ class SamplingFields(Strict):
         "normal", description="galley extension: scheduling class, capped by the API key's tenant."
     )
     galley: GalleyOptions | None = Field(None, description="galley extensions")
-
-    @field_validator("stop")
-    @classmethod
-    def _check_stop(cls, value: str | list[str] | None) -> str | list[str] | None:
-        stops = [value] if isinstance(value, str) else value or []
-        if len(stops) > 4:
-            raise ValueError("at most 4 stop sequences")
-        if any(s == "" for s in stops):
-            raise ValueError("stop sequences must not be empty")
-        return value
 
     def stop_list(self) -> tuple[str, ...]:
         if self.stop is None:

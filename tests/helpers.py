@@ -41,3 +41,23 @@ def run_to_completion(engine: LLMEngine, prompts: list[list[int]], params: Sampl
 
 def assert_all_blocks_free(kv: KVCacheManager) -> None:
     assert kv.num_free_blocks == kv.num_blocks, f"{kv.num_blocks - kv.num_free_blocks} KV blocks leaked"
+
+
+async def start_tiny_engines(path, max_num_seqs: int = 8, max_waiting: int = 64, name: str = "tiny",
+                             **engine_kw):
+    """Load `path` on real device workers (off the loop) for a test app: (router, workers)."""
+    import asyncio
+
+    from engine.model_runner import CacheConfig
+    from launch import start_models
+    from scheduling.router import Router
+
+    loop = asyncio.get_running_loop()
+    router = Router()
+    engine_kw.setdefault("cache", CacheConfig(kv_cache_gib=0.05))
+    cfg = EngineConfig(max_num_seqs=max_num_seqs, **engine_kw)
+    workers = await loop.run_in_executor(
+        None, start_models, [(name, str(path))], cfg, max_waiting, router,
+        lambda events: loop.call_soon_threadsafe(router.dispatch, events),
+    )
+    return router, workers

@@ -13,9 +13,8 @@ from transformers import AutoTokenizer
 
 from api import schemas
 from api.app import create_app
-from engine.model_runner import CacheConfig
-from launch import EngineConfig, start_models
 from scheduling.router import Router
+from tests.helpers import start_tiny_engines
 from tests.test_reference import hf_greedy, prompts
 
 
@@ -37,13 +36,7 @@ async def wait_blocks_free(router: Router, timeout_s: float = 5.0) -> None:
 
 
 async def start_server(aiohttp_server, path, devices=("cpu",), max_num_seqs=32, max_waiting=64, **engine_kw):
-    loop = asyncio.get_running_loop()
-    router = Router()
-    cfg = EngineConfig(devices=devices, max_num_seqs=max_num_seqs, cache=CacheConfig(kv_cache_gib=0.05), **engine_kw)
-    workers = await loop.run_in_executor(
-        None, start_models, [("tiny", str(path))], cfg, max_waiting, router,
-        lambda events: loop.call_soon_threadsafe(router.dispatch, events),
-    )
+    router, workers = await start_tiny_engines(path, max_num_seqs, max_waiting, devices=devices, **engine_kw)
     server = await aiohttp_server(create_app(router))  # TestServer cancels handlers on disconnect
     return server, router, workers
 

@@ -11,10 +11,8 @@ from transformers import AutoTokenizer
 
 from api.app import create_app
 from api.streams import HUB, StreamsConfig
-from engine.model_runner import CacheConfig
-from launch import EngineConfig, start_models
-from scheduling.router import Router
 from storage.tenants import hash_key
+from tests.helpers import start_tiny_engines
 from tests.test_api import wait_blocks_free
 from tests.test_auth import ADMIN, Client
 
@@ -23,11 +21,7 @@ MESSAGES = [{"role": "user", "content": "Tell me a story"}]
 
 @pytest.fixture
 async def stack(aiohttp_server, llama_path, db):
-    loop = asyncio.get_running_loop()
-    router = Router()
-    cfg = EngineConfig(max_num_seqs=8, cache=CacheConfig(kv_cache_gib=0.05))
-    workers = await loop.run_in_executor(None, start_models, [("tiny", str(llama_path))], cfg, 64, router,
-                                         lambda events: loop.call_soon_threadsafe(router.dispatch, events))
+    router, workers = await start_tiny_engines(llama_path)
     app = create_app(router, db=db, auth_enabled=True, admin_key_hash=hash_key(ADMIN),
                      streams_config=StreamsConfig(memory_seconds=0.0))
     server = await aiohttp_server(app)

@@ -9,20 +9,14 @@ import aiohttp
 import openai
 import pytest
 
-from engine.model_runner import CacheConfig
-from launch import EngineConfig, start_models
-from scheduling.router import Router
+from tests.helpers import start_tiny_engines
 from tests.test_api import wait_blocks_free
 from tests.test_auth import Client, make_app
 
 
 @pytest.fixture
 async def stack(aiohttp_server, llama_path, db):
-    loop = asyncio.get_running_loop()
-    router = Router()
-    cfg = EngineConfig(max_num_seqs=8, cache=CacheConfig(kv_cache_gib=0.05))
-    workers = await loop.run_in_executor(None, start_models, [("tiny", str(llama_path))], cfg, 64, router,
-                                         lambda events: loop.call_soon_threadsafe(router.dispatch, events))
+    router, workers = await start_tiny_engines(llama_path)
     server = await aiohttp_server(make_app(db, router))
     async with aiohttp.ClientSession(base_url=server.make_url("/")) as session:
         yield server, Client(session), router
