@@ -26,6 +26,7 @@ from api.auth import resolve_admin_key
 from api.batch import BATCH
 from api.context import ServerState
 from api.lifecycle import MODELS
+from api.offload import in_fresh_thread
 from api.streams import HUB
 from config import ConfigError, GalleyConfig, load_config, with_overrides
 from launch import EncoderLaunch, EngineLoader, start_encoders, start_workers
@@ -142,7 +143,7 @@ async def serve(cfg: GalleyConfig, db: Database, admin_key_hash: str) -> int:
 
     seed = [ModelVersion(m.name, m.version, m.path, m.kind, m.options) for m in cfg.models if m.kind == "generate"]
     loading = asyncio.ensure_future(app[MODELS].start(seed))  # the registry: config models, deployments, loads
-    encoding = loop.run_in_executor(None, start_encoders, encoder_launches(cfg), cfg.engine, encoders)
+    encoding = asyncio.ensure_future(in_fresh_thread(start_encoders, encoder_launches(cfg), cfg.engine, encoders))
     done, _ = await asyncio.wait([loading, asyncio.ensure_future(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
     if loading not in done:
         loading.cancel()

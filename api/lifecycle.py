@@ -27,6 +27,7 @@ from prometheus_client.core import GaugeMetricFamily
 from api.auth import check_model_access
 from api.context import ROUTER, STATE
 from api.errors import ModelNotFoundError, ServiceUnavailableError
+from api.offload import in_fresh_thread
 from engine.types import FinishReason, GenerationRequest, SamplingParams, TokenEvent
 from scheduling.deployments import DeploymentsConfig, HealthWindow, parse_model_ref, rollback_reason
 from scheduling.router import ModelDeployment, RequestStream, Router, ServedModel
@@ -235,18 +236,17 @@ class ModelManager:
             return await self._load_locked(vs)
 
     async def _load_locked(self, vs: VersionState) -> ServedModel:
-        loop = asyncio.get_running_loop()
         started = time.monotonic()
         served = None
         try:
             vs.devices = self.loader.devices_for(vs.spec)
             await self._make_room(vs)
             self._set_state(vs, "loading")
-            served = await loop.run_in_executor(None, self.loader.load, vs.spec)
+            served = await in_fresh_thread(self.loader.load, vs.spec)
             await self._warm_up(served)
         except Exception as exc:
             if served is not None:
-                await loop.run_in_executor(None, self.loader.unload, served)
+                await in_fresh_thread(self.loader.unload, served)
             self._set_state(vs, "failed", f"{type(exc).__name__}: {exc}")
             log.error("model version failed to load", model=vs.ref, error=vs.error)
             raise LoadFailed(vs.error) from exc
@@ -279,7 +279,7 @@ class ModelManager:
         while served.num_in_flight:
             await asyncio.sleep(0.02)
         self.router.remove_model(served)
-        await asyncio.get_running_loop().run_in_executor(None, self.loader.unload, served)
+        await in_fresh_thread(self.loader.unload, served)
         vs.served, vs.mem_bytes = None, 0
         self._set_state(vs, "unloaded")
         self.metrics.unloads.labels(vs.spec.name, reason).inc()
