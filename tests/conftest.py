@@ -18,7 +18,7 @@ def llama_path(tiny_models):
 
 
 @pytest.fixture
-async def db(tmp_path):
+def db(tmp_path):
     """A real SQLite file in the test's data dir."""
     database = Database(tmp_path / "data" / "galley.db")
     yield database

@@ -13,13 +13,6 @@ from storage.streams import StreamNotFoundError, StreamRecord, StreamStatus
 from storage.tenants import Tenant
 
 
-@pytest.fixture
-def db(tmp_path):
-    database = Database(tmp_path / "data" / "galley.db")
-    yield database
-    database.close()
-
-
 def write(db: Database, fn):
     return db.write(fn).result(timeout=10)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 
 import aiohttp
@@ -19,18 +20,28 @@ from tests.test_auth import ADMIN, Client
 MESSAGES = [{"role": "user", "content": "Tell me a story"}]
 
 
-@pytest.fixture
-async def stack(aiohttp_server, llama_path, db):
-    router, workers = await start_tiny_engines(llama_path)
+@contextlib.asynccontextmanager
+async def auth_stack(aiohttp_server, path, db):
+    """The real app with auth on, the tiny model on real workers, an admin client and a tenant key;
+    finished streams leave memory at once (replays come from SQLite)."""
+    router, workers = await start_tiny_engines(path)
     app = create_app(router, db=db, auth_enabled=True, admin_key_hash=hash_key(ADMIN),
                      streams_config=StreamsConfig(memory_seconds=0.0))
     server = await aiohttp_server(app)
-    async with aiohttp.ClientSession(base_url=server.make_url("/")) as session:
-        client = Client(session)
-        yield server, client, app, await client.new_key("alice")
-    await wait_blocks_free(router)
-    for worker in workers:
-        worker.stop()
+    try:
+        async with aiohttp.ClientSession(base_url=server.make_url("/")) as session:
+            client = Client(session)
+            yield server, client, app, await client.new_key("alice")
+        await wait_blocks_free(router)
+    finally:
+        for worker in workers:
+            worker.stop()
+
+
+@pytest.fixture
+async def stack(aiohttp_server, llama_path, db):
+    async with auth_stack(aiohttp_server, llama_path, db) as parts:
+        yield parts
 
 
 async def read_events(resp: aiohttp.ClientResponse, limit: int | None = None) -> list[tuple[int | None, dict | str]]:

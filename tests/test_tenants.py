@@ -14,13 +14,6 @@ from storage.db import MIGRATIONS, Database
 from storage.tenants import ApiKey, Tenant, hash_key
 
 
-@pytest.fixture
-def db(tmp_path):
-    database = Database(tmp_path / "data" / "galley.db")
-    yield database
-    database.close()
-
-
 def write(db: Database, fn):
     return db.write(fn).result(timeout=10)
 

@@ -8,28 +8,18 @@ import aiohttp
 import pytest
 
 from api.app import create_app
-from api.streams import HUB, StreamsConfig
+from api.streams import HUB
 from scheduling.router import Router
-from storage.tenants import hash_key
-from tests.helpers import start_tiny_engines
-from tests.test_api import wait_blocks_free
-from tests.test_auth import ADMIN, Client
+from tests.test_auth import Client
+from tests.test_streams import auth_stack
 
 GREEDY = {"max_tokens": 40, "temperature": 0, "ignore_eos": True}
 
 
 @pytest.fixture
 async def stack(aiohttp_server, llama_path, db):
-    router, workers = await start_tiny_engines(llama_path)
-    app = create_app(router, db=db, auth_enabled=True, admin_key_hash=hash_key(ADMIN),
-                     streams_config=StreamsConfig(memory_seconds=0.0))
-    server = await aiohttp_server(app)
-    async with aiohttp.ClientSession(base_url=server.make_url("/")) as session:
-        client = Client(session)
-        yield client, await client.new_key("alice"), app
-    await wait_blocks_free(router)
-    for worker in workers:
-        worker.stop()
+    async with auth_stack(aiohttp_server, llama_path, db) as (_, client, app, key):
+        yield client, key, app
 
 
 def connect(client: Client, key: str):
