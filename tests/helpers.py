@@ -61,3 +61,17 @@ async def start_tiny_engines(path, max_num_seqs: int = 8, max_waiting: int = 64,
         lambda events: loop.call_soon_threadsafe(router.dispatch, events),
     )
     return router, workers
+
+
+async def metric(session, name: str, labels: dict | None = None, **more) -> float:
+    """One sample's value from the app's /metrics (0.0 if absent): `labels` must all match."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    wanted = {**(labels or {}), **more}
+    async with session.get("/metrics") as resp:
+        text = await resp.text()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in wanted.items()):
+                return sample.value
+    return 0.0

