@@ -23,7 +23,7 @@ from aiohttp import web
 
 from api.chunks import ChunkFormat, StreamEvent
 from api.metrics import Metrics
-from engine.types import FinishReason, GenerationRequest, SamplingParams, TokenEvent
+from engine.types import FinishReason, GenerationRequest, Priority, SamplingParams, TokenEvent
 from scheduling.router import RequestStream, Router
 from storage import conversations, streams
 from storage.db import Database
@@ -240,8 +240,6 @@ class StreamHub:
         return live if live.record.tenant == tenant else None
 
     def resume_request(self, record: streams.StreamRecord) -> GenerationRequest:
-        from engine.types import Priority
-
         return GenerationRequest(record.id.split("-", 1)[-1], list(record.prompt_token_ids),
                                  params_from_json(record.request["params"]), tenant=record.tenant,
                                  priority=Priority[record.request.get("priority", "normal").upper()],
