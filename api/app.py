@@ -21,7 +21,7 @@ from api.context import ENCODERS, ROUTER, STATE, ServerState
 from api.errors import error_middleware, json_response
 from api.metrics import METRICS, Metrics, metrics_endpoint
 from api.openapi import build_spec
-from api.response_cache import RESPONSE_CACHE, ResponseCache, ResponseCacheConfig
+from api.response_cache import RESPONSE_CACHE, ResponseCache, ResponseCacheConfig, add_cache_header
 from api.routes import Route
 from api.streams import HUB, StreamHub, StreamsConfig
 from api.telemetry import ObservabilityConfig, TracingConfig
@@ -103,6 +103,7 @@ def create_app(router: Router, state: ServerState | None = None, *, db: Database
     app[ENCODERS] = encoders if encoders is not None else EncoderRegistry()
     app[METRICS].watch_encoders(app[ENCODERS])
     app[RESPONSE_CACHE] = ResponseCache(response_cache or ResponseCacheConfig())
+    app.on_response_prepare.append(add_cache_header)
     lifecycle.setup(app, app[DATABASE], app[METRICS].registry, loader, lifecycle_config, deployments_config)
     app[HUB] = StreamHub(router, app[DATABASE], app[METRICS], streams_config or StreamsConfig())
     app.cleanup_ctx.append(run_stream_sweeper)

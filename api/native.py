@@ -20,7 +20,7 @@ from api.lifecycle import model_label, resolve_model
 from api.metrics import METRICS
 from api.native_schemas import GenerateEvent, GenerateRequest, GenerateResponse
 from api.openai import collect, finish_reason, sampling_params, scheduled_events, submit, usage
-from api.response_cache import RESPONSE_CACHE, cache_key, wants_cache
+from api.response_cache import RESPONSE_CACHE, cache_key, mark_lookup, wants_cache
 from api.routes import Route
 from api.sse import open_sse, send_event
 from api.streams import prepend
@@ -83,6 +83,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     result = cache.get(key) if use_cache else None
     if use_cache:
         (metrics.cache_hits if result is not None else metrics.cache_misses).labels(model.name).inc()
+        mark_lookup(request, result is not None)
     if result is None:
         text, _, last = await collect(request, submit(request, model, prompt_ids, params, body.priority))
         result = {"model": model_label(request, model), "text": text,

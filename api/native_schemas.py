@@ -19,10 +19,6 @@ class CacheOptions(Strict):
                                "(as does the header `Cache-Control: no-cache`)")
 
 
-class GenerateGalleyOptions(GalleyOptions):
-    cache: bool | None = Field(None, description="false: skip the response cache for this request")
-
-
 # ---- /v1/embeddings (OpenAI) -------------------------------------------------------------
 
 
@@ -125,7 +121,7 @@ class GenerateRequest(SamplingFields):
     prompt: Annotated[str, Field(min_length=1)] | Annotated[list[int], Field(min_length=1)] = Field(
         description="A string or a list of token ids.")
     max_tokens: int | None = Field(None, ge=1, description="Default 128.")
-    galley: GenerateGalleyOptions | None = Field(None, description="galley extensions")
+    galley: GalleyOptions | None = Field(None, description="galley extensions")
 
 
 class GenerateUsage(BaseModel):

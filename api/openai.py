@@ -12,10 +12,12 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 import structlog
 from aiohttp import web
 
+from api import completion_cache
 from api.auth import check_priority_access, tenant_of
 from api.chunks import ChunkFormat, chat_logprobs, completion_logprobs
 from api.context import ENCODERS, ROUTER, STATE
@@ -200,6 +202,16 @@ async def load_history(request: web.Request, conversation_id: str, model_ref: st
 
 
 @dataclass
+class ChatPlan:
+    """A chat request validated and rendered, not yet submitted."""
+
+    model: ServedModel
+    prompt_ids: list[int]
+    params: SamplingParams
+    new_messages: list[dict]
+
+
+@dataclass
 class ChatStart:
     """A chat request validated, rendered and submitted: what its caller streams or collects."""
 
@@ -209,9 +221,8 @@ class ChatStart:
     conversation_id: str | None
 
 
-async def start_chat(request: web.Request, body: ChatCompletionRequest) -> ChatStart:
-    """Validate, apply the chat template (with the conversation's history), submit; store the
-    new messages of a conversation. Shared by /v1/chat/completions and the WebSocket."""
+async def plan_chat(request: web.Request, body: ChatCompletionRequest) -> ChatPlan:
+    """Validate, route and apply the chat template (with the conversation's history)."""
     check_priority_access(request, body.priority)
     new = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
     history, pinned = [], None
@@ -227,15 +238,28 @@ async def start_chat(request: web.Request, body: ChatCompletionRequest) -> ChatS
     want_logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = sampling_params(request, body, body.max_completion_tokens or body.max_tokens, len(prompt_ids), model,
                              want_logprobs)
-    stream = submit(request, model, prompt_ids, params, body.priority)
+    return ChatPlan(model, prompt_ids, params, new)
+
+
+def chat_format(request: web.Request, body: ChatCompletionRequest, model: ServedModel, chunk_id: str) -> ChunkFormat:
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    fmt = ChunkFormat("chat", f"chatcmpl-{stream.request_id}", int(time.time()), model_label(request, model),
-                      include_usage, body.logprobs)
+    return ChunkFormat("chat", chunk_id, int(time.time()), model_label(request, model), include_usage, body.logprobs)
+
+
+async def submit_chat(request: web.Request, body: ChatCompletionRequest, plan: ChatPlan) -> ChatStart:
+    """Submit a planned chat; store the new messages of a conversation."""
+    stream = submit(request, plan.model, plan.prompt_ids, plan.params, body.priority)
+    fmt = chat_format(request, body, plan.model, f"chatcmpl-{stream.request_id}")
     if body.conversation_id:
         conversation_id = body.conversation_id
         await asyncio.wrap_future(request.app[HUB].db.write(lambda db: [
-            conversations.add_message(db, conversation_id, m["role"], m["content"]) for m in new]))
-    return ChatStart(model, stream, fmt, body.conversation_id)
+            conversations.add_message(db, conversation_id, m["role"], m["content"]) for m in plan.new_messages]))
+    return ChatStart(plan.model, stream, fmt, body.conversation_id)
+
+
+async def start_chat(request: web.Request, body: ChatCompletionRequest) -> ChatStart:
+    """Plan and submit a chat. Shared by /v1/chat/completions and the WebSocket."""
+    return await submit_chat(request, body, await plan_chat(request, body))
 
 
 def start_live_chat(request: web.Request, body: ChatCompletionRequest, chat: ChatStart) -> LiveStream:
@@ -245,22 +269,34 @@ def start_live_chat(request: web.Request, body: ChatCompletionRequest, chat: Cha
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = await parse_body(request, ChatCompletionRequest)
-    chat = await start_chat(request, body)
+    plan = await plan_chat(request, body)
+    key = completion_cache.completion_key(request, body, plan.model, plan.prompt_ids, plan.params)
+    cached = completion_cache.lookup(request, plan.model, key)
+    if cached is not None:
+        fmt = chat_format(request, body, plan.model, f"chatcmpl-{uuid.uuid4().hex}")
+        if body.stream:
+            return await completion_cache.replay(request, fmt, cached)
+        return chat_response(request, fmt, None, cached.text, [], cached.finish_reason, cached.usage)
+    chat = await submit_chat(request, body, plan)
     if not body.stream and not body.conversation_id:
         text, logprobs, last = await collect(request, chat.stream)
-        return chat_response(request, chat, text, logprobs, finish_reason(last.finish_reason), usage(last))
+        finish = finish_reason(last.finish_reason)
+        completion_cache.remember(request, key, text, finish, usage(last))
+        return chat_response(request, chat.fmt, chat.model.tokenizer, text, logprobs, finish, usage(last))
     live = start_live_chat(request, body, chat)
     if body.stream:
-        return await serve_live(request, live)
+        response = await serve_live(request, live)
+        completion_cache.remember_live(request, key, live)
+        return response
     text, logprobs, last = await collect_live(request, live)
-    return chat_response(request, chat, text, logprobs, finish_reason(last.finish_reason), last.usage)
+    return chat_response(request, chat.fmt, chat.model.tokenizer, text, logprobs, finish_reason(last.finish_reason),
+                         last.usage)
 
 
-def chat_response(request: web.Request, chat: ChatStart, text: str, logprobs: list[TokenLogprob],
+def chat_response(request: web.Request, fmt: ChunkFormat, tokenizer: Any, text: str, logprobs: list[TokenLogprob],
                   finish: str | None, usage_: dict) -> web.Response:
-    fmt = chat.fmt
     choice = {"index": 0, "message": {"role": "assistant", "content": text},
-              "logprobs": chat_logprobs(chat.model.tokenizer, logprobs) if fmt.logprobs else None,
+              "logprobs": chat_logprobs(tokenizer, logprobs) if fmt.logprobs else None,
               "finish_reason": finish}
     body = {"id": fmt.id, "object": "chat.completion", "created": fmt.created, "model": fmt.model,
             "choices": [choice], "usage": usage_}
@@ -282,20 +318,37 @@ async def completions(request: web.Request) -> web.StreamResponse:
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", param="prompt")
         prompt_ids = list(body.prompt)
     params = sampling_params(request, body, body.max_tokens or 16, len(prompt_ids), model, body.logprobs)
-    stream = submit(request, model, prompt_ids, params, body.priority)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    key = completion_cache.completion_key(request, body, model, prompt_ids, params)
+    cached = completion_cache.lookup(request, model, key)
+    if cached is not None:
+        fmt = ChunkFormat("completion", f"cmpl-{uuid.uuid4().hex}", int(time.time()), model_label(request, model),
+                          include_usage)
+        if body.stream:
+            return await completion_cache.replay(request, fmt, cached)
+        return completion_response(request, fmt, cached.text, None, cached.finish_reason, cached.usage)
+    stream = submit(request, model, prompt_ids, params, body.priority)
     fmt = ChunkFormat("completion", f"cmpl-{stream.request_id}", int(time.time()), model_label(request, model),
                       include_usage, body.logprobs is not None)
 
     if body.stream:
         live = request.app[HUB].start(stream, fmt, kind="completion", conversation_id=None,
                                       on_disconnect=on_disconnect(request, body, False))
-        return await serve_live(request, live)
+        response = await serve_live(request, live)
+        completion_cache.remember_live(request, key, live)
+        return response
     text, logprobs, last = await collect(request, stream)
     lp = completion_logprobs(model.tokenizer, logprobs, 0) if fmt.logprobs else None
-    choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish_reason(last.finish_reason)}
+    finish = finish_reason(last.finish_reason)
+    completion_cache.remember(request, key, text, finish, usage(last))
+    return completion_response(request, fmt, text, lp, finish, usage(last))
+
+
+def completion_response(request: web.Request, fmt: ChunkFormat, text: str, logprobs: dict | None,
+                        finish: str | None, usage_: dict) -> web.Response:
+    choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
     result = {"id": fmt.id, "object": "text_completion", "created": fmt.created, "model": fmt.model,
-              "choices": [choice], "usage": usage(last)}
+              "choices": [choice], "usage": usage_}
     return json_response(result, headers={"X-Request-Id": request["request_id"]})
 
 

@@ -4,6 +4,7 @@ Embeddings and classifications are always deterministic; generations are when gr
 (temperature 0) or seeded. The key is (tenant, model, version, normalised input, params),
 hashed, so a tenant never sees another's entries and a new model version never serves an
 old answer. A request opts out with `"galley": {"cache": false}` or `Cache-Control: no-cache`.
+A generation looked up here answers with `X-Cache: hit` or `X-Cache: miss`.
 Lives on the event loop; plain synchronous state.
 """
 
@@ -65,6 +66,7 @@ class ResponseCache:
 
 
 RESPONSE_CACHE = web.AppKey("response_cache", ResponseCache)
+CACHE_STATUS = "cache_status"  # request[CACHE_STATUS]: "hit" | "miss", sent as the X-Cache header
 
 
 def wants_cache(request: web.Request, body_flag: bool | None) -> bool:
@@ -73,3 +75,13 @@ def wants_cache(request: web.Request, body_flag: bool | None) -> bool:
         return False
     directives = {d.strip().lower() for d in request.headers.get("Cache-Control", "").split(",")}
     return not directives & {"no-cache", "no-store"}
+
+
+def mark_lookup(request: web.Request, hit: bool) -> None:
+    """Remember for the X-Cache header whether this request's answer came from the cache."""
+    request[CACHE_STATUS] = "hit" if hit else "miss"
+
+
+async def add_cache_header(request: web.Request, response: web.StreamResponse) -> None:
+    if CACHE_STATUS in request:
+        response.headers["X-Cache"] = request[CACHE_STATUS]

@@ -53,6 +53,8 @@ class GalleyOptions(Strict):
     on_disconnect: Literal["continue", "cancel"] | None = Field(
         None, description="When the client leaves: finish and store the answer, or cancel it. "
         "Default: continue for conversation streams, cancel for plain completions.")
+    cache: bool | None = Field(None, description="false: skip the response cache for this request "
+                               "(as does the header `Cache-Control: no-cache`)")
 
 
 class SamplingFields(Strict):
