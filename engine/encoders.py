@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.resources
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from transformers import AutoConfig, AutoModel, AutoModelForSequenceClassificati
 
 from engine.batcher import DynamicBatcher
 from engine.loader import ModelLoadError, resolve_dtype, resolve_model_path
+from engine.models.bert import PackedBatch, PackedBert, supports_packed
 
 KINDS = ("embed", "classify")
 FORWARD_COST_TOKENS_CPU = 64  # measured on 2 cores with all-MiniLM-L6-v2: a forward's overhead ~ 64 tokens
@@ -110,16 +112,34 @@ def pool(hidden: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Tensor:
     return summed / (counts.sqrt() if mode == "mean_sqrt_len" else counts)
 
 
-def length_groups(lengths: list[int], forward_cost_tokens: int) -> list[list[int]]:
-    """Indexes into `lengths` split into runs of the sorted order, minimising padded tokens plus
-    `forward_cost_tokens` per run (exact, by dynamic programming over the cut points)."""
+def pool_packed(h: torch.Tensor, batch: PackedBatch, mode: str) -> torch.Tensor:
+    """[tokens, dim] packed states -> [batch, dim]: the same pooling as `pool` on a padded batch."""
+    if mode == "cls":
+        return h[batch.firsts]
+    if mode == "lasttoken":
+        return h[batch.firsts + batch.lengths - 1]
+    size, dim = len(batch.lengths), h.shape[1]
+    if mode == "max":
+        index = batch.rows[:, None].expand(-1, dim)
+        return h.new_zeros(size, dim).scatter_reduce(0, index, h, "amax", include_self=False)
+    summed = h.new_zeros(size, dim).index_add_(0, batch.rows, h)
+    counts = batch.lengths[:, None].to(h.dtype)
+    return summed / (counts.sqrt() if mode == "mean_sqrt_len" else counts)
+
+
+GroupCost = Callable[[int, int], float]  # (inputs, longest length) -> cost of one forward, in tokens
+
+
+def length_groups(lengths: list[int], group_cost: GroupCost) -> list[list[int]]:
+    """Indexes into `lengths` split into runs of the sorted order, minimising the summed
+    `group_cost` of the runs (exact, by dynamic programming over the cut points)."""
     order = sorted(range(len(lengths)), key=lengths.__getitem__)
     best = [0] + [math.inf] * len(order)  # best[j]: cost of the first j inputs in sorted order
     cut = [0] * (len(order) + 1)
     for j in range(1, len(order) + 1):
         width = lengths[order[j - 1]]
         for i in range(j):
-            cost = best[i] + (j - i) * width + forward_cost_tokens
+            cost = best[i] + group_cost(j - i, width)
             if cost < best[j]:
                 best[j], cut[j] = cost, i
     groups, j = [], len(order)
@@ -150,9 +170,22 @@ class Encoder:
                               self.tokenizer.model_max_length) if n]
         self.max_seq_len = min(limits) if limits else 512
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        # a forward's fixed cost in padded tokens: on CPU compute follows tokens, so splitting a batch
-        # of mixed lengths pays; on CUDA launches dominate, so a batch stays one forward
-        self.forward_cost_tokens = FORWARD_COST_TOKENS_CPU if self.device.type == "cpu" else 1 << 20
+        self.packed = PackedBert(self.model) if supports_packed(self.config) else None
+        self.group_cost = self._group_cost()
+
+    def _group_cost(self) -> GroupCost:
+        """What one forward over `n` inputs padded to `width` tokens costs, in tokens of real work.
+
+        On CUDA launches dominate: a batch stays one forward. On CPU compute follows tokens, so a
+        batch of mixed lengths is split where padding costs more than a forward's fixed cost. Packed,
+        only attention is padded: n * width^2 query-key pairs, each 4 * hidden FLOPs against a
+        token's 8 * hidden^2 + 4 * hidden * intermediate in the linear layers."""
+        if self.device.type != "cpu":
+            return lambda n, width: 1.0
+        if self.packed is None:
+            return lambda n, width: FORWARD_COST_TOKENS_CPU + n * width
+        pairs_per_token = 2 * self.config.hidden_size + self.config.intermediate_size
+        return lambda n, width: FORWARD_COST_TOKENS_CPU + n * width * width / pairs_per_token
 
     @property
     def dimensions(self) -> int:
@@ -181,8 +214,9 @@ class Encoder:
         similar lengths as cost least (usually one; padding a short input to a long one costs more)."""
         ids = self.token_ids(inputs)
         rows: list[list[float]] = [[] for _ in ids]
-        for group in length_groups([len(x) for x in ids], self.forward_cost_tokens):
-            for i, row in zip(group, self.forward([ids[i] for i in group])):
+        for group in length_groups([len(x) for x in ids], self.group_cost):
+            forward = self.forward if self.packed is None else self.forward_packed
+            for i, row in zip(group, forward([ids[i] for i in group])):
                 rows[i] = row
         return [EncoderOutput(row, len(x)) for row, x in zip(rows, ids)]
 
@@ -203,6 +237,20 @@ class Encoder:
                 values = torch.nn.functional.normalize(values, p=2, dim=1)
         else:
             values = out.logits  # [batch, num_labels]
+        return values.float().cpu().tolist()
+
+    @torch.inference_mode()
+    def forward_packed(self, ids: list[list[int]]) -> list[list[float]]:
+        """One packed forward (BERT family): the same outputs as `forward`, without padded linear work."""
+        batch = PackedBatch.of([len(x) for x in ids], self.device)
+        flat = torch.tensor([t for x in ids for t in x], dtype=torch.long, device=self.device)
+        h = self.packed.hidden_states(flat, batch)
+        if self.kind == "embed":
+            values = pool_packed(h, batch, self.sentence.pooling)
+            if self.sentence.normalize:
+                values = torch.nn.functional.normalize(values, p=2, dim=1)
+        else:
+            values = self.packed.classify(h, batch)
         return values.float().cpu().tolist()
 
 
