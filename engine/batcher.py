@@ -1,19 +1,20 @@
-"""Dynamic batching for models without a KV cache (encoders): one thread per model.
+"""Dynamic batching for models without a KV cache (encoders), driven by the device worker.
 
-Callers on any thread `submit` a list of inputs and get a `concurrent.futures.Future` of
-the list of outputs (the event loop awaits it with `asyncio.wrap_future`, which hands the
-result back through `call_soon_threadsafe`). The thread collects inputs across requests
-until `max_batch` are waiting or the oldest has waited `max_wait_ms`, runs ONE call of
-`run_batch` over them, and splits the outputs back to their requests. A request larger
-than `max_batch` is cut into several batches. Torch-free: the forward comes in as a callable.
+Callers on any thread submit a list of inputs through the worker (`engine.worker.EncoderClient`)
+and get a `concurrent.futures.Future` of the list of outputs (the event loop awaits it with
+`asyncio.wrap_future`). The worker thread hands each request to `add`, and whenever `due`
+(`max_batch` inputs waiting, or the oldest has waited `max_wait_ms`) calls `run_once`: ONE
+call of `run_batch` over the oldest inputs, whose outputs are split back to their requests.
+A request larger than `max_batch` is cut into several batches. There is no thread here: the
+encoders of a device run on that device's worker thread, between engine steps, because a
+second long-lived thread running torch ops makes libgomp throttle both threads' OpenMP teams
+(more team threads than CPUs). Torch-free: the forward comes in as a callable.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
-import queue
-import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
@@ -38,7 +39,7 @@ class BatcherStats:
     batch_sizes: dict[int, int] = field(default_factory=dict)  # batch size -> batches of that size
 
 
-class _Pending:
+class Pending:
     """One submitted request: its outputs fill in as its items' batches finish."""
 
     def __init__(self, items: list[Any]) -> None:
@@ -51,7 +52,7 @@ class _Pending:
 
 @dataclass
 class _Slice:
-    pending: _Pending
+    pending: Pending
     start: int
     stop: int
 
@@ -60,11 +61,9 @@ class _Slice:
         return self.stop - self.start
 
 
-_STOP = object()
-
-
 class DynamicBatcher:
-    """Invariant: every submitted request's future completes exactly once (result or exception)."""
+    """Invariant: every added request's future completes exactly once (result or exception).
+    All methods but `stats` run on the owning worker's thread."""
 
     def __init__(self, name: str, run_batch: RunBatch, max_batch: int, max_wait_ms: float) -> None:
         if max_batch < 1 or max_wait_ms < 0:
@@ -74,72 +73,37 @@ class DynamicBatcher:
         self.max_batch = max_batch
         self.max_wait_s = max_wait_ms / 1000
         self.stats = BatcherStats()
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._waiting: collections.deque[_Slice] = collections.deque()
         self._num_waiting = 0
-        self._thread = threading.Thread(target=self._run, name=f"galley-encoder-{name}", daemon=True)
 
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self, timeout_s: float = 10.0) -> None:
-        self._inbox.put(_STOP)
-        if self._thread.is_alive():
-            self._thread.join(timeout_s)
-
-    def submit(self, items: list[Any]) -> Future:
-        pending = _Pending(list(items))
-        if not pending.items:
-            pending.future.set_result([])
-        else:
-            self._inbox.put(pending)
-        return pending.future
-
-    # ---- the thread ----------------------------------------------------------------------
-
-    def _run(self) -> None:
-        while True:
-            if not self._collect():
-                self._fail_waiting(RuntimeError(f"encoder {self.name!r} stopped"))
-                return
-            batch = self._take_batch()
-            if batch:
-                self._run_one(batch)
-
-    def _collect(self) -> bool:
-        """Take everything already queued; then wait for work, until a full batch or the oldest
-        input's deadline. False on stop."""
-        while self._num_waiting < self.max_batch:
-            try:
-                item = self._inbox.get_nowait()
-            except queue.Empty:
-                break
-            if item is _STOP:
-                return False
-            self._add(item)
-        while True:
-            if self._num_waiting >= self.max_batch:
-                return True
-            if self._waiting:
-                timeout = self._waiting[0].pending.arrival_s + self.max_wait_s - time.monotonic()
-                if timeout <= 0:
-                    return True
-            else:
-                timeout = None
-            try:
-                item = self._inbox.get(timeout=timeout)
-            except queue.Empty:
-                return True
-            if item is _STOP:
-                return False
-            self._add(item)
-
-    def _add(self, pending: _Pending) -> None:
+    def add(self, pending: Pending) -> None:
         for start in range(0, len(pending.items), self.max_batch):
             piece = _Slice(pending, start, min(start + self.max_batch, len(pending.items)))
             self._waiting.append(piece)
             self._num_waiting += piece.size
 
+    def deadline(self) -> float | None:
+        """When a batch is due (monotonic seconds): now if full, else when the oldest input's wait
+        ends; None with nothing waiting."""
+        if not self._waiting:
+            return None
+        if self._num_waiting >= self.max_batch:
+            return 0.0
+        return self._waiting[0].pending.arrival_s + self.max_wait_s
+
+    def due(self, now: float) -> bool:
+        deadline = self.deadline()
+        return deadline is not None and deadline <= now
+
+    def run_once(self) -> None:
+        batch = self._take_batch()
+        if batch:
+            self._run_one(batch)
+
+    def fail_all(self, exc: BaseException) -> None:
+        while self._waiting:
+            self._fail(self._waiting.popleft().pending, exc)
+        self._num_waiting = 0
     def _take_batch(self) -> list[_Slice]:
         """Oldest first, up to max_batch inputs; requests already done (cancelled, failed) are dropped."""
         batch: list[_Slice] = []
@@ -175,20 +139,9 @@ class DynamicBatcher:
                 with contextlib.suppress(InvalidStateError):  # cancelled by its caller meanwhile
                     s.pending.future.set_result(s.pending.outputs)
 
-    def _fail(self, pending: _Pending, exc: BaseException) -> None:
+    def _fail(self, pending: Pending, exc: BaseException) -> None:
         with contextlib.suppress(InvalidStateError):
             pending.future.set_exception(exc)
-
-    def _fail_waiting(self, exc: BaseException) -> None:
-        while self._waiting:
-            self._fail(self._waiting.popleft().pending, exc)
-        while True:
-            try:
-                item = self._inbox.get_nowait()
-            except queue.Empty:
-                return
-            if item is not _STOP:
-                self._fail(item, exc)
 
     def _record(self, size: int, failed: bool) -> None:
         old = self.stats

@@ -1,11 +1,13 @@
-"""Encoder models (embeddings, classifiers): HF `AutoModel*` forwards over padded batches.
+"""Encoder models (embeddings, classifiers): HF `AutoModel*` weights, packed forwards for the
+BERT family (engine/models/bert.py), HF's padded forward otherwise.
 
-No KV cache and no scheduler: each model gets a `DynamicBatcher` thread whose `run_batch`
-is `Encoder.run`. Embedding models honour a sentence-transformers folder: pooling from
-`1_Pooling/config.json` (cls / mean / max / mean_sqrt_len / lasttoken), a `Normalize`
-module in `modules.json`, `max_seq_length` from `sentence_bert_config.json`. A model
-source `pkg:PACKAGE/SUBDIR` is a folder inside an installed Python package (how the
-default `minilm` ships), found through `importlib.resources`, never downloaded.
+No KV cache and no scheduler: each model gets a `DynamicBatcher`, run by its device's worker
+thread between engine steps, whose `run_batch` is `Encoder.run`. Embedding models honour a
+sentence-transformers folder: pooling from `1_Pooling/config.json` (cls / mean / max /
+mean_sqrt_len / lasttoken), a `Normalize` module in `modules.json`, `max_seq_length` from
+`sentence_bert_config.json`. A model source `pkg:PACKAGE/SUBDIR` is a folder inside an
+installed Python package (how the default `minilm` ships), found through
+`importlib.resources`, never downloaded.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from transformers import AutoConfig, AutoModel, AutoModelForSequenceClassificati
 from engine.batcher import DynamicBatcher
 from engine.loader import ModelLoadError, resolve_dtype, resolve_model_path
 from engine.models.bert import PackedBatch, PackedBert, supports_packed
+from engine.worker import DeviceWorker, EncoderClient
 
 KINDS = ("embed", "classify")
 FORWARD_COST_TOKENS_CPU = 64  # measured on 2 cores with all-MiniLM-L6-v2: a forward's overhead ~ 64 tokens
@@ -254,11 +257,9 @@ class Encoder:
         return values.float().cpu().tolist()
 
 
-def start_encoder(name: str, source: str, kind: str, device: str, dtype: str, max_batch: int,
-                  max_wait_ms: float) -> tuple[Encoder, DynamicBatcher]:
-    """Load an encoder and start its batching thread (blocking: run it off the event loop)."""
+def start_encoder(encoder_id: str, source: str, kind: str, worker: DeviceWorker, device: str, dtype: str,
+                  max_batch: int, max_wait_ms: float) -> tuple[Encoder, EncoderClient]:
+    """Load an encoder and attach it to the device's worker (blocking: run it off the event loop)."""
     encoder = Encoder(resolve_encoder_path(source), kind, device, dtype)
-    batcher = DynamicBatcher(name, encoder.run, max_batch, max_wait_ms)
     encoder.run(["warm up"])  # the first forward is slow: pay for it before serving
-    batcher.start()
-    return encoder, batcher
+    return encoder, worker.attach_encoder(encoder_id, DynamicBatcher(encoder_id, encoder.run, max_batch, max_wait_ms))

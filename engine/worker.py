@@ -1,11 +1,16 @@
-"""One thread per device: drain the inbox, step every engine with work, publish events.
+"""One thread per device: drain the inbox, step every engine with work, run due encoder
+batches, publish events.
 
-The only thread that touches engine, scheduler and KV state. Other threads talk to it
-through `submit` / `abort` (a thread-safe inbox, drained before every step, so an abort
-frees its blocks before the next step runs) and hear back through `emit`, which the
-server wires to `loop.call_soon_threadsafe`. It never blocks on I/O. Engines come and go
-while it runs (`attach` / `detach` are inbox commands too), so a model version loads and
-unloads without stopping the others.
+The only thread that touches engine, scheduler and KV state, and the only one that runs the
+device's models: generative engines and encoders (embed, classify) alike. One torch thread
+per device matters on CPU: libgomp gives every thread that runs torch ops its own OpenMP
+team, and once the teams hold more threads than there are CPUs it stops spin-waiting, which
+made a decode step's matmuls ~3x slower. Other threads talk to it through `submit` / `abort`
+/ `EncoderClient.submit` (a thread-safe inbox, drained before every step, so an abort frees
+its blocks before the next step runs) and hear back through `emit` (token events, which the
+server wires to `loop.call_soon_threadsafe`) or a future (encoder outputs). It never blocks
+on I/O. Engines and encoders come and go while it runs (attach / detach are inbox commands
+too), so a model version loads and unloads without stopping the others.
 """
 
 from __future__ import annotations
@@ -13,12 +18,14 @@ from __future__ import annotations
 import gc
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import structlog
 
+from engine.batcher import BatcherStats, DynamicBatcher, Pending
 from engine.engine import LLMEngine
 from engine.profiler import StepProfiler
 from engine.types import EngineStats, GenerationRequest, TokenEvent
@@ -54,12 +61,32 @@ class _Detach:
 
 
 @dataclass
+class _AttachEncoder:
+    encoder_id: str
+    batcher: DynamicBatcher
+    done: Future = field(default_factory=Future)
+
+
+@dataclass
+class _DetachEncoder:
+    encoder_id: str
+    done: Future = field(default_factory=Future)
+
+
+@dataclass
+class _Encode:
+    encoder_id: str
+    pending: Pending
+
+
+@dataclass
 class _Profile:
     seconds: float
     done: Future = field(default_factory=Future)
 
 
 _STOP = object()
+Command = _Attach | _Detach | _AttachEncoder | _DetachEncoder | _Profile
 
 
 class DeviceWorker:
@@ -67,27 +94,27 @@ class DeviceWorker:
         self.device = device
         self.emit = emit
         self.engines: dict[str, LLMEngine] = {}
+        self.encoders: dict[str, DynamicBatcher] = {}
         self.profiler = StepProfiler(device)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=f"galley-worker-{device}", daemon=True)
 
     def attach(self, engine_id: str, engine: LLMEngine) -> Future:
-        """Add an engine; once the thread runs, through the inbox (done when the worker has it)."""
-        command = _Attach(engine_id, engine)
-        if self._thread.is_alive():
-            self._inbox.put(command)
-        else:
-            self._apply(command)
-        return command.done
+        """Add an engine (done when the worker has it)."""
+        return self._command(_Attach(engine_id, engine))
 
     def detach(self, engine_id: str) -> Future:
         """Drop an engine and free its memory (its requests should have drained first)."""
-        command = _Detach(engine_id)
-        if self._thread.is_alive():
-            self._inbox.put(command)
-        else:
-            self._apply(command)
-        return command.done
+        return self._command(_Detach(engine_id))
+
+    def attach_encoder(self, encoder_id: str, batcher: DynamicBatcher) -> EncoderClient:
+        """Run an encoder's batches on this thread; the client is what callers submit to."""
+        self._command(_AttachEncoder(encoder_id, batcher)).result()
+        return EncoderClient(self, encoder_id, batcher)
+
+    def detach_encoder(self, encoder_id: str) -> Future:
+        """Drop an encoder and free its memory; inputs still waiting fail (drain it first)."""
+        return self._command(_DetachEncoder(encoder_id))
 
     def start(self) -> None:
         self._thread.start()
@@ -97,6 +124,9 @@ class DeviceWorker:
 
     def abort(self, engine_id: str, request_id: str) -> None:
         self._inbox.put(_Abort(engine_id, request_id))
+
+    def encode(self, encoder_id: str, pending: Pending) -> None:
+        self._inbox.put(_Encode(encoder_id, pending))
 
     def profile(self, seconds: float) -> Future:
         """Record a torch profiler trace of this worker's steps for `seconds`; the future gets
@@ -114,13 +144,22 @@ class DeviceWorker:
         if self._thread.is_alive():
             self._thread.join(timeout_s)
 
-    def _has_work(self) -> bool:
-        return any(engine.has_work() for engine in self.engines.values())
+    def _command(self, command: Command) -> Future:
+        """Through the inbox once the thread runs; applied at once before it starts."""
+        if self._thread.is_alive():
+            self._inbox.put(command)
+        else:
+            self._apply(command)
+        return command.done
+
+    # ---- the thread ----------------------------------------------------------------------
 
     def _run(self) -> None:
         while True:
-            if not self._drain(block=not self._has_work()):
+            if not self._drain():
                 self.profiler.stop()
+                for batcher in self.encoders.values():
+                    batcher.fail_all(RuntimeError(f"worker {self.device} stopped"))
                 return
             for engine_id, engine in self.engines.items():
                 events = None
@@ -130,13 +169,29 @@ class DeviceWorker:
                 engine.refresh_stats()  # before emitting: a client that saw its last token sees its blocks freed
                 if events:
                     self.emit(events)
+            now = time.monotonic()
+            for encoder_id, batcher in self.encoders.items():  # at most one batch each between steps
+                if batcher.due(now):
+                    with self.profiler.label(f"encode {encoder_id}"):
+                        batcher.run_once()
             self.profiler.tick()
 
-    def _drain(self, block: bool) -> bool:
-        """Apply every queued command; False once asked to stop. Blocks at most until a
-        running profile is due to stop."""
+    def _wait_s(self) -> float | None:
+        """How long the inbox may be waited on: not at all while an engine has work or an encoder
+        batch is due, else until the next encoder batch or profile stop is due (None: no limit)."""
+        if any(engine.has_work() for engine in self.engines.values()):
+            return 0.0
+        deadlines = [d for d in (b.deadline() for b in self.encoders.values()) if d is not None]
+        waits = [max(0.0, min(deadlines) - time.monotonic())] if deadlines else []
+        if self.profiler.timeout_s() is not None:
+            waits.append(self.profiler.timeout_s())
+        return min(waits) if waits else None
+
+    def _drain(self) -> bool:
+        """Apply every queued command, first waiting up to `_wait_s` for one; False once asked to stop."""
+        wait_s = self._wait_s()
         try:
-            item = self._inbox.get(timeout=self.profiler.timeout_s()) if block else self._inbox.get_nowait()
+            item = self._inbox.get(timeout=wait_s) if wait_s != 0.0 else self._inbox.get_nowait()
             while True:
                 if item is _STOP:
                     return False
@@ -145,23 +200,37 @@ class DeviceWorker:
         except queue.Empty:
             return True
 
-    def _apply(self, item: _Add | _Abort | _Attach | _Detach | _Profile) -> None:
+    def _apply(self, item: _Add | _Abort | _Encode | Command) -> None:
         try:
             if isinstance(item, _Add):
                 self.engines[item.engine_id].add_request(item.request)
             elif isinstance(item, _Abort):
                 self.engines[item.engine_id].abort(item.request_id)
+            elif isinstance(item, _Encode):
+                self._encode(item)
             elif isinstance(item, _Attach):
                 self.engines[item.engine_id] = item.engine
                 item.done.set_result(None)
+            elif isinstance(item, _AttachEncoder):
+                self.encoders[item.encoder_id] = item.batcher
+                item.done.set_result(None)
             elif isinstance(item, _Profile):
                 self.profiler.start(item.seconds, item.done)
+            elif isinstance(item, _DetachEncoder):
+                self._detach_encoder(item)
             else:
                 self._detach(item)
         except Exception as exc:
             log.exception("worker command failed", device=self.device)
-            if isinstance(item, _Attach | _Detach) and not item.done.done():
+            if hasattr(item, "done") and not item.done.done():
                 item.done.set_exception(exc)
+
+    def _encode(self, item: _Encode) -> None:
+        batcher = self.encoders.get(item.encoder_id)
+        if batcher is None:
+            item.pending.future.set_exception(RuntimeError(f"encoder {item.encoder_id!r} is not loaded"))
+        else:
+            batcher.add(item.pending)
 
     def _detach(self, item: _Detach) -> None:
         engine = self.engines.pop(item.engine_id, None)
@@ -170,9 +239,51 @@ class DeviceWorker:
                         num_unfinished=engine.num_unfinished)
         on_cuda = engine is not None and engine.runner.device.type == "cuda"
         del engine
+        self._free_memory(on_cuda)
+        item.done.set_result(None)
+
+    def _detach_encoder(self, item: _DetachEncoder) -> None:
+        batcher = self.encoders.pop(item.encoder_id, None)
+        if batcher is not None:
+            batcher.fail_all(RuntimeError(f"encoder {item.encoder_id!r} was unloaded"))
+        del batcher
+        self._free_memory(on_cuda=True)
+        item.done.set_result(None)
+
+    @staticmethod
+    def _free_memory(on_cuda: bool) -> None:
         gc.collect()
         if on_cuda:
             import torch
 
-            torch.cuda.empty_cache()
-        item.done.set_result(None)
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+
+
+class EncoderClient:
+    """An encoder attached to a worker, as other threads see it (`ServedEncoder.handle`)."""
+
+    def __init__(self, worker: DeviceWorker, encoder_id: str, batcher: DynamicBatcher) -> None:
+        self.worker = worker
+        self.encoder_id = encoder_id
+        self.owns_worker = False  # a worker started for this encoder alone stops with it
+        self._batcher = batcher
+
+    def submit(self, items: list) -> Future:
+        """A future of one output per item, in order (thread-safe)."""
+        pending = Pending(list(items))
+        if not pending.items:
+            pending.future.set_result([])
+        else:
+            self.worker.encode(self.encoder_id, pending)
+        return pending.future
+
+    @property
+    def stats(self) -> BatcherStats:
+        return self._batcher.stats
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Detach from the worker, failing inputs still waiting (blocking)."""
+        self.worker.detach_encoder(self.encoder_id).result(timeout_s)
+        if self.owns_worker:
+            self.worker.stop(timeout_s)

@@ -1,4 +1,5 @@
-"""The dynamic batcher and the response cache as plain state: batches, splits, failures, LRU and TTL."""
+"""The dynamic batcher on a real device worker thread, and the response cache as plain state:
+batches, splits, failures, LRU and TTL."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 
 from api.response_cache import ResponseCache, ResponseCacheConfig, cache_key
 from engine.batcher import DynamicBatcher
+from engine.worker import DeviceWorker, EncoderClient
 
 
 class Recorder:
@@ -19,9 +21,11 @@ class Recorder:
         self.gate = threading.Event()
         self.gate.set()
         self.fail_on: int | None = None
+        self.threads: set[str] = set()
 
     def __call__(self, items: list[int]) -> list[int]:
         self.gate.wait(5)
+        self.threads.add(threading.current_thread().name)
         self.batches.append(list(items))
         if self.fail_on in items:
             raise ValueError("bad input")
@@ -33,10 +37,13 @@ def recorder():
     return Recorder()
 
 
-def make(recorder: Recorder, max_batch: int = 4, max_wait_ms: float = 50.0) -> DynamicBatcher:
-    batcher = DynamicBatcher("m", recorder, max_batch, max_wait_ms)
-    batcher.start()
-    return batcher
+def make(recorder: Recorder, max_batch: int = 4, max_wait_ms: float = 50.0) -> EncoderClient:
+    """An encoder on a worker of its own (stopped with it), as launch.load_encoder does without one."""
+    worker = DeviceWorker("cpu#test", emit=lambda events: None)
+    worker.start()
+    client = worker.attach_encoder("m", DynamicBatcher("m", recorder, max_batch, max_wait_ms))
+    client.owns_worker = True
+    return client
 
 
 def test_requests_waiting_together_share_one_forward(recorder):
@@ -50,6 +57,7 @@ def test_requests_waiting_together_share_one_forward(recorder):
     assert [f.result(5) for f in rest] == [[20, 40], [22, 42], [24, 44]]
     assert recorder.batches == [[1], [10, 20, 11, 21, 12, 22]]
     assert batcher.stats.batch_sizes == {1: 1, 6: 1} and batcher.stats.num_requests == 4
+    assert recorder.threads == {"galley-worker-cpu#test"}  # batches run on the device worker's thread
     batcher.stop()
 
 
@@ -108,6 +116,22 @@ def test_cancelled_requests_are_skipped_and_stop_fails_the_rest(recorder):
     assert [2] not in recorder.batches
     batcher.stop()
     assert batcher.submit([]).result(1) == []
+
+
+def test_detaching_fails_waiting_inputs_and_later_submits(recorder):
+    worker = DeviceWorker("cpu#test", emit=lambda events: None)
+    worker.start()
+    try:
+        client = worker.attach_encoder("m", DynamicBatcher("m", recorder, max_batch=64, max_wait_ms=10_000))
+        waiting = client.submit([1, 2])
+        client.stop()
+        with pytest.raises(RuntimeError, match="unloaded"):
+            waiting.result(5)
+        with pytest.raises(RuntimeError, match="not loaded"):
+            client.submit([3]).result(5)
+        assert recorder.batches == [] and worker.encoders == {}
+    finally:
+        worker.stop()
 
 
 def test_cache_is_lru_bounded_and_expires():
