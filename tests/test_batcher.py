@@ -159,3 +159,39 @@ def test_disabled_cache_stores_nothing():
     cache = ResponseCache(ResponseCacheConfig(enabled=False))
     cache.put("a", 1)
     assert cache.get("a") is None
+
+
+def test_an_engine_and_an_encoder_share_the_worker_thread(llama_path):
+    """Encoder batches run between the engine's steps, on the same thread, one batch per step
+    while both have work; the greedy tokens are the same as the engine's alone."""
+    from engine.types import GenerationRequest, SamplingParams
+    from tests.helpers import make_engine, run_to_completion
+
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    alone = run_to_completion(make_engine(llama_path), [[1, 2, 3, 4]], params)[0]
+    timeline, tokens, done = [], [], threading.Event()
+
+    def emit(batch):
+        timeline.append("step")
+        tokens.extend(t for e in batch for t in e.token_ids)
+        if any(e.finish_reason is not None for e in batch):
+            done.set()
+
+    def encode(items):
+        timeline.append(threading.current_thread().name)
+        return [2 * x for x in items]
+
+    worker = DeviceWorker("cpu#test", emit)
+    worker.attach("tiny", make_engine(llama_path)).result()
+    client = worker.attach_encoder("m", DynamicBatcher("m", encode, max_batch=2, max_wait_ms=0))
+    worker.submit("tiny", GenerationRequest("r1", [1, 2, 3, 4], params))
+    futures = [client.submit([i, 100 + i]) for i in range(10)]
+    worker.start()
+    try:
+        assert [f.result(10) for f in futures] == [[2 * i, 200 + 2 * i] for i in range(10)]
+        assert done.wait(30)
+        assert tokens == alone
+        assert set(timeline) == {"step", "galley-worker-cpu#test"}
+        assert timeline[:20] == ["step", "galley-worker-cpu#test"] * 10  # alternating while both have work
+    finally:
+        worker.stop()
