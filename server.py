@@ -18,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+import orjson
 import structlog
 from aiohttp import web
 
@@ -94,7 +95,13 @@ def open_database(cfg: GalleyConfig) -> tuple[Database, str]:
 
 
 def configure_logging(fmt: str) -> None:
-    renderer = structlog.dev.ConsoleRenderer() if fmt == "console" else structlog.processors.JSONRenderer()
+    """JSON lines (orjson, straight to stderr's bytes) or a console format; loggers are cached on
+    first use. The access log writes a line per request, so its cost is on every request's path."""
+    if fmt == "console":
+        renderer, factory = structlog.dev.ConsoleRenderer(), structlog.PrintLoggerFactory(sys.stderr)
+    else:
+        renderer, factory = structlog.processors.JSONRenderer(serializer=orjson.dumps), structlog.BytesLoggerFactory(
+            sys.stderr.buffer)
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
@@ -104,7 +111,8 @@ def configure_logging(fmt: str) -> None:
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.INFO),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        logger_factory=factory,
+        cache_logger_on_first_use=True,
     )
 
 
