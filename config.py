@@ -82,6 +82,8 @@ class ModelSpec:
         options: dict[str, Any] = {"pinned": True} if self.pinned else {}
         if self.keep_alive:
             options["keep_alive"] = self.keep_alive
+        if self.kind != "generate":
+            options.update(max_batch=self.max_batch, max_wait_ms=self.max_wait_ms)
         return options
 
 
@@ -131,6 +133,10 @@ def unique_names(models: tuple[ModelSpec, ...]) -> tuple[ModelSpec, ...]:
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
         raise ConfigError(f"[[models]]: names {duplicates} are used more than once")
+    kinds = {m.name: m.kind for m in models}
+    mixed = sorted(m.name for m in models if kinds[m.name] != m.kind)
+    if mixed:  # routing treats all versions of a name alike
+        raise ConfigError(f"[[models]]: the versions of {mixed} must all be of one kind")
     return models
 
 

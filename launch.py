@@ -12,18 +12,17 @@ from pathlib import Path
 
 import structlog
 
-from engine.batcher import DynamicBatcher
-from engine.encoders import start_encoder
+from engine.encoders import resolve_encoder_path, start_encoder
 from engine.engine import LLMEngine
-from engine.faults import FaultyRunner
+from engine.faults import FaultyEncoderHandle, FaultyRunner
 from engine.kv_cache import KVCacheManager
 from engine.loader import LoadedModel, ModelLoadError, load_model
 from engine.model_runner import GIB, CacheConfig, ModelRunner, num_kv_blocks
 from engine.worker import DeviceWorker, Emit
-from scheduling.encoders import EncoderRegistry, ServedEncoder
+from scheduling.encoders import ServedEncoder
 from scheduling.fair_queue import FairQueue, FairShareConfig
 from scheduling.queue import FifoQueue
-from scheduling.router import Replica, Router, ServedModel
+from scheduling.router import Replica, Router, Served, ServedModel
 from scheduling.scheduler import Scheduler, SchedulerConfig
 from storage.registry import ModelVersion
 
@@ -63,48 +62,58 @@ def build_engine(loaded: LoadedModel, cfg: EngineConfig, num_blocks: int | None 
     return LLMEngine(runner, scheduler, loaded.tokenizer, loaded.eos_token_ids, max_model_len, cfg.seed)
 
 
-
-
 def engine_bytes(engine: LLMEngine) -> int:
     """Weights plus KV cache of one replica."""
-    weights = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
     kv = sum(t.numel() * t.element_size() for pair in engine.runner.kv_caches for t in pair)
-    return weights + kv
+    return weights_bytes(engine.runner.model) + kv
+
+
+def weights_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def checkpoint_bytes(folder: Path) -> int:
+    """The size of a model folder's weight files (0 for a hub id: not known before it downloads)."""
+    files = (list(folder.glob("*.safetensors")) or list(folder.glob("*.bin"))) if folder.is_dir() else []
+    return sum(f.stat().st_size for f in files)
 
 
 @dataclass
 class EngineLoader:
     """Loads registry versions onto running device workers and unloads them (blocking: call from a thread).
 
-    Each version is one engine per device worker, named `name@version` on that worker.
+    Each generative version is one engine per device worker, named `name@version` on that
+    worker; an encoder version (embed, classify) is one encoder on the first chosen device.
     """
 
     cfg: EngineConfig
-    max_waiting: int
+    max_waiting: int  # per replica; an encoder may have 4x as many inputs waiting
     workers: list[DeviceWorker]
     measured_bytes: dict[str, int] = field(default_factory=dict)  # name@version -> bytes per replica
 
     def devices_for(self, spec: ModelVersion) -> list[str]:
         wanted = spec.options.get("device")
         labels = [w.device for w in self.workers]
-        if wanted is None:
-            return labels
-        chosen = [label for label, device in zip(labels, self.cfg.devices) if device == wanted]
-        if not chosen:
+        if wanted is not None:
+            labels = [label for label, device in zip(labels, self.cfg.devices) if device == wanted]
+        if not labels:
             raise ModelLoadError(f"device {wanted!r} is not configured; [engine] devices = {list(self.cfg.devices)}")
-        return chosen
+        return labels if spec.kind == "generate" else labels[:1]
 
     def estimate_bytes(self, spec: ModelVersion) -> int:
-        """Per replica: what it took last time, else checkpoint size plus the CPU KV budget."""
+        """Per replica: what it took last time, else checkpoint size (plus the CPU KV budget if generative)."""
         if spec.ref in self.measured_bytes:
             return self.measured_bytes[spec.ref]
-        folder = Path(spec.source).expanduser()
-        files = (list(folder.glob("*.safetensors")) or list(folder.glob("*.bin"))) if folder.is_dir() else []
-        return sum(f.stat().st_size for f in files) + int(self.cfg.cache.kv_cache_gib * GIB)
-
-    def load(self, spec: ModelVersion) -> ServedModel:
         if spec.kind != "generate":
-            raise ModelLoadError(f"kind {spec.kind!r} cannot be loaded as a generative model")
+            try:
+                return checkpoint_bytes(resolve_encoder_path(spec.source))
+            except ModelLoadError:
+                return 0  # loading will fail and say why
+        return checkpoint_bytes(Path(spec.source).expanduser()) + int(self.cfg.cache.kv_cache_gib * GIB)
+
+    def load(self, spec: ModelVersion) -> Served:
+        if spec.kind != "generate":
+            return self._load_encoder(spec)
         labels = set(self.devices_for(spec))
         dtype = spec.options.get("dtype", self.cfg.dtype)
         replicas, attached = [], []
@@ -131,8 +140,18 @@ class EngineLoader:
             version=spec.version, created=int(time.time()),
         )
 
-    def unload(self, served: ServedModel) -> None:
-        """Detach every replica; the workers drop the engines and free their memory."""
+    def _load_encoder(self, spec: ModelVersion) -> ServedEncoder:
+        label = self.devices_for(spec)[0]
+        worker, device = next((w, d) for w, d in zip(self.workers, self.cfg.devices) if w.device == label)
+        served = load_encoder(spec, device, spec.options.get("dtype", self.cfg.dtype), 4 * self.max_waiting, worker)
+        self.measured_bytes[spec.ref] = served.mem_bytes
+        return served
+
+    def unload(self, served: Served) -> None:
+        """Detach every replica (the workers drop the engines and free their memory), or stop an encoder."""
+        if isinstance(served, ServedEncoder):
+            unload_encoder(served)
+            return
         for replica in served.replicas:
             replica.worker.detach(replica.engine_id).result()
 
@@ -162,39 +181,38 @@ def start_models(
     return workers
 
 
-@dataclass(frozen=True)
-class EncoderLaunch:
-    """An embed or classify model to serve: where it is and how its batcher groups inputs."""
+def load_encoder(spec: ModelVersion, device: str, dtype: str, max_waiting: int = 1024,
+                 worker: DeviceWorker | None = None) -> ServedEncoder:
+    """Load one encoder version onto the device's worker (blocking: run it off the event loop).
 
-    name: str
-    source: str
-    kind: str  # embed | classify
-    max_batch: int = 32
-    max_wait_ms: float = 5.0
-    max_waiting: int = 1024
-    version: str = "1"
-
-
-def load_encoder(spec: EncoderLaunch, device: str, dtype: str) -> ServedEncoder:
-    """Load one encoder and start its dynamic batcher thread (blocking: run it off the event loop)."""
+    Batching from the options `max_batch` (32) and `max_wait_ms` (5); `fault = "raise"` (test only)
+    fails every submit after the first (the lifecycle's warm-up). Without a `worker` (tests,
+    scripts) the encoder gets one of its own, stopped with it."""
     started = time.monotonic()
-    encoder, batcher = start_encoder(spec.name, spec.source, spec.kind, device, dtype, spec.max_batch,
-                                     spec.max_wait_ms)
-    log.info("model loaded", model=spec.name, kind=spec.kind, source=spec.source, device=device,
-             load_s=round(time.monotonic() - started, 2), max_batch=spec.max_batch)
+    max_batch, max_wait_ms = spec.options.get("max_batch", 32), spec.options.get("max_wait_ms", 5.0)
+    own_worker = worker is None
+    if own_worker:
+        worker = DeviceWorker(f"{device}-{spec.ref}", emit=lambda events: None)
+        worker.start()
+    try:
+        encoder, client = start_encoder(spec.ref, spec.source, spec.kind, worker, device, dtype, max_batch,
+                                        max_wait_ms)
+    except BaseException:
+        if own_worker:
+            worker.stop()
+        raise
+    client.owns_worker = own_worker
+    handle = FaultyEncoderHandle(client) if spec.options.get("fault") == "raise" else client
+    log.info("model loaded", model=spec.ref, kind=spec.kind, source=spec.source, device=device,
+             load_s=round(time.monotonic() - started, 2), max_batch=max_batch)
     return ServedEncoder(
-        name=spec.name, kind=spec.kind, handle=batcher, dimensions=encoder.dimensions,
+        name=spec.name, kind=spec.kind, handle=handle, dimensions=encoder.dimensions,
         max_seq_len=encoder.max_seq_len, vocab_size=encoder.config.vocab_size, labels=encoder.labels,
-        multi_label=encoder.multi_label, max_waiting=spec.max_waiting, version=spec.version,
-        created=int(time.time()),
+        multi_label=encoder.multi_label, max_waiting=max_waiting, version=spec.version,
+        created=int(time.time()), mem_bytes=weights_bytes(encoder.model),
     )
 
 
-def start_encoders(specs: list[EncoderLaunch], cfg: EngineConfig, registry: EncoderRegistry) -> list[DynamicBatcher]:
-    """Load every encoder on the first configured device and register it; returns the batchers to stop."""
-    batchers = []
-    for spec in specs:
-        served = load_encoder(spec, cfg.devices[0], cfg.dtype)
-        registry.add(served)
-        batchers.append(served.handle)
-    return batchers
+def unload_encoder(served: ServedEncoder) -> None:
+    """Stop an encoder version once it has drained (blocking: run it off the event loop)."""
+    served.handle.stop()

@@ -27,11 +27,9 @@ from api.auth import resolve_admin_key
 from api.batch import BATCH
 from api.context import ServerState
 from api.lifecycle import MODELS
-from api.offload import in_fresh_thread
 from api.streams import HUB
 from config import ConfigError, GalleyConfig, load_config, with_overrides
-from launch import EncoderLaunch, EngineLoader, start_encoders, start_workers
-from scheduling.encoders import EncoderRegistry
+from launch import EngineLoader, start_workers
 from scheduling.router import Router
 from storage.db import Database
 from storage.registry import ModelVersion
@@ -116,17 +114,9 @@ def configure_logging(fmt: str) -> None:
     )
 
 
-def encoder_launches(cfg: GalleyConfig) -> list[EncoderLaunch]:
-    """The embed and classify models; each may have 4 x max_waiting inputs waiting."""
-    return [EncoderLaunch(m.name, m.path, m.kind, m.max_batch, m.max_wait_ms,
-                          max_waiting=4 * cfg.scheduling.max_waiting)
-            for m in cfg.models if m.kind != "generate"]
-
-
 async def serve(cfg: GalleyConfig, db: Database, admin_key_hash: str) -> int:
     loop = asyncio.get_running_loop()
     router = Router(queue_timeout_s=cfg.scheduling.queue_timeout_seconds)
-    encoders = EncoderRegistry()
     state = ServerState(started_s=time.monotonic())
 
     def emit(events) -> None:
@@ -135,7 +125,7 @@ async def serve(cfg: GalleyConfig, db: Database, admin_key_hash: str) -> int:
     workers = start_workers(cfg.engine, emit)  # idle until the model manager attaches engines
     loader = EngineLoader(cfg.engine, cfg.scheduling.max_waiting, workers)
     app = create_app(router, state, db=db, auth_enabled=cfg.auth.enabled, admin_key_hash=admin_key_hash,
-                     streams_config=cfg.streams, batch_config=cfg.batch, encoders=encoders,
+                     streams_config=cfg.streams, batch_config=cfg.batch,
                      response_cache=cfg.response_cache, observability=cfg.observability, tracing=cfg.tracing,
                      alerts=cfg.alerts, loader=loader, lifecycle_config=cfg.lifecycle,
                      deployments_config=cfg.deployments)
@@ -149,9 +139,8 @@ async def serve(cfg: GalleyConfig, db: Database, admin_key_hash: str) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
 
-    seed = [ModelVersion(m.name, m.version, m.path, m.kind, m.options) for m in cfg.models if m.kind == "generate"]
+    seed = [ModelVersion(m.name, m.version, m.path, m.kind, m.options) for m in cfg.models]
     loading = asyncio.ensure_future(app[MODELS].start(seed))  # the registry: config models, deployments, loads
-    encoding = asyncio.ensure_future(in_fresh_thread(start_encoders, encoder_launches(cfg), cfg.engine, encoders))
     done, _ = await asyncio.wait([loading, asyncio.ensure_future(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
     if loading not in done:
         loading.cancel()
@@ -160,7 +149,6 @@ async def serve(cfg: GalleyConfig, db: Database, admin_key_hash: str) -> int:
         return 0
     try:
         loading.result()
-        batchers = await encoding
     except Exception as exc:
         log.error("model loading failed", error=str(exc))
         await runner.cleanup()
@@ -179,8 +167,6 @@ async def serve(cfg: GalleyConfig, db: Database, admin_key_hash: str) -> int:
         await asyncio.sleep(0.05)
     await runner.cleanup()
     stop_workers(workers)
-    for batcher in batchers:
-        batcher.stop()
     log.info("stopped", unfinished=router.num_in_flight)
     return 0
 

@@ -17,7 +17,7 @@ from api import deployments as deployments_api
 from api.alerts import DEFAULT_ALERTS, AlertRule
 from api.auth import AUTH, DATABASE, Auth, TenantDirectory, auth_middleware
 from api.batch_runner import BatchConfig, BatchRunner
-from api.context import ENCODERS, ROUTER, STATE, ServerState
+from api.context import ROUTER, STATE, ServerState
 from api.errors import error_middleware, json_response
 from api.metrics import METRICS, Metrics, metrics_endpoint
 from api.openapi import build_spec
@@ -26,7 +26,6 @@ from api.routes import Route
 from api.streams import HUB, StreamHub, StreamsConfig
 from api.telemetry import ObservabilityConfig, TracingConfig
 from scheduling.deployments import DeploymentsConfig
-from scheduling.encoders import EncoderRegistry
 from scheduling.router import Router
 from storage.db import Database
 
@@ -83,7 +82,7 @@ async def run_stream_sweeper(app: web.Application):
 def create_app(router: Router, state: ServerState | None = None, *, db: Database | None = None,
                auth_enabled: bool = False, admin_key_hash: str | None = None,
                streams_config: StreamsConfig | None = None,
-               batch_config: BatchConfig | None = None, encoders: EncoderRegistry | None = None,
+               batch_config: BatchConfig | None = None,
                response_cache: ResponseCacheConfig | None = None, loader: lifecycle.Loader | None = None,
                lifecycle_config: lifecycle.LifecycleConfig | None = None,
                deployments_config: DeploymentsConfig | None = None,
@@ -100,8 +99,6 @@ def create_app(router: Router, state: ServerState | None = None, *, db: Database
     app[STATE] = state or ServerState(ready=True)
     app[METRICS] = Metrics(router)
     dashboard.setup(app, observability or ObservabilityConfig(), tracing or TracingConfig(), alerts, span_exporter)
-    app[ENCODERS] = encoders if encoders is not None else EncoderRegistry()
-    app[METRICS].watch_encoders(app[ENCODERS])
     app[RESPONSE_CACHE] = ResponseCache(response_cache or ResponseCacheConfig())
     app.on_response_prepare.append(add_cache_header)
     lifecycle.setup(app, app[DATABASE], app[METRICS].registry, loader, lifecycle_config, deployments_config)
@@ -109,7 +106,7 @@ def create_app(router: Router, state: ServerState | None = None, *, db: Database
     app.cleanup_ctx.append(run_stream_sweeper)
     tenants = lambda name: app[AUTH].directory.tenants.get(name)  # noqa: E731
     batch.setup(app, BatchRunner(router, app[DATABASE], app[METRICS], tenants, app[STATE],
-                                 batch_config or BatchConfig(), encoders=app[ENCODERS]))
+                                 batch_config or BatchConfig()))
     ws.setup(app)
     routes = all_routes()
     for route in routes:

@@ -15,17 +15,15 @@ from urllib.parse import urlparse
 from aiohttp import web
 from pydantic import BaseModel, Field, field_validator
 
-from api.auth import check_model_access, tenant_of
+from api.auth import tenant_of
 from api.batch_runner import BatchRunner, job_summary
-from api.context import ENCODERS
 from api.errors import InvalidRequestError, NotFoundError, json_response
-from api.openai import served_model
+from api.lifecycle import resolve_model
 from api.routes import Route
 from api.schemas import ChatMessage, Stop, Strict, Usage
 from api.validation import parse_body
 from scheduling.encoders import ServedEncoder
-from scheduling.router import ServedModel
-from storage import batches
+from storage import batches, registry
 from storage.batches import BatchItem, BatchJob
 
 BATCH = web.AppKey("batch_runner", BatchRunner)
@@ -177,7 +175,7 @@ async def create_batch(request: web.Request) -> web.Response:
     if len(body.inputs) > runner.config.max_inputs:
         raise InvalidRequestError(f"{len(body.inputs)} inputs; at most {runner.config.max_inputs} per job",
                                   param="inputs")
-    model = batch_model(request, body.model)
+    model = await resolve_model(request, body.model, kinds=registry.KINDS)  # a cold model loads now
     params = body.params or BatchParams()
     if isinstance(model, ServedEncoder):
         kind = model.kind
@@ -198,13 +196,6 @@ async def create_batch(request: web.Request) -> web.Response:
                               kind)
     return json_response({"batch_id": job.id, "object": "batch", "status": job.status, "model": job.model,
                           "kind": job.kind, "num_inputs": job.num_items, "estimated_time": estimate})
-
-
-def batch_model(request: web.Request, name: str) -> ServedModel | ServedEncoder:
-    """The model a job names, of any kind (404 if none, 403 if the tenant may not use it)."""
-    model = request.app[ENCODERS].models.get(name) or served_model(request, name)
-    check_model_access(request, model.name)
-    return model
 
 
 async def get_batch(request: web.Request) -> web.Response:

@@ -31,8 +31,8 @@ from api.metrics import Metrics
 from api.native_schemas import PredictParams
 from engine.types import FinishReason, GenerationRequest, Priority, SamplingParams
 from scheduling.admission import Rejected, TenantLimits
-from scheduling.encoders import EncoderBusy, EncoderRegistry, ServedEncoder
-from scheduling.router import QueueFull, RequestStream, Router, ServedModel
+from scheduling.encoders import EncoderBusy, ServedEncoder
+from scheduling.router import QueueFull, RequestStream, Router, Served, ServedModel
 from storage import batches
 from storage.batches import BatchItem, BatchJob, ItemResult, ItemStatus, JobStatus
 from storage.db import Database
@@ -114,12 +114,10 @@ def job_summary(job: BatchJob, counts: dict[str, int]) -> dict[str, Any]:
 
 class BatchRunner:
     def __init__(self, router: Router, db: Database, metrics: Metrics, tenants: Callable[[str], Tenant | None],
-                 state: ServerState, config: BatchConfig = BatchConfig(),
-                 encoders: EncoderRegistry | None = None) -> None:
+                 state: ServerState, config: BatchConfig = BatchConfig()) -> None:
         self.router = router
-        self.encoders = encoders or EncoderRegistry()
         # (ref, routing key) -> the version to use, loading it if cold; None: the router's loaded default
-        self.resolve: Callable[[str, str], Awaitable[ServedModel]] | None = None
+        self.resolve: Callable[[str, str], Awaitable[Served]] | None = None
         self.db = db
         self.metrics = metrics
         self.tenants = tenants
@@ -229,12 +227,9 @@ class BatchRunner:
         else:
             await self._finish(job, JobStatus.COMPLETED)
 
-    async def find_model(self, job: BatchJob) -> ServedModel | ServedEncoder | None:
-        """The job's model: an encoder by name, else the generative version for `name` or `name@version`
-        (routed by the job id, so a job's items stay on one version while the split is unchanged)."""
-        encoder = self.encoders.models.get(job.model)
-        if encoder is not None:
-            return encoder
+    async def find_model(self, job: BatchJob) -> Served | None:
+        """The job's model version for `name` or `name@version`, of any kind (routed by the job id,
+        so a job's items stay on one version while the split is unchanged)."""
         if self.resolve is None:
             return self.router.find(job.model)
         try:
@@ -354,13 +349,20 @@ class BatchRunner:
                     self.items_total.labels(result.status).inc()
 
     async def _encode(self, run: JobRun, model: ServedEncoder, texts: list[str]) -> list[ItemResult] | None:
-        """One result per text, waiting out refusals (tenant limits, the batcher's bound) as `_submit` does."""
+        """One result per text, waiting out refusals (tenant limits, the batcher's bound) as `_submit` does;
+        a version unloaded meanwhile (keep_alive, memory budget, rollout) is routed again."""
         estimate = sum(len(text) // 4 + 2 for text in texts)
         while not (run.cancelled or self.state.draining):
             tenant = self.tenants(run.job.tenant)
             if tenant is None:
                 run.cancelled = True
                 return None
+            if model.draining:
+                found = await self.find_model(run.job)
+                if not isinstance(found, ServedEncoder):
+                    error = f"the model {run.job.model!r} is not served"
+                    return [ItemResult(ItemStatus.FAILED.value, error=error)] * len(texts)
+                model = found
             limits = TenantLimits(tenant.name, tenant.max_concurrent, tenant.requests_per_minute,
                                   tenant.tokens_per_minute)
             try:
@@ -370,18 +372,17 @@ class BatchRunner:
                 continue
             used = estimate
             try:
-                future = self.encoders.submit(model, texts)
+                future = self.router.submit_encoder(model, texts)
             except EncoderBusy:
                 self.router.admission.release(ticket, 0)
                 await asyncio.sleep(self.config.retry_seconds)
                 continue
             try:
-                outputs = await asyncio.wrap_future(future)
+                outputs = await asyncio.shield(asyncio.wrap_future(future))
                 used = sum(out.num_tokens for out in outputs)
             except Exception as exc:
                 return [ItemResult(ItemStatus.FAILED.value, error=f"the {model.kind} model failed: {exc}")] * len(texts)
             finally:
-                self.encoders.done(model, len(texts))
                 self.router.admission.release(ticket, used)
             return [encoder_result(model, out) for out in outputs]
         return None

@@ -6,7 +6,6 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from scheduling.encoders import EncoderRegistry
 from scheduling.router import Router
 
 
@@ -21,4 +20,3 @@ class ServerState:
 
 ROUTER = web.AppKey("router", Router)
 STATE = web.AppKey("state", ServerState)
-ENCODERS = web.AppKey("encoders", EncoderRegistry)  # embed and classify models, beside the router

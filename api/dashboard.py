@@ -27,6 +27,7 @@ from api.lifecycle import MODELS
 from api.metrics import METRICS, queue_depths
 from api.routes import Route
 from api.telemetry import ObservabilityConfig, RecentRequests, Tracing, TracingConfig, build_tracing, log_request
+from scheduling.router import ServedModel
 from storage import conversations
 
 STATIC_DIR = Path(__file__).resolve().parents[1] / "static"
@@ -56,7 +57,8 @@ def model_states(app: web.Application) -> list[tuple[str, str, str]]:
     """(name, version, state) per version: the lifecycle manager's registry when there is one, else the router's."""
     manager = app.get(MODELS)  # the model lifecycle owns version states; models attached without it are ready
     states = {(vs.spec.name, vs.spec.version): vs.state for vs in manager.versions.values()} if manager else {}
-    for served in app[ROUTER].served_models():  # attached without the registry (tests, embedders)
+    router = app[ROUTER]
+    for served in [*router.served_models(), *router.served_encoders()]:  # attached without the registry (tests)
         states.setdefault((served.name, served.version), "ready")
     return sorted((name, version, state) for (name, version), state in states.items())
 
@@ -108,9 +110,12 @@ def replica_json(replica, stats) -> dict[str, Any]:
 
 
 def models_json(app: web.Application) -> list[dict[str, Any]]:
+    """Loaded generative versions with their engines' figures (encoders are in GET /admin/api/models)."""
     router, out = app[ROUTER], []
     for name, deployment in sorted(router.deployments.items()):
         for version, served in sorted(deployment.versions.items()):
+            if not isinstance(served, ServedModel):
+                continue
             replicas = [replica_json(r, r.worker.stats(r.engine_id)) for r in served.replicas]
             out.append({"name": name, "version": version, "label": router.label(served),
                         "traffic_percent": deployment.traffic.get(version, 0), "stable": version == deployment.stable,

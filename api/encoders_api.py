@@ -1,9 +1,12 @@
 """Embedding and classification endpoints: OpenAI /v1/embeddings, native /api/v1/embed and
 /api/v1/predict (and /api/v1/models/{name}/predict).
 
-Each input goes through the response cache first (per tenant, model version, input and
-params); the misses go to the model's dynamic batcher in one submit, whose future the
-handler awaits. Tenant limits apply as for generations (tokens estimated, then settled).
+The model version is routed like a generation's (`api.lifecycle.resolve_model`: `name@version`,
+the traffic split by `user` or request id, a cold version loads while the caller waits). Each
+input goes through the response cache first (per tenant, model version, input and params); the
+misses go to the version's dynamic batcher in one submit, whose future the handler awaits
+(shielded: a client that leaves does not cancel inputs the version is draining for). Tenant
+limits apply as for generations (tokens estimated, then settled).
 """
 
 from __future__ import annotations
@@ -18,10 +21,11 @@ from typing import Any
 from aiohttp import web
 
 from api.auth import tenant_of
-from api.context import ENCODERS, ROUTER
+from api.context import ROUTER
 from api.errors import InvalidRequestError, QueueFullError, RateLimitError, json_response
+from api.lifecycle import model_label, resolve_model
 from api.metrics import METRICS
-from api.native import find_model, path_model
+from api.native import path_model
 from api.native_schemas import (
     EmbeddingRequest,
     EmbeddingResponse,
@@ -39,12 +43,9 @@ from scheduling.admission import Rejected
 from scheduling.encoders import EncoderBusy, ServedEncoder
 
 
-async def encoder_for(request: web.Request, name: str, kind: str) -> ServedEncoder:
-    model = await find_model(request, name)
-    if not isinstance(model, ServedEncoder) or model.kind != kind:
-        have = model.kind if isinstance(model, ServedEncoder) else "generate"
-        raise InvalidRequestError(f"The model `{name}` is a `{have}` model; this endpoint needs a `{kind}` model.",
-                                  param="model", code="wrong_model_kind")
+async def encoder_for(request: web.Request, name: str, kind: str, user: str | None = None) -> ServedEncoder:
+    model = await resolve_model(request, name, user=user, kinds=(kind,))
+    assert isinstance(model, ServedEncoder)  # a name's versions are all of its registered kind
     return model
 
 
@@ -91,20 +92,18 @@ async def submit_inputs(request: web.Request, model: ServedEncoder, items: list[
     except Rejected as exc:
         metrics.rejected.labels(model.name, exc.reason).inc()
         raise RateLimitError(str(exc), code=exc.reason, headers={"Retry-After": str(exc.retry_after_s)}) from exc
-    registry, used = request.app[ENCODERS], estimate
+    used = estimate
     try:
         try:
-            future = registry.submit(model, items)
+            future = request.app[ROUTER].submit_encoder(model, items)
         except EncoderBusy as exc:
             metrics.rejected.labels(model.name, "queue_full").inc()
             raise QueueFullError(f"{exc}; retry shortly", headers={"Retry-After": "1"}) from exc
         try:
-            outputs = await asyncio.wrap_future(future)
+            outputs = await asyncio.shield(asyncio.wrap_future(future))
         except Exception as exc:
             metrics.encoder_requests.labels(model.name, "error").inc()
             raise web.HTTPInternalServerError(text=f"the {model.kind} model failed: {exc}") from exc
-        finally:
-            registry.done(model, len(items))
         used = sum(out.num_tokens for out in outputs)
         metrics.encoder_requests.labels(model.name, "ok").inc()
         return outputs
@@ -126,7 +125,7 @@ def cache_flag(body: Any) -> bool | None:
 
 async def embeddings(request: web.Request) -> web.Response:
     body = await parse_body(request, EmbeddingRequest)
-    model = await encoder_for(request, body.model, "embed")
+    model = await encoder_for(request, body.model, "embed", body.user)
     if body.dimensions is not None and body.dimensions != model.dimensions:
         raise InvalidRequestError(f"`{model.name}` makes {model.dimensions}-dimensional embeddings; "
                                   f"dimensions={body.dimensions} is not supported", param="dimensions")
@@ -136,9 +135,8 @@ async def embeddings(request: web.Request) -> web.Response:
     encode = base64_floats if body.encoding_format == "base64" else (lambda v: v)
     data = [{"object": "embedding", "index": i, "embedding": encode(out.values)} for i, out in enumerate(outputs)]
     tokens = sum(out.num_tokens for out in outputs)
-    return json_response({"object": "list", "data": data, "model": model.name,
-                          "usage": {"prompt_tokens": tokens, "total_tokens": tokens}},
-                         headers={"X-Model-Version": f"{model.name}@{model.version}"})
+    return json_response({"object": "list", "data": data, "model": model_label(request, model),
+                          "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
 
 
 async def embed(request: web.Request) -> web.Response:
@@ -146,10 +144,9 @@ async def embed(request: web.Request) -> web.Response:
     model = await encoder_for(request, body.model, "embed")
     outputs = await run_encoder(request, model, body.texts(), {}, wants_cache(request, cache_flag(body)))
     tokens = sum(out.num_tokens for out in outputs)
-    return json_response({"model": model.name, "embeddings": [out.values for out in outputs],
+    return json_response({"model": model_label(request, model), "embeddings": [out.values for out in outputs],
                           "dimensions": model.dimensions, "model_version": model.version,
-                          "usage": {"prompt_tokens": tokens, "total_tokens": tokens}},
-                         headers={"X-Model-Version": f"{model.name}@{model.version}"})
+                          "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
 
 
 # ---- classification ------------------------------------------------------------------------
@@ -188,9 +185,8 @@ async def predict(request: web.Request) -> web.Response:
         fields = results[0]
     else:
         fields = {key: [r[key] for r in results] for key in ("prediction", "confidence", "scores")}
-    return json_response({"model": model.name, **fields, "model_version": model.version,
-                          "latency_ms": round((time.monotonic() - started) * 1000, 3)},
-                         headers={"X-Model-Version": f"{model.name}@{model.version}"})
+    return json_response({"model": model_label(request, model), **fields, "model_version": model.version,
+                          "latency_ms": round((time.monotonic() - started) * 1000, 3)})
 
 
 async def predict_named(request: web.Request) -> web.Response:

@@ -1,12 +1,17 @@
 """Model lifecycle on the event loop: registry versions loading and unloading, routing a request
 to a version, canary health with automatic rollback, hot/cold under a per-device memory budget.
 
+Versions are generative (`ServedModel`: engines on the device workers) or encoders
+(`ServedEncoder`: embed/classify behind a batcher handle); both go through the same
+registry, routing, warm-up, drain, health and memory budget.
+
 `ModelManager` owns the in-memory view of the registry (SQLite is written through the DB
 writer thread after each change; memory is authoritative while the process runs) and the
 router's deployments. Weights load off the loop through an injected `Loader` (launch.py's
 `EngineLoader`: api/ never imports torch). A version becomes routable only after it loaded
-and answered a one-token warm-up; one being unloaded drains first (routing skips it,
-in-flight requests finish) and only then is detached from its workers. Loads and unloads
+and answered a warm-up (one token, or one input through an encoder's batcher); one being
+unloaded drains first (routing skips it, in-flight requests or inputs finish) and only then
+is detached from its workers or its batcher stopped. Loads and unloads
 run one at a time (`_lock`), so the memory budget is counted exactly.
 """
 
@@ -17,6 +22,7 @@ import time
 import uuid
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any, Protocol
 
 import structlog
@@ -26,11 +32,12 @@ from prometheus_client.core import GaugeMetricFamily
 
 from api.auth import check_model_access
 from api.context import ROUTER, STATE
-from api.errors import ModelNotFoundError, ServiceUnavailableError
+from api.errors import ConflictError, InvalidRequestError, ModelNotFoundError, ServiceUnavailableError
 from api.offload import in_fresh_thread
 from engine.types import FinishReason, GenerationRequest, SamplingParams, TokenEvent
 from scheduling.deployments import DeploymentsConfig, HealthWindow, parse_model_ref, rollback_reason
-from scheduling.router import ModelDeployment, RequestStream, Router, ServedModel
+from scheduling.encoders import ServedEncoder
+from scheduling.router import ModelDeployment, RequestStream, Router, Served
 from storage import registry
 from storage.db import Database
 from storage.registry import Deployment, ModelVersion
@@ -52,8 +59,8 @@ class LifecycleConfig:
 class Loader(Protocol):
     def devices_for(self, spec: ModelVersion) -> list[str]: ...
     def estimate_bytes(self, spec: ModelVersion) -> int: ...
-    def load(self, spec: ModelVersion) -> ServedModel: ...
-    def unload(self, served: ServedModel) -> None: ...
+    def load(self, spec: ModelVersion) -> Served: ...
+    def unload(self, served: Served) -> None: ...
 
 
 class LoadFailed(Exception):
@@ -67,7 +74,7 @@ class VersionState:
     spec: ModelVersion
     state: str = "unloaded"
     error: str | None = None
-    served: ServedModel | None = None
+    served: Served | None = None
     devices: list[str] = field(default_factory=list)
     mem_bytes: int = 0
     last_used_s: float = field(default_factory=time.monotonic)
@@ -122,6 +129,7 @@ class ModelManager:
         self._lock = asyncio.Lock()
         self._tasks: set[asyncio.Task] = set()
         router.on_finish = self.on_finish
+        router.on_encoder_finish = self.on_encoder_finish
 
     # ---- startup ------------------------------------------------------------------------
 
@@ -171,7 +179,7 @@ class ModelManager:
 
     # ---- routing ------------------------------------------------------------------------
 
-    async def resolve(self, ref: str, key: str, pinned_version: str | None = None) -> ServedModel:
+    async def resolve(self, ref: str, key: str, pinned_version: str | None = None) -> Served:
         """The version that serves a request for `ref` (`name` or `name@version`).
 
         Pinned (a conversation's) version, else the explicit one, else the split by `key`. A
@@ -193,12 +201,12 @@ class ModelManager:
         self.touch(served)
         return served  # the caller submits before its next await, so a drain counts the request
 
-    def touch(self, served: ServedModel) -> None:
+    def touch(self, served: Served) -> None:
         vs = self.versions.get(served.ref)
         if vs is not None:
             vs.last_used_s = time.monotonic()
 
-    async def _wait_loaded(self, ref: str) -> ServedModel:
+    async def _wait_loaded(self, ref: str) -> Served:
         vs = self.versions.get(ref)
         if vs is None or self.loader is None:
             raise ModelNotFoundError(f"The model version `{ref}` does not exist.", param="model")
@@ -227,7 +235,7 @@ class ModelManager:
             vs.loading = self._spawn(self._load(vs))
         return vs.loading
 
-    async def _load(self, vs: VersionState) -> ServedModel:
+    async def _load(self, vs: VersionState) -> Served:
         async with self._lock:
             if vs.served is not None and not vs.served.draining:
                 return vs.served
@@ -235,7 +243,7 @@ class ModelManager:
                 await self._unload_locked(vs, "reload")
             return await self._load_locked(vs)
 
-    async def _load_locked(self, vs: VersionState) -> ServedModel:
+    async def _load_locked(self, vs: VersionState) -> Served:
         started = time.monotonic()
         served = None
         try:
@@ -259,8 +267,15 @@ class ModelManager:
                  mem_bytes=vs.mem_bytes)
         return served
 
-    async def _warm_up(self, served: ServedModel) -> None:
-        """One token through the real engine path before the version gets any traffic."""
+    async def _warm_up(self, served: Served) -> None:
+        """One token through the real engine path, or one input through the encoder's real batcher,
+        before the version gets any traffic (not counted in its health)."""
+        if isinstance(served, ServedEncoder):
+            future = served.handle.submit(["Hello"])
+            outputs = await asyncio.wait_for(asyncio.wrap_future(future), self.cfg.load_timeout_seconds)
+            if len(outputs) != 1:
+                raise RuntimeError(f"warm-up failed: {len(outputs)} outputs for 1 input")
+            return
         prompt = served.tokenizer.encode("Hello", add_special_tokens=False)[:4] or [0]
         request = GenerationRequest(WARMUP_PREFIX + uuid.uuid4().hex, prompt,
                                     SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True),
@@ -328,15 +343,20 @@ class ModelManager:
 
     def on_finish(self, stream: RequestStream, event: TokenEvent) -> None:
         """Router hook: every finished request feeds its version's health window and idle clock."""
-        if stream.request_id.startswith(WARMUP_PREFIX):
-            return
+        if not stream.request_id.startswith(WARMUP_PREFIX):
+            self._record(stream.model, event.finish_reason != FinishReason.ERROR,
+                         time.monotonic() - stream.request.arrival_s)
+
+    def on_encoder_finish(self, served: ServedEncoder, ok: bool, latency_s: float) -> None:
+        """Router hook: every finished encoder submit, likewise."""
+        self._record(served, ok, latency_s)
+
+    def _record(self, served: Served, ok: bool, latency_s: float) -> None:
         now = time.monotonic()
-        ref = stream.model.ref
-        if ref in self.versions:
-            self.versions[ref].last_used_s = now
-        window = self.health.setdefault(ref, HealthWindow())
-        window.record(now, event.finish_reason != FinishReason.ERROR, now - stream.request.arrival_s)
-        self.check_canaries(stream.model.name)
+        if served.ref in self.versions:
+            self.versions[served.ref].last_used_s = now
+        self.health.setdefault(served.ref, HealthWindow()).record(now, ok, latency_s)
+        self.check_canaries(served.name)
 
     def check_canaries(self, name: str) -> None:
         deployment = self.router.deployments.get(name)
@@ -373,6 +393,10 @@ class ModelManager:
     # ---- registry and deployments -------------------------------------------------------
 
     async def register(self, spec: ModelVersion) -> VersionState:
+        kind = self.kind(spec.name)
+        if kind is not None and kind != spec.kind:  # routing treats all versions of a name alike
+            raise ConflictError(f"`{spec.name}` is a `{kind}` model: its versions must all be `{kind}`.",
+                                param="kind", code="kind_mismatch")
         first = not any(v.spec.name == spec.name for v in self.versions.values())
 
         def add(db) -> Deployment | None:
@@ -391,6 +415,31 @@ class ModelManager:
         if spec.pinned:
             self._warm_in_background(spec.ref)
         return vs
+
+    def kind(self, name: str) -> str | None:
+        """A model name's kind: from the registry, else from a loaded version (attached without the registry)."""
+        registered = next((vs.spec.kind for vs in self.versions.values() if vs.spec.name == name), None)
+        deployment = self.router.deployments.get(name)
+        served = next(iter(deployment.versions.values()), None) if deployment is not None else None
+        if registered is not None or served is None:
+            return registered
+        return served.kind if isinstance(served, ServedEncoder) else "generate"
+
+    def catalog(self) -> list[dict[str, Any]]:
+        """Every model name, registered or attached, as an OpenAI model card: loaded or not (`ready`)."""
+        cards = []
+        for name, deployment in sorted(self.router.deployments.items()):
+            served = deployment.default
+            limit = None if served is None else (
+                served.max_seq_len if isinstance(served, ServedEncoder) else served.max_model_len)
+            created = served.created if served is not None else self._registered_at(name)
+            cards.append({"id": name, "object": "model", "created": created, "owned_by": "galley",
+                          "kind": self.kind(name), "max_model_len": limit, "ready": served is not None})
+        return cards
+
+    def _registered_at(self, name: str) -> int:
+        stamps = [vs.spec.created_at for vs in self.versions.values() if vs.spec.name == name]
+        return int(datetime.fromisoformat(min(stamps)).timestamp()) if stamps else 0
 
     def get(self, name: str, version: str) -> VersionState:
         vs = self.versions.get(f"{name}@{version}")
@@ -487,21 +536,28 @@ class ModelManager:
         return task
 
     async def close(self) -> None:
+        """Stop loads and unloads; stop the encoders it loaded (engines go with their device workers)."""
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        for vs in self.versions.values():
+            if isinstance(vs.served, ServedEncoder):
+                await in_fresh_thread(self.loader.unload, vs.served)
+                vs.served = None
 
 
 MODELS = web.AppKey("models", ModelManager)
 
 
 async def resolve_model(request: web.Request, ref: str, *, user: str | None = None,
-                        conversation_id: str | None = None, pinned_version: str | None = None) -> ServedModel:
+                        conversation_id: str | None = None, pinned_version: str | None = None,
+                        kinds: tuple[str, ...] = ("generate",)) -> Served:
     """The one lookup for every endpoint: the served version for `ref` (`name` or `name@version`).
 
     Routing key: `user`, else the conversation, else the request id. An unknown model is a
-    404 (503 while startup loading runs), then the tenant must be allowed it (403), then a
-    cold version loads. Records the version for the `X-Model-Version` header."""
+    404 (503 while startup loading runs), then the tenant must be allowed it (403), then it
+    must be of one of `kinds` (400), then a cold version loads. Records the version for the
+    `X-Model-Version` header."""
     manager = request.app[MODELS]
     name, _ = parse_model_ref(ref)
     if name not in manager.router.deployments:
@@ -509,12 +565,16 @@ async def resolve_model(request: web.Request, ref: str, *, user: str | None = No
             raise ServiceUnavailableError("models are still loading", headers={"Retry-After": "5"})
         raise ModelNotFoundError(f"The model `{name}` does not exist.", param="model")
     check_model_access(request, name)
+    kind = manager.kind(name)
+    if kind not in kinds:
+        raise InvalidRequestError(f"The model `{name}` is a `{kind}` model; this endpoint needs a "
+                                  f"`{' or '.join(kinds)}` model.", param="model", code="wrong_model_kind")
     served = await manager.resolve(ref, user or conversation_id or request["request_id"], pinned_version)
     request[MODEL_VERSION] = served.ref
     return served
 
 
-def model_label(request: web.Request, served: ServedModel) -> str:
+def model_label(request: web.Request, served: Served) -> str:
     """The `model` field of responses: `name`, or `name@version` while the model has several versions."""
     return request.app[ROUTER].label(served)
 

@@ -17,7 +17,6 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 
 from api.telemetry import SUCCESS, RequestRecord
 from engine.types import BATCH_TOKEN_BOUNDS, EngineStats, FinishReason, TokenEvent
-from scheduling.encoders import EncoderRegistry
 from scheduling.router import RequestStream, Router, ServedModel
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -117,21 +116,25 @@ BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
 class EncoderCollector:
-    """Each encoder's batch sizes and inputs, read from its batcher's stats at scrape time."""
+    """Each encoder's batch sizes and inputs, read from its loaded versions' batcher stats at scrape
+    time and summed per model name (a version's counts leave with it when it unloads)."""
 
-    def __init__(self, encoders: EncoderRegistry) -> None:
-        self.encoders = encoders
+    def __init__(self, router: Router) -> None:
+        self.router = router
 
     def collect(self):
         sizes = HistogramMetricFamily("galley_encoder_batch_size", "Inputs per encoder batch", labels=["model"])
         inputs = CounterMetricFamily("galley_encoder_inputs", "Inputs run through encoder models", labels=["model"])
-        for model in self.encoders.models.values():
-            stats = model.handle.stats
-            buckets = [(str(bound), sum(n for size, n in stats.batch_sizes.items() if size <= bound))
+        by_name: dict[str, list] = {}
+        for model in self.router.served_encoders():
+            by_name.setdefault(model.name, []).append(model.handle.stats)
+        for name, stats in sorted(by_name.items()):
+            buckets = [(str(bound), sum(n for s in stats for size, n in s.batch_sizes.items() if size <= bound))
                        for bound in BATCH_SIZE_BUCKETS]
-            buckets.append(("+Inf", stats.num_batches))
-            sizes.add_metric([model.name], buckets, sum_value=stats.num_items)
-            inputs.add_metric([model.name], stats.num_items)
+            buckets.append(("+Inf", sum(s.num_batches for s in stats)))
+            num_items = sum(s.num_items for s in stats)
+            sizes.add_metric([name], buckets, sum_value=num_items)
+            inputs.add_metric([name], num_items)
         yield sizes
         yield inputs
 
@@ -168,9 +171,7 @@ class Metrics:
                                         ["model", "status"], registry=r)
         self.log_prompts = False
         self.registry.register(EngineCollector(router))
-
-    def watch_encoders(self, encoders: EncoderRegistry) -> None:
-        self.registry.register(EncoderCollector(encoders))
+        self.registry.register(EncoderCollector(router))
 
     def reject(self, model: ServedModel, reason: str, tenant: str = "default", priority: str = "normal",
                request_id: str | None = None) -> None:

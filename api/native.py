@@ -1,5 +1,4 @@
-"""The native generation API: POST /api/v1/generate and /api/v1/models/{name}/generate, and
-`find_model`, the one function through which native and embedding endpoints resolve a model.
+"""The native generation API: POST /api/v1/generate and /api/v1/models/{name}/generate.
 
 Generation reuses the OpenAI handlers' engine path (`sampling_params`, `submit`, `collect`,
 `scheduled_events`); only the wire format differs: `{"text", ...}` or SSE events
@@ -13,8 +12,8 @@ import time
 
 from aiohttp import web
 
-from api.auth import check_model_access, check_priority_access, tenant_of
-from api.context import ENCODERS, ROUTER
+from api.auth import check_priority_access, tenant_of
+from api.context import ROUTER
 from api.errors import InvalidRequestError, json_response
 from api.lifecycle import model_label, resolve_model
 from api.metrics import METRICS
@@ -25,21 +24,9 @@ from api.routes import Route
 from api.sse import open_sse, send_event
 from api.streams import prepend
 from api.validation import parse_body
-from scheduling.encoders import ServedEncoder
 from scheduling.router import RequestStream, ServedModel
 
 DEFAULT_MAX_TOKENS = 128
-
-
-async def find_model(request: web.Request, name: str, user: str | None = None) -> ServedModel | ServedEncoder:
-    """The served model called `name`, of any kind, that the caller's tenant may use (404 if none,
-    503 while loading, 403 if not allowed). The single lookup of the native and embedding API:
-    generative models go through version routing (`name@version`, traffic split by `user`)."""
-    encoder = request.app[ENCODERS].models.get(name)
-    if encoder is None:
-        return await resolve_model(request, name, user=user)
-    check_model_access(request, encoder.name)
-    return encoder
 
 
 def path_model(request: web.Request, body_model: str | None) -> str:
@@ -63,10 +50,7 @@ def prompt_token_ids(model: ServedModel, prompt: str | list[int]) -> list[int]:
 async def generate(request: web.Request) -> web.StreamResponse:
     started = time.monotonic()
     body = await parse_body(request, GenerateRequest)
-    model = await find_model(request, path_model(request, body.model), user=body.user)
-    if isinstance(model, ServedEncoder):
-        raise InvalidRequestError(f"The model `{model.name}` is a `{model.kind}` model; generate needs a "
-                                  "`generate` model.", param="model", code="wrong_model_kind")
+    model = await resolve_model(request, path_model(request, body.model), user=body.user)
     check_priority_access(request, body.priority)
     prompt_ids = prompt_token_ids(model, body.prompt)
     max_tokens = body.max_tokens or max(1, min(DEFAULT_MAX_TOKENS, model.max_model_len - len(prompt_ids)))

@@ -20,7 +20,7 @@ from aiohttp import web
 from api import completion_cache
 from api.auth import check_priority_access, tenant_of
 from api.chunks import ChunkFormat, chat_logprobs, completion_logprobs
-from api.context import ENCODERS, ROUTER, STATE
+from api.context import ROUTER, STATE
 from api.errors import (
     ConflictError,
     InvalidRequestError,
@@ -31,7 +31,7 @@ from api.errors import (
     ServiceUnavailableError,
     json_response,
 )
-from api.lifecycle import model_label, resolve_model
+from api.lifecycle import MODELS, model_label, resolve_model
 from api.metrics import METRICS
 from api.routes import Route
 from api.schemas import (
@@ -353,13 +353,10 @@ def completion_response(request: web.Request, fmt: ChunkFormat, text: str, logpr
 
 
 async def list_models(request: web.Request) -> web.Response:
-    """Generative models and encoders (embed, classify) the caller's tenant may use."""
+    """Every registered model (generate, embed, classify) the caller's tenant may use, loaded or cold."""
     tenant = tenant_of(request)
-    data = [{"id": m.name, "object": "model", "created": m.created, "owned_by": "galley", "kind": "generate",
-             "max_model_len": m.max_model_len} for m in request.app[ROUTER].models.values()]
-    data += [{"id": m.name, "object": "model", "created": m.created, "owned_by": "galley", "kind": m.kind,
-              "max_model_len": m.max_seq_len} for m in request.app[ENCODERS].models.values()]
-    return json_response({"object": "list", "data": [m for m in data if tenant.allows_model(m["id"])]})
+    data = [card for card in request.app[MODELS].catalog() if tenant.allows_model(card["id"])]
+    return json_response({"object": "list", "data": data})
 
 
 ROUTES = [

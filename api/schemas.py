@@ -128,7 +128,8 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "galley"
     kind: Literal["generate", "embed", "classify"] = "generate"
-    max_model_len: int  # context (generate) or longest input (encoders), in tokens
+    max_model_len: int | None  # context (generate) or longest input (encoders), in tokens; null until loaded
+    ready: bool  # a version is loaded and can answer now; false: the first request loads it (cold)
 
 
 class ModelList(BaseModel):

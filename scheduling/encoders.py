@@ -1,13 +1,18 @@
 """Served encoder models (kinds `embed` and `classify`) as the API sees them, torch-free.
 
-An encoder has no KV cache and no engine step: its handle (a dynamic batcher thread,
-wired in by launch.py) takes a list of inputs and returns a `concurrent.futures.Future` of
-one output per input (`.values`, `.num_tokens`). The registry bounds how many inputs may
-wait per model, so overload is refused at once instead of queueing without end.
+An encoder has no KV cache and no engine step: its handle (wired in by launch.py) takes a
+list of inputs and returns a `concurrent.futures.Future` of one output per input (`.values`,
+`.num_tokens`). `submit` bounds how many inputs may wait per model, so overload is refused
+at once instead of queueing without end, and counts inputs in flight until their future
+finishes, so a version being unloaded drains before its handle stops.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -29,7 +34,7 @@ class EncoderBusy(Exception):
 
 @dataclass
 class ServedEncoder:
-    """An embedding or classification model: what validation and responses need, and its handle."""
+    """An embedding or classification model version: what validation and responses need, and its handle."""
 
     name: str
     kind: str  # embed | classify
@@ -42,24 +47,38 @@ class ServedEncoder:
     max_waiting: int = 1024  # inputs submitted and not yet answered; beyond it 429
     version: str = "1"
     created: int = 0
-    num_in_flight: int = 0  # inputs; touched only on the event loop
+    mem_bytes: int = 0  # weights, measured after loading
+    num_in_flight: int = 0  # inputs whose future has not finished; touched only on the event loop
+    draining: bool = False  # being unloaded: in-flight inputs finish, new requests go elsewhere
+
+    @property
+    def ref(self) -> str:
+        return f"{self.name}@{self.version}"
 
 
-@dataclass
-class EncoderRegistry:
-    models: dict[str, ServedEncoder] = field(default_factory=dict)
+# (model, ok, latency_s) for each finished submit, on the event loop: canary health, idle clocks
+OnEncoderFinish = Callable[[ServedEncoder, bool, float], None]
 
-    def add(self, model: ServedEncoder) -> None:
-        self.models[model.name] = model
 
-    def submit(self, model: ServedEncoder, items: list[Any]) -> Future:
-        """Hand inputs to the model's batcher, or raise `EncoderBusy` changing nothing.
+def submit(model: ServedEncoder, items: list[Any], on_finish: OnEncoderFinish | None = None) -> Future:
+    """Hand inputs to the model's handle, or raise `EncoderBusy` changing nothing. Call on the event loop.
 
-        The caller calls `done(model, len(items))` once the future is finished or abandoned."""
-        if model.num_in_flight + len(items) > model.max_waiting and model.num_in_flight:
-            raise EncoderBusy(model.name, model.max_waiting)
-        model.num_in_flight += len(items)
-        return model.handle.submit(items)
+    `num_in_flight` drops when the future finishes (not when a caller stops waiting), then
+    `on_finish` runs; await the future through `asyncio.shield` so a leaving caller cannot cancel it."""
+    if model.num_in_flight + len(items) > model.max_waiting and model.num_in_flight:
+        raise EncoderBusy(model.name, model.max_waiting)
+    loop, started = asyncio.get_running_loop(), time.monotonic()
+    future = model.handle.submit(items)
+    model.num_in_flight += len(items)
 
-    def done(self, model: ServedEncoder, num_items: int) -> None:
-        model.num_in_flight -= num_items
+    def settle(done: Future) -> None:
+        model.num_in_flight -= len(items)
+        if on_finish is not None:
+            on_finish(model, not done.cancelled() and done.exception() is None, time.monotonic() - started)
+
+    def finished(done: Future) -> None:  # on the handle's thread
+        with contextlib.suppress(RuntimeError):  # the loop closed at shutdown: nobody is counting
+            loop.call_soon_threadsafe(settle, done)
+
+    future.add_done_callback(finished)
+    return future

@@ -1,8 +1,11 @@
-"""Routes generation requests to a model's replicas and token events back to their streams.
+"""Routes generation requests to a model's replicas and token events back to their streams, and
+encoder inputs to an encoder version's handle.
 
 Lives on the event loop: `submit` picks the least loaded replica and hands the request to
 its device worker; `dispatch` (called on the loop via `call_soon_threadsafe` with each
-step's events) feeds every request's `RequestStream`. Admission is bounded: past
+step's events) feeds every request's `RequestStream`; `submit_encoder` hands inputs to an
+embed/classify version. A model name's versions are all of one kind, generative
+(`ServedModel`) or encoder (`ServedEncoder`). Admission is bounded: past
 `max_num_seqs` running plus `max_waiting` queued per replica, `submit` refuses at once,
 after the tenant's own limits (`scheduling.admission`) have let the request through.
 """
@@ -11,12 +14,15 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from engine.types import EngineStats, FinishReason, GenerationRequest, TokenEvent
+from scheduling import encoders
 from scheduling.admission import Admission, TenantLimits, Ticket
 from scheduling.deployments import parse_model_ref, pick_version
+from scheduling.encoders import OnEncoderFinish, ServedEncoder
 
 
 class QueueFull(Exception):
@@ -66,6 +72,9 @@ class ServedModel:
         return min(self.replicas, key=lambda r: r.num_in_flight)
 
 
+Served = ServedModel | ServedEncoder  # one loaded version of a model, of either kind
+
+
 @dataclass
 class ModelDeployment:
     """A model name as routing sees it: its traffic split and the versions attached to workers.
@@ -77,23 +86,23 @@ class ModelDeployment:
     name: str
     traffic: dict[str, int]
     stable: str
-    versions: dict[str, ServedModel] = field(default_factory=dict)
+    versions: dict[str, Served] = field(default_factory=dict)
     num_registered: int = 1  # versions in the registry; above 1, responses name the version
 
     def choose(self, key: str) -> str:
         return pick_version(self.traffic, self.stable, key)
 
-    def routable(self, version: str) -> ServedModel | None:
+    def routable(self, version: str) -> Served | None:
         served = self.versions.get(version)
         return served if served is not None and not served.draining else None
 
     @property
-    def default(self) -> ServedModel | None:
+    def default(self) -> Served | None:
         """The stable version if it is loaded, else any loaded version."""
         stable = self.routable(self.stable)
         return stable or next((v for v in self.versions.values() if not v.draining), None)
 
-    def label(self, served: ServedModel) -> str:
+    def label(self, served: Served) -> str:
         """What responses call it: `name`, or `name@version` while several versions exist."""
         return served.name if self.num_registered <= 1 else served.ref
 
@@ -129,32 +138,37 @@ class Router:
     admission: Admission = field(default_factory=Admission)
     queue_timeout_s: float = 600.0  # a request not scheduled by then gets 503
     on_finish: Callable[[RequestStream, TokenEvent], None] | None = None  # canary health, idle clocks
+    on_encoder_finish: OnEncoderFinish | None = None  # the same for encoder submits
 
     @property
     def num_in_flight(self) -> int:
         return len(self.streams)
 
     @property
-    def models(self) -> dict[str, ServedModel]:
+    def models(self) -> dict[str, Served]:
         """Each model name's default served version (a fresh dict: change deployments, not this)."""
         return {name: d.default for name, d in self.deployments.items() if d.default is not None}
 
     def served_models(self) -> list[ServedModel]:
-        """Every loaded version of every model."""
-        return [served for d in self.deployments.values() for served in d.versions.values()]
+        """Every loaded version of every generative model."""
+        return [s for d in self.deployments.values() for s in d.versions.values() if isinstance(s, ServedModel)]
 
-    def add_model(self, model: ServedModel) -> None:
+    def served_encoders(self) -> list[ServedEncoder]:
+        """Every loaded version of every embed or classify model."""
+        return [s for d in self.deployments.values() for s in d.versions.values() if isinstance(s, ServedEncoder)]
+
+    def add_model(self, model: Served) -> None:
         """Attach a loaded version; a new name gets a deployment sending it all traffic."""
         deployment = self.deployments.setdefault(model.name, ModelDeployment(model.name, {model.version: 100},
                                                                              model.version))
         deployment.versions[model.version] = model
 
-    def remove_model(self, model: ServedModel) -> None:
+    def remove_model(self, model: Served) -> None:
         deployment = self.deployments.get(model.name)
         if deployment is not None and deployment.versions.get(model.version) is model:
             del deployment.versions[model.version]
 
-    def find(self, ref: str) -> ServedModel | None:
+    def find(self, ref: str) -> Served | None:
         """A loaded, routable version by `name` (its default) or `name@version`."""
         name, version = parse_model_ref(ref)
         deployment = self.deployments.get(name)
@@ -162,7 +176,7 @@ class Router:
             return None
         return deployment.default if version is None else deployment.routable(version)
 
-    def label(self, model: ServedModel) -> str:
+    def label(self, model: Served) -> str:
         deployment = self.deployments.get(model.name)
         return deployment.label(model) if deployment is not None else model.name
 
@@ -182,6 +196,14 @@ class Router:
         replica.num_in_flight += 1
         replica.worker.submit(replica.engine_id, request)
         return stream
+
+    def submit_encoder(self, model: ServedEncoder, items: list[Any]) -> Future:
+        """Hand inputs to an encoder version (`EncoderBusy` over its bound); its outcome reaches `on_encoder_finish`."""
+        return encoders.submit(model, items, self._encoder_finished)
+
+    def _encoder_finished(self, model: ServedEncoder, ok: bool, latency_s: float) -> None:
+        if self.on_encoder_finish is not None:
+            self.on_encoder_finish(model, ok, latency_s)
 
     def abort(self, stream: RequestStream) -> None:
         """Cancel a request nobody wants any more; its blocks free before the next step.

@@ -1,4 +1,4 @@
-"""A tiny random-weight BERT classifier with a WordPiece tokenizer trained here (no hub)."""
+"""Tiny random-weight BERT encoders (a classifier, an embedder) with a WordPiece tokenizer trained here (no hub)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
-from transformers import BertConfig, BertForSequenceClassification, PreTrainedTokenizerFast
+from transformers import BertConfig, BertForSequenceClassification, BertModel, PreTrainedTokenizerFast
 
 from tests.models import CORPUS
 
@@ -35,5 +35,16 @@ def save_tiny_classifier(out: Path, seed: int = 0) -> Path:
                         intermediate_size=64, max_position_embeddings=128, num_labels=len(LABELS),
                         id2label=LABELS, label2id={v: k for k, v in LABELS.items()}, initializer_range=0.2)
     BertForSequenceClassification(config).eval().save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def save_tiny_embedder(out: Path, seed: int = 0) -> Path:
+    """A tiny random BERT as a plain embedding folder (mean pooling, no normalisation)."""
+    torch.manual_seed(seed)
+    tokenizer = build_wordpiece()
+    config = BertConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                        intermediate_size=64, max_position_embeddings=128, initializer_range=0.2)
+    BertModel(config).eval().save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out

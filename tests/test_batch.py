@@ -12,15 +12,14 @@ from aiohttp import web
 from api.app import create_app
 from api.batch_runner import BatchConfig
 from engine.model_runner import CacheConfig
-from launch import EncoderLaunch, EngineConfig, start_encoders, start_models
-from scheduling.encoders import EncoderRegistry
+from launch import EngineConfig, start_models, unload_encoder
 from scheduling.router import Router
 from storage.tenants import hash_key
 from tests.encoder_models import save_tiny_classifier
 from tests.helpers import metric
 from tests.test_api import wait_blocks_free
 from tests.test_auth import ADMIN, Client
-from tests.test_encoders import MINILM
+from tests.test_encoders import router_with, start_test_encoders
 
 PROMPTS = [f"Item {i}: the quick brown fox" if i % 3 else f"To be, or not {i}" for i in range(50)]
 GREEDY = {"temperature": 0, "max_tokens": 8, "ignore_eos": True}
@@ -244,18 +243,14 @@ async def test_an_interactive_request_overtakes_queued_batch_items(make_stack):
 
 @pytest.fixture(scope="module")
 def encoders(tmp_path_factory):
-    registry = EncoderRegistry()
-    classifier = save_tiny_classifier(tmp_path_factory.mktemp("classifier"))
-    batchers = start_encoders([EncoderLaunch("minilm", MINILM, "embed", max_batch=32, max_wait_ms=5),
-                               EncoderLaunch("clf", str(classifier), "classify", max_batch=8, max_wait_ms=2)],
-                              EngineConfig(), registry)
-    yield registry
-    for batcher in batchers:
-        batcher.stop()
+    served = start_test_encoders(save_tiny_classifier(tmp_path_factory.mktemp("classifier")))
+    yield served
+    for encoder in served.values():
+        unload_encoder(encoder)
 
 
 async def test_embed_and_classify_jobs_equal_the_direct_endpoints(aiohttp_server, db, encoders):
-    app = create_app(Router(), db=db, auth_enabled=True, admin_key_hash=hash_key(ADMIN), encoders=encoders,
+    app = create_app(router_with(encoders), db=db, auth_enabled=True, admin_key_hash=hash_key(ADMIN),
                      batch_config=BatchConfig(max_in_flight_per_job=8))
     server = await aiohttp_server(app)
     texts = [f"sentence {i}: the quick brown fox" for i in range(20)]

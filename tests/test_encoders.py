@@ -16,10 +16,11 @@ import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from api.app import create_app
-from launch import EncoderLaunch, EngineConfig, start_encoders
-from scheduling.encoders import EncoderRegistry
+from launch import load_encoder, unload_encoder
+from scheduling.encoders import ServedEncoder
 from scheduling.router import Router
 from storage.db import Database
+from storage.registry import ModelVersion
 from storage.tenants import hash_key
 from tests.encoder_models import LABELS, save_tiny_classifier
 from tests.helpers import metric
@@ -37,22 +38,33 @@ def classifier_path(tmp_path_factory):
     return save_tiny_classifier(tmp_path_factory.mktemp("classifier"))
 
 
+def start_test_encoders(classifier_path) -> dict[str, ServedEncoder]:
+    return {"minilm": load_encoder(ModelVersion("minilm", "1", MINILM, "embed", {"max_batch": 32, "max_wait_ms": 5}),
+                                   "cpu", "auto"),
+            "clf": load_encoder(ModelVersion("clf", "1", str(classifier_path), "classify",
+                                             {"max_batch": 8, "max_wait_ms": 2}), "cpu", "auto")}
+
+
+def router_with(encoders: dict[str, ServedEncoder]) -> Router:
+    """A router serving these loaded encoders, outside the registry (so tests share one load)."""
+    router = Router()
+    for served in encoders.values():
+        router.add_model(served)
+    return router
+
+
 @pytest.fixture(scope="session")
 def encoders(classifier_path):
     """minilm and the classifier loaded once; each test's app shares their batcher threads."""
-    registry = EncoderRegistry()
-    batchers = start_encoders([
-        EncoderLaunch("minilm", MINILM, "embed", max_batch=32, max_wait_ms=5),
-        EncoderLaunch("clf", str(classifier_path), "classify", max_batch=8, max_wait_ms=2),
-    ], EngineConfig(), registry)
-    yield registry
-    for batcher in batchers:
-        batcher.stop()
+    served = start_test_encoders(classifier_path)
+    yield served
+    for encoder in served.values():
+        unload_encoder(encoder)
 
 
 @pytest.fixture
 async def server(aiohttp_server, encoders):
-    return await aiohttp_server(create_app(Router(), encoders=encoders))
+    return await aiohttp_server(create_app(router_with(encoders)))
 
 
 @pytest.fixture
@@ -77,7 +89,7 @@ async def test_64_concurrent_embeddings_equal_sentence_transformers_and_are_batc
     from sentence_transformers import SentenceTransformer
 
     texts = sentences(64, "concurrent")
-    stats_before = encoders.models["minilm"].handle.stats
+    stats_before = encoders["minilm"].handle.stats
     sdk = openai.AsyncOpenAI(base_url=str(server.make_url("/v1")), api_key="x", max_retries=0)
     responses = await asyncio.gather(*(sdk.embeddings.create(model="minilm", input=t) for t in texts))
     got = np.array([r.data[0].embedding for r in responses])
@@ -85,7 +97,7 @@ async def test_64_concurrent_embeddings_equal_sentence_transformers_and_are_batc
     assert got.shape == (64, 384)
     assert np.abs(got - reference).max() < 1e-5
     assert np.allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)  # the folder's Normalize module
-    stats = encoders.models["minilm"].handle.stats
+    stats = encoders["minilm"].handle.stats
     num_batches, num_items = stats.num_batches - stats_before.num_batches, stats.num_items - stats_before.num_items
     assert num_items == 64 and num_batches < 64, (num_batches, num_items)
     assert max(stats.batch_sizes) > 1
@@ -153,7 +165,7 @@ async def test_predict_scores_equal_a_direct_hf_forward(http, classifier_path):
 
 
 async def test_cache_hits_on_repeat_and_is_bypassable(http, encoders):
-    handle = encoders.models["minilm"].handle
+    handle = encoders["minilm"].handle
     body = {"model": "minilm", "input": ["cache me", "and me"]}
     hits0 = await metric(http, "galley_response_cache_hits_total", model="minilm")
     misses0 = await metric(http, "galley_response_cache_misses_total", model="minilm")
@@ -168,7 +180,7 @@ async def test_cache_hits_on_repeat_and_is_bypassable(http, encoders):
     _, bypassed = await post(http, "/v1/embeddings", {**body, "galley": {"cache": False}})
     assert handle.stats.num_items == items0 + 6
     assert await metric(http, "galley_response_cache_hits_total", model="minilm") == hits0 + 2
-    clf = encoders.models["clf"].handle
+    clf = encoders["clf"].handle
     before = clf.stats.num_items
     for _ in range(2):
         status, _ = await post(http, "/api/v1/predict", {"model": "clf", "input": "cached prediction"})
@@ -209,7 +221,7 @@ async def test_dimensions_equal_to_the_models_are_accepted_and_the_spec_lists_th
 async def test_tenants_never_share_cache_entries_and_model_access_is_checked(aiohttp_server, encoders, tmp_path):
     db = Database(tmp_path / "galley.db")
     try:
-        app = create_app(Router(), db=db, auth_enabled=True, admin_key_hash=hash_key(ADMIN), encoders=encoders)
+        app = create_app(router_with(encoders), db=db, auth_enabled=True, admin_key_hash=hash_key(ADMIN))
         server = await aiohttp_server(app)
         async with aiohttp.ClientSession(base_url=server.make_url("/")) as http:
             keys = {}
@@ -220,7 +232,7 @@ async def test_tenants_never_share_cache_entries_and_model_access_is_checked(aio
                 assert status == 201
                 status, key = await post(http, f"/admin/api/tenants/{tenant}/keys", {}, headers=admin)
                 keys[tenant] = {"Authorization": f"Bearer {key['key']}"}
-            handle = encoders.models["minilm"].handle
+            handle = encoders["minilm"].handle
             body = {"model": "minilm", "input": "shared between tenants?"}
             items0 = handle.stats.num_items
             for tenant in ("a", "a", "b"):
