@@ -38,3 +38,14 @@ def test_model_flag_forms():
     assert parse_model_flag("/models/llama-3/") == ModelSpec("llama-3", "/models/llama-3/")
     with pytest.raises(ConfigError):
         parse_model_flag("=x")
+
+
+def test_encoder_entries_become_registry_options_and_a_name_keeps_one_kind(tmp_path):
+    path = tmp_path / "c.toml"
+    entry = '[[models]]\nname = "e"\npath = "x"\nkind = "embed"\nmax_batch = 4\nkeep_alive = 2.0\n'
+    path.write_text(entry)
+    (model,) = load_config(path).models
+    assert model.options == {"keep_alive": 2.0, "max_batch": 4, "max_wait_ms": 5.0}
+    path.write_text(entry + '[[models]]\nname = "e"\npath = "y"\nversion = "2"\n')
+    with pytest.raises(ConfigError, match="one kind"):
+        load_config(path)
