@@ -14,6 +14,7 @@ from aiohttp import web
 
 from api import admin, batch, conversations, dashboard, encoders_api, health, lifecycle, native, openai, stream_api, ws
 from api import deployments as deployments_api
+from api import shadow as shadow_traffic
 from api.alerts import DEFAULT_ALERTS, AlertRule
 from api.auth import AUTH, DATABASE, Auth, TenantDirectory, auth_middleware
 from api.batch_runner import BatchConfig, BatchRunner
@@ -102,6 +103,7 @@ def create_app(router: Router, state: ServerState | None = None, *, db: Database
     app[RESPONSE_CACHE] = ResponseCache(response_cache or ResponseCacheConfig())
     app.on_response_prepare.append(add_cache_header)
     lifecycle.setup(app, app[DATABASE], app[METRICS].registry, loader, lifecycle_config, deployments_config)
+    shadow_traffic.setup(app, app[DATABASE])
     app[HUB] = StreamHub(router, app[DATABASE], app[METRICS], streams_config or StreamsConfig())
     app.cleanup_ctx.append(run_stream_sweeper)
     tenants = lambda name: app[AUTH].directory.tenants.get(name)  # noqa: E731

@@ -14,9 +14,10 @@ from aiohttp import web
 from pydantic import BaseModel, Field, RootModel
 
 from api.errors import ConflictError, InvalidRequestError, json_response
-from api.lifecycle import MODELS, ModelManager, VersionState
+from api.lifecycle import MODELS, VersionState
 from api.routes import Route
 from api.schemas import Strict
+from api.shadow import SHADOWS
 from api.validation import parse_body
 from storage import registry
 from storage.registry import ModelVersion
@@ -81,6 +82,17 @@ class TrafficSplit(RootModel[dict[Name, Annotated[int, Field(strict=True, ge=0, 
     """`{"version": percent, ...}`: integers summing to 100."""
 
 
+class ShadowSet(Strict):
+    version: Name | None = Field(None, description="A registered generate version of the model, not its stable one.")
+    percent: int = Field(strict=True, ge=0, le=100, description="Share of the stable version's requests mirrored; "
+                         "0 stops mirroring.")
+
+
+class ShadowOut(BaseModel):
+    version: str
+    percent: int
+
+
 class VersionHealth(BaseModel):
     requests: int
     error_rate: float
@@ -100,6 +112,7 @@ class DeploymentOut(BaseModel):
     traffic: dict[str, int]
     stable_version: str
     previous_stable_version: str | None
+    shadow: ShadowOut | None = Field(description="The version mirrored to (outputs logged, never returned).")
     versions: dict[str, VersionOut]
     health: dict[str, VersionHealth] = Field(description="Per version, over the canary window.")
     events: list[EventOut] = Field(description="Most recent changes first.")
@@ -124,7 +137,8 @@ def version_json(vs: VersionState) -> dict[str, Any]:
     ).model_dump()
 
 
-async def deployment_json(manager: ModelManager, name: str) -> dict[str, Any]:
+async def deployment_json(request: web.Request, name: str) -> dict[str, Any]:
+    manager, shadows = request.app[MODELS], request.app[SHADOWS]
     deployment, previous = manager.deployment(name)
     versions = {vs.spec.version: version_json(vs) for vs in manager.versions.values() if vs.spec.name == name}
     health = {}
@@ -135,9 +149,11 @@ async def deployment_json(manager: ModelManager, name: str) -> dict[str, Any]:
                                "p99_latency_s": window.p99_latency_s}
     events = [{"kind": e.kind, "traffic_before": e.traffic_before, "traffic_after": e.traffic_after,
                "reason": e.reason, "created_at": e.created_at} for e in await manager.events(name, 10)]
+    shadow = shadows.shadows.get(name)
     return DeploymentOut(model_name=name, traffic=deployment.traffic, stable_version=deployment.stable,
-                         previous_stable_version=previous, versions=versions, health=health,
-                         events=events).model_dump()
+                         previous_stable_version=previous,
+                         shadow={"version": shadow.version, "percent": shadow.percent} if shadow else None,
+                         versions=versions, health=health, events=events).model_dump()
 
 
 # ---- registry handlers (admin key) ------------------------------------------------------
@@ -184,7 +200,7 @@ async def create_deployment(request: web.Request) -> web.Response:
     body = await parse_body(request, DeploymentCreate)
     manager = request.app[MODELS]
     await manager.deploy(body.model_name, body.version, body.traffic_percent)
-    return json_response(await deployment_json(manager, body.model_name), status=201)
+    return json_response(await deployment_json(request, body.model_name), status=201)
 
 
 async def update_traffic(request: web.Request) -> web.Response:
@@ -196,7 +212,14 @@ async def update_traffic(request: web.Request) -> web.Response:
         raise InvalidRequestError(str(exc), param="traffic") from exc
     manager = request.app[MODELS]
     await manager.set_traffic(name, raw, "traffic")
-    return json_response(await deployment_json(manager, name))
+    return json_response(await deployment_json(request, name))
+
+
+async def set_shadow(request: web.Request) -> web.Response:
+    name = request.match_info["model_name"]
+    body = await parse_body(request, ShadowSet)
+    await request.app[SHADOWS].set(name, body.version, body.percent)
+    return json_response(await deployment_json(request, name))
 
 
 async def rollback(request: web.Request) -> web.Response:
@@ -205,12 +228,12 @@ async def rollback(request: web.Request) -> web.Response:
     if not await manager.rollback(name, "requested"):
         raise ConflictError(f"`{name}` has no canary and no previous stable version to roll back to.",
                             param="model_name", code="nothing_to_roll_back")
-    return json_response(await deployment_json(manager, name))
+    return json_response(await deployment_json(request, name))
 
 
 async def list_deployments(request: web.Request) -> web.Response:
     manager = request.app[MODELS]
-    data = [await deployment_json(manager, name) for name in sorted(manager.router.deployments)]
+    data = [await deployment_json(request, name) for name in sorted(manager.router.deployments)]
     return json_response({"object": "list", "data": data})
 
 
@@ -232,6 +255,9 @@ ROUTES = [
           response=DeploymentList),
     Route("PUT", DEPLOYMENTS_PATH + "/{model_name}/traffic", update_traffic,
           "Set a traffic split {version: percent} summing to 100", request=TrafficSplit, response=DeploymentOut),
+    Route("PUT", DEPLOYMENTS_PATH + "/{model_name}/shadow", set_shadow,
+          "Mirror a share of the stable version's requests to another version (outputs logged, never returned)",
+          request=ShadowSet, response=DeploymentOut),
     Route("POST", DEPLOYMENTS_PATH + "/{model_name}/rollback", rollback,
           "All traffic back to the stable (or previous stable) version at once", response=DeploymentOut),
 ]

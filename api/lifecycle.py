@@ -46,6 +46,7 @@ log = structlog.get_logger(__name__)
 
 GIB = 1024**3
 WARMUP_PREFIX = "warmup-"
+SHADOW_PREFIX = "shadow-"  # mirrored copies (api/shadow.py): they keep a version warm but judge nothing
 MODEL_VERSION = "model_version"  # request[MODEL_VERSION]: name@version that served it (X-Model-Version)
 
 
@@ -342,8 +343,11 @@ class ModelManager:
     # ---- health and idleness ------------------------------------------------------------
 
     def on_finish(self, stream: RequestStream, event: TokenEvent) -> None:
-        """Router hook: every finished request feeds its version's health window and idle clock."""
-        if not stream.request_id.startswith(WARMUP_PREFIX):
+        """Router hook: every finished request feeds its version's health window and idle clock
+        (a shadow copy only the idle clock)."""
+        if stream.request_id.startswith(SHADOW_PREFIX):
+            self.touch(stream.model)
+        elif not stream.request_id.startswith(WARMUP_PREFIX):
             self._record(stream.model, event.finish_reason != FinishReason.ERROR,
                          time.monotonic() - stream.request.arrival_s)
 

@@ -43,6 +43,7 @@ from api.schemas import (
     ModelList,
     SamplingFields,
 )
+from api.shadow import mirror_request
 from api.stream_api import collect_live, serve_live
 from api.streams import HUB, LiveStream
 from api.validation import parse_body
@@ -123,6 +124,7 @@ def submit(request: web.Request, model: ServedModel, prompt_ids: list[int], para
         metrics.reject(model, exc.reason, limits.name, priority)
         raise RateLimitError(str(exc), code=exc.reason, headers={"Retry-After": str(exc.retry_after_s)}) from exc
     metrics.admitted.labels(model.name, limits.name, priority).inc()
+    mirror_request(request, stream)
     return stream
 
 

@@ -32,6 +32,7 @@ MIGRATIONS: tuple[Migration, ...] = (
     registry.create_registry_tables,
     batches.create_batch_tables,
     batches.add_batch_job_kind,
+    registry.create_shadow_table,
 )
 
 

@@ -1,10 +1,12 @@
-"""The model registry and deployments: tables `model_versions`, `deployments`, `deployment_events`.
+"""The model registry and deployments: tables `model_versions`, `deployments`, `deployment_events`,
+`deployment_shadows`.
 
 A model version is (name, version) with its source (a local folder or a hub id), its kind
 (generate / embed / classify), its options and its lifecycle state. A deployment maps a
 model name to its traffic split {version: percent} (summing to 100), its stable version and
 the stable version before that (what a rollback returns to); every change is appended to
-`deployment_events`. Sync functions over a `sqlite_utils.Database`; writes belong on the
+`deployment_events`. A deployment may have a shadow (`deployment_shadows`): a version that
+gets a copy of some of its traffic. Sync functions over a `sqlite_utils.Database`; writes belong on the
 writer thread. Must not import anything but the standard library and sqlite_utils.
 """
 
@@ -257,3 +259,50 @@ def list_events(db: sqlite_utils.Database, model_name: str | None = None, limit:
     rows = db.query(f"SELECT * FROM deployment_events {where} ORDER BY id DESC LIMIT ?", [*args, limit])
     return [DeploymentEvent(**{**row, "traffic_before": json.loads(row["traffic_before"] or "null"),
                                "traffic_after": json.loads(row["traffic_after"])}) for row in rows]
+
+
+# ---- shadow traffic --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Shadow:
+    """A deployment's mirror: `percent` of its stable version's requests also run on `version`,
+    whose outputs are logged, never returned. Invariant: 1 <= percent <= 100."""
+
+    model_name: str
+    version: str
+    percent: int
+    updated_at: str = field(default_factory=utc_now)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.percent, bool) or not isinstance(self.percent, int) or not 1 <= self.percent <= 100:
+            raise ValueError(f"shadow percent must be an integer in [1, 100], not {self.percent!r}")
+
+
+def create_shadow_table(db: sqlite_utils.Database) -> None:
+    """Migration: one shadow per deployment at most (no row: none)."""
+    db.execute("""
+        CREATE TABLE deployment_shadows (
+            model_name TEXT PRIMARY KEY,
+            version TEXT NOT NULL,
+            percent INTEGER NOT NULL CHECK (percent BETWEEN 1 AND 100),
+            updated_at TEXT NOT NULL
+        )""")
+
+
+def set_shadow(db: sqlite_utils.Database, shadow: Shadow) -> Shadow:
+    db.table("deployment_shadows").upsert({**shadow.__dict__, "updated_at": utc_now()}, pk="model_name")
+    return get_shadow(db, shadow.model_name)
+
+
+def clear_shadow(db: sqlite_utils.Database, model_name: str) -> None:
+    db.execute("DELETE FROM deployment_shadows WHERE model_name = ?", [model_name])
+
+
+def get_shadow(db: sqlite_utils.Database, model_name: str) -> Shadow | None:
+    rows = list(db.query("SELECT * FROM deployment_shadows WHERE model_name = ?", [model_name]))
+    return Shadow(**rows[0]) if rows else None
+
+
+def list_shadows(db: sqlite_utils.Database) -> list[Shadow]:
+    return [Shadow(**row) for row in db.query("SELECT * FROM deployment_shadows ORDER BY model_name")]

@@ -333,7 +333,8 @@ def test_request_log_lines_carry_the_request_id_and_never_a_key(tmp_path, monkey
         body = {"model": "demo", "prompt": "ROMEO:", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
         resp = httpx.post(server.url + "/v1/completions", json=body, headers={**tenant, "X-Request-Id": "req-abc-1"})
         assert resp.status_code == 200 and resp.headers["X-Request-Id"] == "req-abc-1"
-        streamed = httpx.post(server.url + "/v1/completions", json={**body, "stream": True}, headers=tenant)
+        streamed = httpx.post(server.url + "/v1/completions", json={**body, "stream": True,
+                              "galley": {"cache": False}}, headers=tenant)  # the same request: not from cache
         assert streamed.status_code == 200
         generated_id = streamed.headers["X-Request-Id"]
         assert httpx.get(server.url + "/v1/models", headers={"Authorization": f"Bearer {key}x"}).status_code == 401

@@ -1,0 +1,262 @@
+"""Shadow traffic: a share of a deployment's requests mirrored to another version of the same
+model, whose outputs are logged beside the served ones and never returned.
+
+`ShadowMirror.mirror` runs right after a request was submitted to its model's stable version:
+`percent`% of requests (by a hash of the generation id) get a copy (new id, `low` priority,
+tenant `galley-shadow`, so the caller's quotas and fair share are untouched) submitted to the
+shadow version. A task waits for both and logs one `shadow` line (hashes and lengths of both
+outputs; the texts only with `log_prompts`), counting `galley_shadow_requests_total{outcome}`:
+`match`, `mismatch`, `error` (the shadow failed), `dropped` (not ready, queue full, not
+scheduled in time, or the served request did not complete, which aborts the copy). Copies
+never pass through the request metrics and never feed canary health (see `SHADOW_PREFIX`).
+The served request's text comes from a tap on its metrics observer (`Metrics.taps`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import uuid
+from collections.abc import Coroutine
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+from aiohttp import web
+from prometheus_client import Counter
+
+from api.errors import InvalidRequestError
+from api.lifecycle import MODELS, SHADOW_PREFIX, ModelManager
+from api.metrics import METRICS, STATUS, Metrics
+from api.telemetry import SUCCESS
+from engine.types import GenerationRequest, Priority, TokenEvent
+from scheduling.admission import Rejected, TenantLimits
+from scheduling.deployments import NUM_BUCKETS, bucket
+from scheduling.router import QueueFull, RequestStream, ServedModel
+from storage import registry
+from storage.db import Database
+from storage.registry import Shadow
+
+log = structlog.get_logger(__name__)
+
+SHADOW_TENANT = "galley-shadow"
+MAX_PRIMARY_WAIT_S = 3600.0  # a served request nobody reads (never through the API) is given up after this
+
+
+class PrimaryOutput:
+    """The served request's text as its reader sees it, and how it ended (an `EventTap`)."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.num_tokens = 0
+        self.ended: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+
+    def on_event(self, event: TokenEvent) -> None:
+        self.text += event.text
+        self.num_tokens = event.num_output_tokens
+
+    def on_end(self, status: str) -> None:
+        if not self.ended.done():
+            self.ended.set_result(status)
+
+
+@dataclass
+class ShadowRun:
+    text: str = ""
+    num_tokens: int = 0
+    status: str = "dropped"  # stop | length | cancelled | error | timeout | dropped
+
+
+def digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+class ShadowMirror:
+    """Invariant: `shadows` holds what SQLite holds (one per model at most, percent 1-100)."""
+
+    def __init__(self, manager: ModelManager, db: Database, metrics: Metrics) -> None:
+        self.manager = manager
+        self.router = manager.router
+        self.db = db
+        self.metrics = metrics
+        self.shadows: dict[str, Shadow] = {}
+        self.requests = Counter("galley_shadow_requests", "Requests mirrored to a shadow version, by outcome",
+                                ["model", "version", "outcome"], registry=metrics.registry)
+        self._tasks: set[asyncio.Task] = set()
+
+    async def restore(self) -> None:
+        self.shadows = {s.model_name: s for s in await asyncio.to_thread(self.db.read, registry.list_shadows)}
+
+    async def set(self, model_name: str, version: str | None, percent: int) -> None:
+        """Mirror `percent`% of the stable version's requests to `version`, which starts loading;
+        0 stops mirroring. Checks everything before changing anything."""
+        deployment, _ = self.manager.deployment(model_name)  # 404 for an unknown model
+        if percent == 0:
+            await asyncio.wrap_future(self.db.write(lambda db: registry.clear_shadow(db, model_name)))
+            self.shadows.pop(model_name, None)
+            log.info("shadow cleared", model=model_name)
+            return
+        if version is None:
+            raise InvalidRequestError("version: required unless percent is 0", param="version")
+        vs = self.manager.get(model_name, version)  # 404 for an unknown version
+        if vs.spec.kind != "generate":
+            raise InvalidRequestError(f"`{vs.ref}` is a `{vs.spec.kind}` model; shadows are for generation",
+                                      param="version")
+        if version == deployment.stable:
+            raise InvalidRequestError(f"`{vs.ref}` is the stable version: it cannot shadow itself", param="version")
+        wanted = Shadow(model_name, version, percent)
+        self.shadows[model_name] = await asyncio.wrap_future(self.db.write(lambda db: registry.set_shadow(db, wanted)))
+        if vs.state != "ready":
+            self.manager.load_in_background(vs)
+        log.info("shadow set", model=model_name, version=version, percent=percent)
+
+    # ---- mirroring ----------------------------------------------------------------------
+
+    def mirror(self, primary: RequestStream, log_prompts: bool) -> None:
+        """Maybe copy `primary` to its model's shadow version; never raises, never waits."""
+        try:
+            shadow = self._selected(primary)
+            if shadow is not None:
+                self._submit_copy(primary, shadow, log_prompts)
+        except Exception:
+            log.exception("shadow copy failed", model=primary.model.name)
+
+    def _selected(self, primary: RequestStream) -> Shadow | None:
+        model = primary.model
+        shadow = self.shadows.get(model.name)
+        deployment = self.router.deployments.get(model.name)
+        if shadow is None or deployment is None or model.version != deployment.stable:
+            return None  # only the stable version is mirrored
+        if shadow.version == model.version:
+            return None  # the shadow became the stable version (a later deploy): nothing to compare
+        if bucket(SHADOW_PREFIX + primary.request_id) >= shadow.percent * NUM_BUCKETS // 100:
+            return None
+        return shadow
+
+    def _submit_copy(self, primary: RequestStream, shadow: Shadow, log_prompts: bool) -> None:
+        target = self.router.deployments[shadow.model_name].routable(shadow.version)
+        reason = self._unfit(primary.request, target, shadow)
+        if reason is None:
+            copy = GenerationRequest(SHADOW_PREFIX + uuid.uuid4().hex, list(primary.request.prompt_token_ids),
+                                     primary.request.params, tenant=SHADOW_TENANT, priority=Priority.LOW)
+            try:
+                stream = self.router.submit(target, copy, TenantLimits(SHADOW_TENANT))
+            except (QueueFull, Rejected) as exc:
+                reason = f"refused: {exc}"
+        if reason is not None:
+            self.requests.labels(shadow.model_name, shadow.version, "dropped").inc()
+            log.debug("shadow copy dropped", model=shadow.model_name, version=shadow.version, reason=reason)
+            return
+        output = PrimaryOutput()
+        self.metrics.taps[primary.request_id] = output
+        self._spawn(self._compare(primary, output, stream, log_prompts))
+
+    def _unfit(self, request: GenerationRequest, target: ServedModel | None, shadow: Shadow) -> str | None:
+        """Why the copy cannot run on the shadow version now, or None."""
+        if target is None:
+            self._load(shadow)
+            return "not ready"
+        if len(request.prompt_token_ids) + request.params.max_tokens > target.max_model_len:
+            return "over the shadow version's context"
+        if target.vocab_size and any(t >= target.vocab_size for t in request.prompt_token_ids):
+            return "prompt token ids outside the shadow version's vocabulary"
+        return None
+
+    def _load(self, shadow: Shadow) -> None:
+        """A shadow version that went cold loads again in the background (a failed one stays failed)."""
+        vs = self.manager.versions.get(f"{shadow.model_name}@{shadow.version}")
+        if vs is not None and vs.state == "unloaded":
+            self.manager.load_in_background(vs)
+
+    # ---- comparing ----------------------------------------------------------------------
+
+    async def _compare(self, primary: RequestStream, output: PrimaryOutput, stream: RequestStream,
+                       log_prompts: bool) -> None:
+        run = asyncio.ensure_future(self._run(stream))
+        try:
+            primary_status = await asyncio.wait_for(asyncio.shield(output.ended), MAX_PRIMARY_WAIT_S)
+        except TimeoutError:
+            primary_status = "unread"
+        finally:
+            self.metrics.taps.pop(primary.request_id, None)
+        if primary_status not in SUCCESS:
+            self.router.abort(stream)  # nothing to compare with: stop spending compute on it
+        result = await run
+        outcome = self._outcome(primary_status, output, result)
+        model, version = primary.model.name, stream.model.version
+        self.requests.labels(model, version, outcome).inc()
+        if outcome == "dropped":
+            log.debug("shadow copy dropped", model=model, version=version, primary_status=primary_status,
+                      shadow_status=result.status)
+            return
+        fields: dict[str, Any] = {
+            "primary_chars": len(output.text), "primary_sha256": digest(output.text),
+            "shadow_chars": len(result.text), "shadow_sha256": digest(result.text),
+        }
+        if log_prompts:
+            fields |= {"prompt": primary.model.tokenizer.decode(primary.request.prompt_token_ids),
+                       "primary_output": output.text, "shadow_output": result.text}
+        log.info("shadow", model=model, primary_version=primary.model.version, shadow_version=version,
+                 outcome=outcome, generation_id=primary.request_id, shadow_generation_id=stream.request_id,
+                 primary_status=primary_status, shadow_status=result.status, primary_tokens=output.num_tokens,
+                 shadow_tokens=result.num_tokens, **fields)
+
+    @staticmethod
+    def _outcome(primary_status: str, output: PrimaryOutput, result: ShadowRun) -> str:
+        if primary_status not in SUCCESS or result.status in ("cancelled", "timeout", "dropped"):
+            return "dropped"
+        if result.status not in SUCCESS:
+            return "error"
+        return "match" if result.text == output.text else "mismatch"
+
+    async def _run(self, stream: RequestStream) -> ShadowRun:
+        """The copy to its end; not scheduled within the queue timeout, it is aborted."""
+        result, events = ShadowRun(), aiter(stream)
+        try:
+            event = await asyncio.wait_for(anext(events), self.router.queue_timeout_s)
+            while True:
+                result.text += event.text
+                result.num_tokens = event.num_output_tokens
+                if event.finished:
+                    result.status = STATUS[event.finish_reason]
+                    return result
+                event = await anext(events)
+        except TimeoutError:
+            result.status = "timeout"
+            return result
+        finally:
+            if not stream.finished:  # timed out, or the server is shutting down
+                self.router.abort(stream)
+
+    # ---- plumbing -----------------------------------------------------------------------
+
+    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+SHADOWS = web.AppKey("shadows", ShadowMirror)
+
+
+async def run_shadows(app: web.Application):
+    """cleanup_ctx: shadows from SQLite at startup; pending comparisons stop at cleanup."""
+    await app[SHADOWS].restore()
+    yield
+    await app[SHADOWS].close()
+
+
+def setup(app: web.Application, db: Database) -> None:
+    app[SHADOWS] = ShadowMirror(app[MODELS], db, app[METRICS])
+    app.cleanup_ctx.append(run_shadows)
+
+
+def mirror_request(request: web.Request, primary: RequestStream) -> None:
+    """The hook of the submitting handlers."""
+    app = request.app
+    app[SHADOWS].mirror(primary, app[METRICS].log_prompts)
