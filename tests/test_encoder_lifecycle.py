@@ -242,3 +242,31 @@ async def test_v1_models_lists_every_registered_model_loaded_or_not(make_stack, 
     limited = await stack.client.new_key("narrow", allowed_models=["cold"])
     narrow = openai.AsyncOpenAI(base_url=str(stack.client.session._base_url) + "v1", api_key=limited, max_retries=0)
     assert [m.id for m in (await narrow.models.list()).data] == ["cold"]
+
+
+async def test_unloading_drains_the_inputs_in_flight_and_later_requests_load_it_again(make_stack, encoder_versions):
+    stack = await make_stack([ModelVersion("emb", "1", encoder_versions["emb1"], "embed", {"max_batch": 4})])
+    served = stack.manager.versions["emb@1"].served
+
+    async def many(i: int) -> tuple[int, str, dict]:
+        body = {"model": "emb", "input": [f"text {i} {j} " * (1 + j % 7) for j in range(16)]}
+        async with stack.client.session.post("/v1/embeddings", json=body,
+                                             headers={"Authorization": f"Bearer {stack.key}"}) as resp:
+            return resp.status, resp.headers.get("X-Model-Version", ""), await resp.json()
+
+    requests = [asyncio.create_task(many(i)) for i in range(12)]  # 192 inputs: under the 256 that may wait
+    while served.num_in_flight == 0:
+        await asyncio.sleep(0.001)
+    assert (await stack.client.admin("POST", "/models/emb/versions/1/unload"))[0] == 202
+    results = await asyncio.gather(*requests)
+    assert [s for s, _, _ in results] == [200] * 12, [b for s, _, b in results if s != 200]
+    assert all(len(body["data"]) == 16 for _, _, body in results)
+    assert served.num_in_flight == 0 and served.draining
+    for _ in range(200):  # the unload finishes after the drain; requests that came during it load a new one
+        if stack.metric("galley_model_unloads_total", model="emb", reason="admin") == 1:
+            break
+        await asyncio.sleep(0.02)
+    assert stack.metric("galley_model_unloads_total", model="emb", reason="admin") == 1
+    assert stack.manager.versions["emb@1"].served is not served
+    status, version, _ = await stack.embed("emb")
+    assert (status, version) == (200, "emb@1")
