@@ -34,7 +34,7 @@ OPTIONS: dict[str, tuple[tuple[type, ...], str]] = {
     "keep_alive": ((int, float), "seconds idle before it unloads; 0: never"),
     "max_batch": ((int,), "encoders: most inputs in one forward"),
     "max_wait_ms": ((int, float), "encoders: how long a batch waits to fill"),
-    "fault": ((str,), "TEST ONLY: 'raise' makes every engine step after the warm-up raise"),
+    "fault": ((str,), "TEST ONLY: 'raise' makes every engine step (or encoder submit) after the warm-up raise"),
 }
 
 
