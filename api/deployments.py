@@ -33,7 +33,8 @@ class VersionOptions(Strict):
     keep_alive: float | None = Field(None, ge=0, description="Seconds idle before it unloads; 0: never.")
     max_batch: int | None = Field(None, ge=1, description="Encoders: most inputs in one forward.")
     max_wait_ms: float | None = Field(None, ge=0, description="Encoders: how long a batch waits to fill.")
-    fault: Literal["raise"] | None = Field(None, description="TEST ONLY: after the warm-up, every engine step (generate) or encoder submit (embed, classify) raises.")
+    fault: Literal["raise"] | None = Field(
+        None, description="TEST ONLY: after the warm-up, every engine step or encoder submit raises.")
 
 
 class ModelCreate(Strict):
