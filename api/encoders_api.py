@@ -36,7 +36,7 @@ from api.native_schemas import (
     PredictResponse,
 )
 from api.openai import tenant_limits
-from api.response_cache import RESPONSE_CACHE, cache_key, wants_cache
+from api.response_cache import RESPONSE_CACHE, cache_key, mark_lookup, wants_cache
 from api.routes import Route
 from api.validation import parse_body
 from scheduling.admission import Rejected
@@ -70,6 +70,7 @@ async def run_encoder(request: web.Request, model: ServedEncoder, items: list[st
     if use_cache:
         metrics.cache_hits.labels(model.name).inc(len(items) - len(missing))
         metrics.cache_misses.labels(model.name).inc(len(missing))
+        mark_lookup(request, hit=not missing)  # X-Cache: hit only when no input needed the model
     if not missing:
         metrics.encoder_requests.labels(model.name, "cached").inc()
         return outputs

@@ -186,6 +186,9 @@ async def test_cache_hits_on_repeat_and_is_bypassable(http, encoders):
         status, _ = await post(http, "/api/v1/predict", {"model": "clf", "input": "cached prediction"})
         assert status == 200
     assert clf.stats.num_items == before + 1
+    for inputs, expected in ((body["input"], "hit"), (["cache me", "not yet"], "miss")):  # hit: every input cached
+        async with http.post("/v1/embeddings", json={**body, "input": inputs}) as resp:
+            assert resp.status == 200 and resp.headers["X-Cache"] == expected
 
 
 @pytest.mark.parametrize(("path", "body", "status", "needle"), [
