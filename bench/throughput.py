@@ -343,9 +343,12 @@ async def stream_completion(
         "stream_options": {"include_usage": True},
     }
     stats = StreamStats(send_s=time.perf_counter())
-    async with session.post(url, json=body) as resp:
+    # the response cache would answer a repeated greedy prompt without running the engine
+    async with session.post(url, json=body, headers={"Cache-Control": "no-cache"}) as resp:
         if resp.status != 200:
             raise RuntimeError(f"HTTP {resp.status}: {(await resp.text())[:300]}")
+        if resp.headers.get("X-Cache") == "hit":
+            raise RuntimeError("answered from the response cache: the engine did not run")
         async for raw in resp.content:
             line = raw.strip()
             if not line.startswith(b"data:") or line == b"data: [DONE]":
