@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import importlib.resources
 import json
-import math
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +21,7 @@ import torch
 from transformers import AutoConfig, AutoModel, AutoModelForSequenceClassification, AutoTokenizer
 
 from engine.batcher import DynamicBatcher
+from engine.length_groups import GroupCost, length_groups
 from engine.loader import ModelLoadError, resolve_dtype, resolve_model_path
 from engine.models.bert import PackedBatch, PackedBert, supports_packed
 from engine.worker import DeviceWorker, EncoderClient
@@ -130,28 +129,6 @@ def pool_packed(h: torch.Tensor, batch: PackedBatch, mode: str) -> torch.Tensor:
     return summed / (counts.sqrt() if mode == "mean_sqrt_len" else counts)
 
 
-GroupCost = Callable[[int, int], float]  # (inputs, longest length) -> cost of one forward, in tokens
-
-
-def length_groups(lengths: list[int], group_cost: GroupCost) -> list[list[int]]:
-    """Indexes into `lengths` split into runs of the sorted order, minimising the summed
-    `group_cost` of the runs (exact, by dynamic programming over the cut points)."""
-    order = sorted(range(len(lengths)), key=lengths.__getitem__)
-    best = [0] + [math.inf] * len(order)  # best[j]: cost of the first j inputs in sorted order
-    cut = [0] * (len(order) + 1)
-    for j in range(1, len(order) + 1):
-        width = lengths[order[j - 1]]
-        for i in range(j):
-            cost = best[i] + group_cost(j - i, width)
-            if cost < best[j]:
-                best[j], cut[j] = cost, i
-    groups, j = [], len(order)
-    while j > 0:
-        groups.append(order[cut[j]:j])
-        j = cut[j]
-    return groups[::-1]
-
-
 class Encoder:
     """A loaded encoder: tokenizer, model, and how its outputs become vectors or scores."""
 
@@ -174,21 +151,15 @@ class Encoder:
         self.max_seq_len = min(limits) if limits else 512
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.packed = PackedBert(self.model) if supports_packed(self.config) else None
-        self.group_cost = self._group_cost()
+        self.group_cost = self._group_cost()  # the padded path's
 
     def _group_cost(self) -> GroupCost:
-        """What one forward over `n` inputs padded to `width` tokens costs, in tokens of real work.
-
-        On CUDA launches dominate: a batch stays one forward. On CPU compute follows tokens, so a
-        batch of mixed lengths is split where padding costs more than a forward's fixed cost. Packed,
-        only attention is padded: n * width^2 query-key pairs, each 4 * hidden FLOPs against a
-        token's 8 * hidden^2 + 4 * hidden * intermediate in the linear layers."""
+        """For the padded forward: what one over `n` inputs padded to `width` tokens costs, in
+        tokens of work. On CPU compute follows tokens, so a batch of mixed lengths is split where
+        padding costs more than a forward's fixed cost; on CUDA launches dominate (one forward)."""
         if self.device.type != "cpu":
             return lambda n, width: 1.0
-        if self.packed is None:
-            return lambda n, width: FORWARD_COST_TOKENS_CPU + n * width
-        pairs_per_token = 2 * self.config.hidden_size + self.config.intermediate_size
-        return lambda n, width: FORWARD_COST_TOKENS_CPU + n * width * width / pairs_per_token
+        return lambda n, width: FORWARD_COST_TOKENS_CPU + n * width
 
     @property
     def dimensions(self) -> int:
@@ -213,13 +184,14 @@ class Encoder:
         return [next(encoded) if isinstance(i, str) else list(i) for i in inputs]
 
     def run(self, inputs: list[str | list[int]]) -> list[EncoderOutput]:
-        """The batch's outputs, in order. Its inputs are sorted by length and run as few forwards of
+        """The batch's outputs, in order: one packed forward, or, padded, as few forwards of
         similar lengths as cost least (usually one; padding a short input to a long one costs more)."""
         ids = self.token_ids(inputs)
+        if self.packed is not None:
+            return [EncoderOutput(row, len(x)) for row, x in zip(self.forward_packed(ids), ids)]
         rows: list[list[float]] = [[] for _ in ids]
         for group in length_groups([len(x) for x in ids], self.group_cost):
-            forward = self.forward if self.packed is None else self.forward_packed
-            for i, row in zip(group, forward([ids[i] for i in group])):
+            for i, row in zip(group, self.forward([ids[i] for i in group])):
                 rows[i] = row
         return [EncoderOutput(row, len(x)) for row, x in zip(rows, ids)]
 

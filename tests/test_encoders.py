@@ -292,7 +292,7 @@ def test_pooling_and_normalisation_follow_the_folder_like_sentence_transformers(
 
 
 def test_length_groups_split_a_batch_only_where_padding_costs_more_than_a_forward():
-    from engine.encoders import length_groups
+    from engine.length_groups import length_groups
 
     def padded(n: int, width: int) -> float:
         return 64 + n * width
@@ -302,6 +302,9 @@ def test_length_groups_split_a_batch_only_where_padding_costs_more_than_a_forwar
     assert length_groups([100, 5, 5, 5], lambda n, width: 1.0) == [[1, 2, 3, 0]]  # CUDA: one forward
     groups = length_groups([7, 300, 8, 290, 9, 150, 160], padded)
     assert sorted(i for g in groups for i in g) == list(range(7)) and len(groups) == 3
-    # packed: only attention is padded (n * width^2 / 2304 for MiniLM's shape), so short inputs share a forward
-    assert length_groups([6, 60, 20, 45], lambda n, width: 64 + n * width * width / 2304) == [[0, 2, 3, 1]]
-    assert len(length_groups([8] * 31 + [512], lambda n, width: 64 + n * width * width / 2304)) == 2
+    # a packed forward's attention groups: padded query-key pairs against a call's cost
+    def attention(n: int, width: int) -> float:
+        return 4096 + n * width * width
+
+    assert length_groups([6, 60, 20, 45, 50], attention) == [[0, 2], [3, 4, 1]]
+    assert len(length_groups([8] * 31 + [512], attention)) == 2

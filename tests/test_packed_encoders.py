@@ -19,7 +19,7 @@ from transformers import (
 )
 
 from engine.encoders import POOLING_MODES, Encoder, pool
-from engine.models.bert import supports_packed
+from engine.models.bert import PackedBatch, supports_packed
 from tests.encoder_models import build_wordpiece
 
 SHAPE = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
@@ -54,6 +54,7 @@ def test_packed_embeddings_equal_the_padded_hf_forward_for_every_pooling(tmp_pat
     encoder = Encoder(save_model(tmp_path, family, "embed"), "embed")
     assert encoder.packed is not None
     ids = mixed_inputs(encoder.config.vocab_size)
+    assert len(PackedBatch.of([len(x) for x in ids], torch.device("cpu")).groups) > 1  # attention by length
     width = max(len(x) for x in ids)
     input_ids = torch.tensor([x + [encoder.pad_id] * (width - len(x)) for x in ids])
     mask = torch.tensor([[1] * len(x) + [0] * (width - len(x)) for x in ids])
@@ -64,8 +65,11 @@ def test_packed_embeddings_equal_the_padded_hf_forward_for_every_pooling(tmp_pat
         reference = pool(hidden, mask, mode)
         packed = torch.tensor(encoder.forward_packed(ids))
         assert (packed - reference).abs().max() < 1e-5, mode
-    run = torch.tensor([out.values for out in encoder.run(ids)])  # grouped by length, then packed
+    run = torch.tensor([out.values for out in encoder.run(ids)])
     assert (run - reference).abs().max() < 1e-5
+    near = ids[1:2] * 2 + ids[5:6]  # lengths 3, 3, 2: one attention group
+    assert len(PackedBatch.of([len(x) for x in near], torch.device("cpu")).groups) == 1
+    assert (torch.tensor(encoder.forward_packed(near)) - reference[[1, 1, 5]]).abs().max() < 1e-5
 
 
 @pytest.mark.parametrize("family", ["bert", "roberta"])
