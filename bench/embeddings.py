@@ -86,8 +86,10 @@ def write_config(folder: Path, max_batch: int, max_wait_ms: float) -> Path:
 
 
 def start_server(config: Path, port: int, log_path: Path) -> subprocess.Popen:
+    import torch
+
     cmd = [sys.executable, str(ROOT / "server.py"), "--config", str(config), "--port", str(port)]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": str(torch.get_num_threads())}  # as in-process
     sink = log_path.open("w")
     return subprocess.Popen(cmd, cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT, env=env)
 
@@ -197,7 +199,13 @@ def main() -> None:
     p.add_argument("--max-wait-ms", type=float, default=5.0, help="the server's max_wait_ms for minilm")
     p.add_argument("--rounds", type=int, default=2, help="timed server rounds; the best counts (default 2)")
     p.add_argument("--quick", action="store_true", help="512 texts")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads, for encode and in the server (OMP_NUM_THREADS); default: all cores")
     args = p.parse_args()
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     n = 512 if args.quick else args.requests
     texts = make_texts(n)
     sizes = [int(s) for s in args.batch_sizes.split(",")]
@@ -210,7 +218,10 @@ def main() -> None:
     per_cpu = {bs: max(first[bs][1], second[bs][1]) for bs in sizes}
     diff = max(abs(a - b) for va, vb in zip(served["vectors"], reference) for a, b in zip(va, vb))
 
-    print(f"\nembeddings: {n} texts (6-40 words), all-MiniLM-L6-v2, CPU threads={os.cpu_count()}, "
+    import torch
+
+    print(f"\nembeddings: {n} texts (6-40 words), all-MiniLM-L6-v2, torch threads={torch.get_num_threads()}, "
+          f"cpus={os.cpu_count()}, "
           f"load avg {os.getloadavg()[0]:.1f}")
     print(f"{'what':<66}{'emb/s':>9}{'emb/CPU-s':>11}")
     for bs in sizes:
