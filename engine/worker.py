@@ -222,7 +222,7 @@ class DeviceWorker:
                 self._detach(item)
         except Exception as exc:
             log.exception("worker command failed", device=self.device)
-            if hasattr(item, "done") and not item.done.done():
+            if isinstance(item, Command) and not item.done.done():
                 item.done.set_exception(exc)
 
     def _encode(self, item: _Encode) -> None:
