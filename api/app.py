@@ -107,8 +107,9 @@ def create_app(router: Router, state: ServerState | None = None, *, db: Database
     app[HUB] = StreamHub(router, app[DATABASE], app[METRICS], streams_config or StreamsConfig())
     app.cleanup_ctx.append(run_stream_sweeper)
     tenants = lambda name: app[AUTH].directory.tenants.get(name)  # noqa: E731
+    # batch items route like requests (by the job id): a cold or unloaded version loads again
     batch.setup(app, BatchRunner(router, app[DATABASE], app[METRICS], tenants, app[STATE],
-                                 batch_config or BatchConfig()))
+                                 batch_config or BatchConfig(), resolve=app[lifecycle.MODELS].resolve))
     ws.setup(app)
     routes = all_routes()
     for route in routes:

@@ -114,10 +114,11 @@ def job_summary(job: BatchJob, counts: dict[str, int]) -> dict[str, Any]:
 
 class BatchRunner:
     def __init__(self, router: Router, db: Database, metrics: Metrics, tenants: Callable[[str], Tenant | None],
-                 state: ServerState, config: BatchConfig = BatchConfig()) -> None:
+                 state: ServerState, config: BatchConfig = BatchConfig(),
+                 resolve: Callable[[str, str], Awaitable[Served]] | None = None) -> None:
         self.router = router
         # (ref, routing key) -> the version to use, loading it if cold; None: the router's loaded default
-        self.resolve: Callable[[str, str], Awaitable[Served]] | None = None
+        self.resolve = resolve
         self.db = db
         self.metrics = metrics
         self.tenants = tenants

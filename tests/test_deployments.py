@@ -341,3 +341,30 @@ async def test_conversations_stay_on_their_pinned_version(make_stack, versions):
     status, body = await client.call("POST", "/v1/chat/completions", key, json={
         "model": "tiny@2", "conversation_id": old["id"], "messages": [{"role": "user", "content": "hi"}]})
     assert_error(status, body, 409, "conflict_error")
+
+
+async def test_a_batch_job_outlives_its_model_being_unloaded(make_stack, versions):
+    """Items route like requests: when the version is unloaded mid-job, the next item loads it again."""
+    stack = await make_stack([ModelVersion("tiny", "1", versions["1"])])
+    headers = {"Authorization": f"Bearer {stack.key}"}
+    body = {"model": "tiny", "inputs": [f"prompt {i}" for i in range(24)], "params": {"max_tokens": 8}}
+    async with stack.client.session.post("/api/v1/batch", json=body, headers=headers) as resp:
+        assert resp.status == 200, await resp.text()
+        batch_id = (await resp.json())["batch_id"]
+
+    async def summary() -> dict:
+        async with stack.client.session.get(f"/api/v1/batch/{batch_id}", headers=headers) as resp:
+            return await resp.json()
+
+    deadline = time.monotonic() + 60
+    while (await summary())["progress"]["completed"] < 4:
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.02)
+    assert (await stack.client.admin("POST", "/models/tiny/versions/1/unload"))[0] == 202
+    while (done := await summary())["status"] not in ("completed", "failed"):
+        assert time.monotonic() < deadline, done
+        await asyncio.sleep(0.05)
+    assert done["status"] == "completed" and done["progress"]["completed"] == 24, done
+    assert stack.metric("galley_model_unloads_total", model="tiny", reason="admin") == 1
+    assert stack.metric("galley_model_load_seconds_count", model="tiny") == 2  # loaded again for the job
+    assert stack.manager.versions["tiny@1"].state == "ready"
