@@ -73,6 +73,7 @@ class DynamicBatcher:
         self.max_batch = max_batch
         self.max_wait_s = max_wait_ms / 1000
         self.stats = BatcherStats()
+        self.item_s: float | None = None  # moving average of a batch's seconds per input
         self._waiting: collections.deque[_Slice] = collections.deque()
         self._num_waiting = 0
 
@@ -95,29 +96,49 @@ class DynamicBatcher:
         deadline = self.deadline()
         return deadline is not None and deadline <= now
 
-    def run_once(self) -> None:
-        batch = self._take_batch()
+    def run_once(self, limit: int | None = None) -> None:
+        """Run one batch of the oldest inputs: up to `max_batch`, or `limit` (see `items_for`)."""
+        batch = self._take_batch(min(limit or self.max_batch, self.max_batch))
         if batch:
             self._run_one(batch)
+
+    def items_for(self, seconds: float) -> int:
+        """How many inputs one batch may take to run for about `seconds` (at least one), by the
+        measured time per input; one before anything was measured."""
+        if self.item_s is None:
+            return 1
+        return max(1, min(self.max_batch, int(seconds / self.item_s)))
 
     def fail_all(self, exc: BaseException) -> None:
         while self._waiting:
             self._fail(self._waiting.popleft().pending, exc)
         self._num_waiting = 0
-    def _take_batch(self) -> list[_Slice]:
-        """Oldest first, up to max_batch inputs; requests already done (cancelled, failed) are dropped."""
+    def _take_batch(self, limit: int) -> list[_Slice]:
+        """Oldest first, up to `limit` inputs, whole requests where they fit (a request that does
+        not fit an empty batch is cut); requests already done (cancelled, failed) are dropped."""
         batch: list[_Slice] = []
         size = 0
-        while self._waiting and (not batch or size + self._waiting[0].size <= self.max_batch):
-            piece = self._waiting.popleft()
+        while self._waiting and size < limit:
+            piece = self._waiting[0]
+            if piece.pending.future.done():
+                self._waiting.popleft()
+                self._num_waiting -= piece.size
+                continue
+            if size + piece.size > limit:
+                if batch:
+                    break
+                piece = _Slice(piece.pending, piece.start, piece.start + limit)
+                self._waiting[0].start += limit  # the rest stays first in line
+            else:
+                self._waiting.popleft()
             self._num_waiting -= piece.size
-            if not piece.pending.future.done():
-                size += piece.size
-                batch.append(piece)
+            size += piece.size
+            batch.append(piece)
         return batch
 
     def _run_one(self, batch: list[_Slice]) -> None:
         inputs = [item for s in batch for item in s.pending.items[s.start:s.stop]]
+        started = time.perf_counter()
         try:
             outputs = self.run_batch(inputs)
             if len(outputs) != len(inputs):
@@ -129,6 +150,8 @@ class DynamicBatcher:
                 self._fail(s.pending, exc)
             return
         self._record(len(inputs), failed=False)
+        item_s = (time.perf_counter() - started) / len(inputs)
+        self.item_s = item_s if self.item_s is None else 0.8 * self.item_s + 0.2 * item_s
         offset = 0
         for s in batch:
             s.pending.outputs[s.start:s.stop] = outputs[offset:offset + s.size]

@@ -95,6 +95,7 @@ class DeviceWorker:
         self.emit = emit
         self.engines: dict[str, LLMEngine] = {}
         self.encoders: dict[str, DynamicBatcher] = {}
+        self._encode_credit_s = 0.0  # see _run_encoders
         self.profiler = StepProfiler(device)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=f"galley-worker-{device}", daemon=True)
@@ -161,20 +162,39 @@ class DeviceWorker:
                 for batcher in self.encoders.values():
                     batcher.fail_all(RuntimeError(f"worker {self.device} stopped"))
                 return
+            stepped_s = 0.0
             for engine_id, engine in self.engines.items():
                 events = None
                 if engine.has_work():
+                    started = time.perf_counter()
                     with self.profiler.label(f"step {engine_id}"):
                         events = engine.step()
+                    stepped_s += time.perf_counter() - started
                 engine.refresh_stats()  # before emitting: a client that saw its last token sees its blocks freed
                 if events:
                     self.emit(events)
-            now = time.monotonic()
-            for encoder_id, batcher in self.encoders.items():  # at most one batch each between steps
-                if batcher.due(now):
-                    with self.profiler.label(f"encode {encoder_id}"):
-                        batcher.run_once()
+            self._run_encoders(stepped_s)
             self.profiler.tick()
+
+    def _run_encoders(self, stepped_s: float) -> None:
+        """At most one batch per encoder between steps. While engines generate, encoders get about
+        as much device time as the steps took (`_encode_credit_s`: step time earned, batch time
+        spent, never more than one step ahead), in batches sized to it, so streams keep their
+        pace instead of waiting behind whole batches; with no generation, full batches."""
+        if not stepped_s:
+            self._encode_credit_s = 0.0
+        else:
+            self._encode_credit_s = min(self._encode_credit_s + stepped_s, stepped_s)
+        now = time.monotonic()
+        for encoder_id, batcher in self.encoders.items():
+            if not batcher.due(now) or (stepped_s and self._encode_credit_s <= 0):
+                continue
+            limit = batcher.items_for(self._encode_credit_s) if stepped_s else None
+            started = time.perf_counter()
+            with self.profiler.label(f"encode {encoder_id}"):
+                batcher.run_once(limit)
+            if stepped_s:
+                self._encode_credit_s -= time.perf_counter() - started
 
     def _wait_s(self) -> float | None:
         """How long the inbox may be waited on: not at all while an engine has work or an encoder

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from api.response_cache import ResponseCache, ResponseCacheConfig, cache_key
-from engine.batcher import DynamicBatcher
+from engine.batcher import DynamicBatcher, Pending
 from engine.worker import DeviceWorker, EncoderClient
 
 
@@ -195,3 +195,53 @@ def test_an_engine_and_an_encoder_share_the_worker_thread(llama_path):
         assert timeline[:20] == ["step", "galley-worker-cpu#test"] * 10  # alternating while both have work
     finally:
         worker.stop()
+
+
+def test_a_limited_batch_cuts_a_request_and_reassembles_it(recorder):
+    batcher = DynamicBatcher("m", recorder, max_batch=8, max_wait_ms=0)
+    first, second = Pending([1, 2, 3]), Pending([4, 5])
+    batcher.add(first)
+    batcher.add(second)
+    batcher.run_once(limit=2)  # cuts the first request
+    batcher.run_once(limit=2)  # its rest; the second request does not fit beside it whole
+    batcher.run_once()
+    assert recorder.batches == [[1, 2], [3], [4, 5]]
+    assert first.future.result(0) == [2, 4, 6] and second.future.result(0) == [8, 10]
+    assert batcher.items_for(1.0) == 8 and batcher.items_for(0.0) == 1  # fast inputs: a full batch fits
+    assert DynamicBatcher("n", recorder, 8, 0).items_for(1.0) == 1  # nothing measured yet: one
+
+
+def test_while_generating_encoders_get_about_the_steps_time(llama_path):
+    """A slow encoder's batches shrink to single inputs while a generation runs, spaced so that
+    steps and encoding take turns by time, and grow back to max_batch once it is done."""
+    from engine.types import GenerationRequest, SamplingParams
+    from tests.helpers import make_engine
+
+    timeline, done = [], threading.Event()
+
+    def slow_encode(items):
+        timeline.append(len(items))
+        time.sleep(0.01 * len(items))  # 10 ms per input: far longer than a tiny model's step
+        return items
+
+    def emit(events):
+        timeline.append("step")
+        if any(e.finish_reason for e in events):
+            done.set()
+
+    worker = DeviceWorker("cpu#test", emit)
+    worker.attach("tiny", make_engine(llama_path)).result()
+    client = worker.attach_encoder("m", DynamicBatcher("m", slow_encode, max_batch=8, max_wait_ms=0))
+    worker.submit("tiny", GenerationRequest("r1", [1, 2, 3, 4], SamplingParams(max_tokens=30, ignore_eos=True)))
+    futures = [client.submit([i]) for i in range(60)]
+    worker.start()
+    try:
+        assert done.wait(30)
+        assert [f.result(30) for f in futures] == [[i] for i in range(60)]
+    finally:
+        worker.stop()
+    last_step = max(i for i, x in enumerate(timeline) if x == "step")
+    during = [x for x in timeline[:last_step] if x != "step"]
+    assert during and set(during) == {1}  # single inputs while generating...
+    assert timeline[:last_step].count("step") >= 2 * len(during)  # ...with several steps between them
+    assert max(x for x in timeline[last_step:] if x != "step") == 8  # full batches once it finished
