@@ -25,6 +25,7 @@ import aiohttp
 import structlog
 from prometheus_client import Counter
 
+from api.background import BackgroundTasks
 from api.context import ServerState
 from api.encoders_api import prediction
 from api.metrics import Metrics
@@ -127,7 +128,7 @@ class BatchRunner:
         self.runs: dict[str, JobRun] = {}
         self.item_seconds: dict[str, float] = {}  # per model, moving average of one item's duration
         self._slots: asyncio.Semaphore | None = None
-        self._tasks: set[asyncio.Task] = set()
+        self._background = BackgroundTasks()
         self._session: aiohttp.ClientSession | None = None
         self.jobs_total = Counter("galley_batch_jobs", "Batch jobs by status reached (queued: submitted)",
                                   ["status"], registry=metrics.registry)
@@ -150,7 +151,7 @@ class BatchRunner:
         for job in unfinished:
             self._start(job)
         for job in await self._read(batches.list_undelivered_callbacks):
-            self._spawn(self._deliver(job.id))
+            self._background.spawn(self._deliver(job.id))
         if unfinished:
             log.info("resumed batch jobs after restart", count=len(unfinished))
         return len(unfinished)
@@ -169,13 +170,11 @@ class BatchRunner:
                 for stream in list(run.streams):
                     self.router.abort(stream)
             log.info("batch job cancelled", batch_id=job_id, items_cancelled=outcome.num_items)
-            self._spawn(self._deliver(job_id))
+            self._background.spawn(self._deliver(job_id))
         return outcome.job
 
     async def close(self) -> None:
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._background.cancel_all()
         if self._session is not None:
             await self._session.close()
 
@@ -193,7 +192,7 @@ class BatchRunner:
     def _start(self, job: BatchJob) -> None:
         run = JobRun(job, remaining=job.num_items)
         self.runs[job.id] = run
-        self._spawn(self._run(run))
+        self._background.spawn(self._run(run))
 
     async def _run(self, run: JobRun) -> None:
         if self._slots is None:
@@ -396,7 +395,7 @@ class BatchRunner:
         if await self._write(lambda db: batches.finish_job(db, job.id, status.value, error)):
             self.jobs_total.labels(status.value).inc()
             log.info("batch job finished", batch_id=job.id, status=status.value, error=error)
-            self._spawn(self._deliver(job.id))
+            self._background.spawn(self._deliver(job.id))
 
     # ---- callbacks -------------------------------------------------------------------------
 
@@ -447,7 +446,3 @@ class BatchRunner:
     async def _read(self, fn):
         return await asyncio.to_thread(self.db.read, fn)
 
-    def _spawn(self, coro) -> None:
-        task = asyncio.get_running_loop().create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)

@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Protocol
@@ -31,6 +30,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
 from api.auth import check_model_access
+from api.background import BackgroundTasks
 from api.context import ROUTER, STATE
 from api.errors import ConflictError, InvalidRequestError, ModelNotFoundError, ServiceUnavailableError
 from api.offload import in_fresh_thread
@@ -128,7 +128,7 @@ class ModelManager:
         self._rolling_back: set[str] = set()  # model names with an automatic rollback under way
         self.metrics = LifecycleMetrics(metrics_registry, self)
         self._lock = asyncio.Lock()
-        self._tasks: set[asyncio.Task] = set()
+        self._background = BackgroundTasks()
         router.on_finish = self.on_finish
         router.on_encoder_finish = self.on_encoder_finish
 
@@ -233,7 +233,7 @@ class ModelManager:
 
     def _load_task(self, vs: VersionState) -> asyncio.Task:
         if vs.loading is None or vs.loading.done():
-            vs.loading = self._spawn(self._load(vs))
+            vs.loading = self._background.spawn(self._load(vs))
         return vs.loading
 
     async def _load(self, vs: VersionState) -> Served:
@@ -377,7 +377,7 @@ class ModelManager:
             reason = rollback_reason(canary, stable, self.deploy_cfg)
             if reason is not None:
                 self._rolling_back.add(name)
-                task = self._spawn(self.rollback(name, f"canary {version}: {reason}", automatic=True))
+                task = self._background.spawn(self.rollback(name, f"canary {version}: {reason}", automatic=True))
                 task.add_done_callback(lambda _: self._rolling_back.discard(name))
                 return
 
@@ -390,7 +390,7 @@ class ModelManager:
                 served = vs.served
                 if (served is not None and not served.draining and not vs.spec.pinned and vs.keep_alive_s > 0
                         and served.num_in_flight == 0 and now - vs.last_used_s > vs.keep_alive_s):
-                    self._spawn(self.unload(vs, "keep_alive"))
+                    self._background.spawn(self.unload(vs, "keep_alive"))
             for name in list(self.router.deployments):
                 self.check_canaries(name)
 
@@ -457,7 +457,7 @@ class ModelManager:
         self._warm_in_background(vs.ref)
 
     def unload_in_background(self, vs: VersionState) -> None:
-        self._spawn(self.unload(vs, "admin"))
+        self._background.spawn(self.unload(vs, "admin"))
 
     def deployment(self, name: str) -> tuple[ModelDeployment, str | None]:
         deployment = self.router.deployments.get(name)
@@ -482,7 +482,7 @@ class ModelManager:
                 self.load_in_background(self.versions[f"{name}@{version}"])
         target = self.versions[f"{name}@{stable}"]
         if stable != deployment.stable and target.state != "ready":
-            self._spawn(self._switch_when_ready(target, new, kind, reason))
+            self._background.spawn(self._switch_when_ready(target, new, kind, reason))
             return
         await self._save(new, kind, reason)
 
@@ -533,17 +533,9 @@ class ModelManager:
 
     # ---- plumbing -----------------------------------------------------------------------
 
-    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task:
-        task = asyncio.get_running_loop().create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return task
-
     async def close(self) -> None:
         """Stop loads and unloads; stop the encoders it loaded (engines go with their device workers)."""
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._background.cancel_all()
         for vs in self.versions.values():
             if isinstance(vs.served, ServedEncoder):
                 await in_fresh_thread(self.loader.unload, vs.served)

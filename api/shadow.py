@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import uuid
-from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +24,7 @@ import structlog
 from aiohttp import web
 from prometheus_client import Counter
 
+from api.background import BackgroundTasks
 from api.errors import InvalidRequestError
 from api.lifecycle import MODELS, SHADOW_PREFIX, ModelManager
 from api.metrics import METRICS, STATUS, Metrics
@@ -82,7 +82,7 @@ class ShadowMirror:
         self.shadows: dict[str, Shadow] = {}
         self.requests = Counter("galley_shadow_requests", "Requests mirrored to a shadow version, by outcome",
                                 ["model", "version", "outcome"], registry=metrics.registry)
-        self._tasks: set[asyncio.Task] = set()
+        self._background = BackgroundTasks()
 
     async def restore(self) -> None:
         self.shadows = {s.model_name: s for s in await asyncio.to_thread(self.db.read, registry.list_shadows)}
@@ -149,7 +149,7 @@ class ShadowMirror:
             return
         output = PrimaryOutput()
         self.metrics.taps[primary.request_id] = output
-        self._spawn(self._compare(primary, output, stream, log_prompts))
+        self._background.spawn(self._compare(primary, output, stream, log_prompts))
 
     def _unfit(self, request: GenerationRequest, target: ServedModel | None, shadow: Shadow) -> str | None:
         """Why the copy cannot run on the shadow version now, or None."""
@@ -230,15 +230,8 @@ class ShadowMirror:
 
     # ---- plumbing -----------------------------------------------------------------------
 
-    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
-        task = asyncio.get_running_loop().create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
     async def close(self) -> None:
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._background.cancel_all()
 
 
 SHADOWS = web.AppKey("shadows", ShadowMirror)

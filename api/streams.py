@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import structlog
 from aiohttp import web
 
+from api.background import BackgroundTasks
 from api.chunks import ChunkFormat, StreamEvent
 from api.metrics import Metrics
 from engine.types import FinishReason, GenerationRequest, Priority, SamplingParams, TokenEvent
@@ -119,7 +120,7 @@ class StreamHub:
     metrics: Metrics
     config: StreamsConfig = StreamsConfig()
     live: dict[str, LiveStream] = field(default_factory=dict)
-    _tasks: set[asyncio.Task] = field(default_factory=set)
+    _background: BackgroundTasks = field(default_factory=BackgroundTasks)
 
     def start(self, request_stream: RequestStream, fmt: ChunkFormat, *, kind: str, conversation_id: str | None,
               on_disconnect: str, resumed: streams.StreamRecord | None = None) -> LiveStream:
@@ -139,7 +140,7 @@ class StreamHub:
         else:
             self.db.write(lambda db: streams.insert_stream(db, record))
         self.live[live.id] = live
-        self._spawn(self._produce(live, request_stream))
+        self._background.spawn(self._produce(live, request_stream))
         return live
 
     def attach(self, live: LiveStream) -> None:
@@ -285,15 +286,8 @@ class StreamHub:
             except Exception:
                 log.exception("stream sweep failed")
 
-    def _spawn(self, coro) -> None:
-        task = asyncio.get_running_loop().create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
     async def close(self) -> None:
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._background.cancel_all()
 
 
 async def prepend(first, rest):
