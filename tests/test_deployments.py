@@ -86,24 +86,31 @@ class Stack:
         return total
 
 
+async def start_stack(aiohttp_server, db, seed: list[ModelVersion], lifecycle: LifecycleConfig | None = None,
+                      deployments: DeploymentsConfig | None = None, kv_cache_gib: float = KV_GIB,
+                      stack_class: type[Stack] = Stack) -> tuple[Stack, object]:
+    """The real app with a model manager over real device workers, its seed versions loaded, on a
+    loopback server; a tenant key for acme. Returns the stack and its test server."""
+    loop = asyncio.get_running_loop()
+    router = Router()
+    cfg = EngineConfig(max_num_seqs=16, cache=CacheConfig(kv_cache_gib=kv_cache_gib))
+    workers = start_workers(cfg, lambda events: loop.call_soon_threadsafe(router.dispatch, events))
+    app = create_app(router, db=db, auth_enabled=True, admin_key_hash=hash_key(ADMIN),
+                     loader=EngineLoader(cfg, 64, workers), lifecycle_config=lifecycle,
+                     deployments_config=deployments)
+    await app[MODELS].start(seed)
+    server = await aiohttp_server(app)
+    client = Client(aiohttp.ClientSession(base_url=server.make_url("/")))
+    return stack_class(app, router, client, await client.new_key("acme"), workers), server
+
+
 @pytest.fixture
 async def make_stack(aiohttp_server, db):
     made: list[Stack] = []
 
     async def make(seed: list[ModelVersion], lifecycle: LifecycleConfig | None = None,
                    deployments: DeploymentsConfig | None = None) -> Stack:
-        loop = asyncio.get_running_loop()
-        router = Router()
-        cfg = EngineConfig(max_num_seqs=16, cache=CacheConfig(kv_cache_gib=KV_GIB))
-        workers = start_workers(cfg, lambda events: loop.call_soon_threadsafe(router.dispatch, events))
-        app = create_app(router, db=db, auth_enabled=True, admin_key_hash=hash_key(ADMIN),
-                         loader=EngineLoader(cfg, 64, workers), lifecycle_config=lifecycle,
-                         deployments_config=deployments)
-        await app[MODELS].start(seed)
-        server = await aiohttp_server(app)
-        session = aiohttp.ClientSession(base_url=server.make_url("/"))
-        client = Client(session)
-        stack = Stack(app, router, client, await client.new_key("acme"), workers)
+        stack, _ = await start_stack(aiohttp_server, db, seed, lifecycle, deployments)
         made.append(stack)
         return stack
 

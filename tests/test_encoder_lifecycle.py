@@ -10,22 +10,17 @@ import math
 import time
 from pathlib import Path
 
-import aiohttp
 import openai
 import pytest
 
-from api.app import create_app
-from api.lifecycle import GIB, MODELS, LifecycleConfig
-from engine.model_runner import CacheConfig
-from launch import EngineConfig, EngineLoader, checkpoint_bytes, start_workers
+from api.lifecycle import GIB, LifecycleConfig
+from launch import checkpoint_bytes
 from scheduling.deployments import DeploymentsConfig
-from scheduling.router import Router
 from storage import registry
 from storage.registry import ModelVersion
-from storage.tenants import hash_key
 from tests.encoder_models import save_tiny_classifier, save_tiny_embedder
-from tests.test_auth import ADMIN, Client, assert_error
-from tests.test_deployments import DEPLOYMENTS, Stack
+from tests.test_auth import ADMIN, assert_error
+from tests.test_deployments import DEPLOYMENTS, Stack, start_stack
 
 
 @pytest.fixture(scope="session")
@@ -60,17 +55,8 @@ async def make_stack(aiohttp_server, db):
 
     async def make(seed: list[ModelVersion], lifecycle: LifecycleConfig | None = None,
                    deployments: DeploymentsConfig | None = None) -> EncoderStack:
-        loop = asyncio.get_running_loop()
-        router = Router()
-        cfg = EngineConfig(max_num_seqs=16, cache=CacheConfig(kv_cache_gib=0.05))
-        workers = start_workers(cfg, lambda events: loop.call_soon_threadsafe(router.dispatch, events))
-        app = create_app(router, db=db, auth_enabled=True, admin_key_hash=hash_key(ADMIN),
-                         loader=EngineLoader(cfg, 64, workers), lifecycle_config=lifecycle,
-                         deployments_config=deployments)
-        await app[MODELS].start(seed)
-        server = await aiohttp_server(app)
-        client = Client(aiohttp.ClientSession(base_url=server.make_url("/")))
-        stack = EncoderStack(app, router, client, await client.new_key("acme"), workers)
+        stack, server = await start_stack(aiohttp_server, db, seed, lifecycle, deployments, kv_cache_gib=0.05,
+                                          stack_class=EncoderStack)
         made.append((stack, server))
         return stack
 
