@@ -142,7 +142,7 @@ async def embeddings(request: web.Request) -> web.Response:
 
 async def embed(request: web.Request) -> web.Response:
     body = await parse_body(request, EmbedRequest)
-    model = await encoder_for(request, body.model, "embed")
+    model = await encoder_for(request, body.model, "embed", body.user)
     outputs = await run_encoder(request, model, body.texts(), {}, wants_cache(request, cache_flag(body)))
     tokens = sum(out.num_tokens for out in outputs)
     return json_response({"model": model_label(request, model), "embeddings": [out.values for out in outputs],
@@ -177,7 +177,7 @@ async def predict(request: web.Request) -> web.Response:
     started = time.monotonic()
     body = await parse_body(request, PredictRequest)
     name = path_model(request, body.model)
-    model = await encoder_for(request, name, "classify")
+    model = await encoder_for(request, name, "classify", body.user)
     params = body.params or PredictParams()
     texts = [body.input] if body.input is not None else list(body.inputs)
     outputs = await run_encoder(request, model, texts, {}, wants_cache(request, cache_flag(body)))

@@ -65,6 +65,8 @@ class EmbeddingResponse(BaseModel):
 class EmbedRequest(Strict):
     model: str = Field(min_length=1)
     inputs: Text | Annotated[list[Text], Field(min_length=1, max_length=MAX_INPUTS)]
+    user: str | None = Field(None, max_length=256,
+                             description="End-user id: the same user keeps landing on the same version of a split.")
     galley: CacheOptions | None = Field(None, description="galley extensions")
 
     def texts(self) -> list[str]:
@@ -93,6 +95,8 @@ class PredictRequest(Strict):
     input: Text | None = None
     inputs: Annotated[list[Text], Field(min_length=1, max_length=MAX_INPUTS)] | None = None
     params: PredictParams | None = None
+    user: str | None = Field(None, max_length=256,
+                             description="End-user id: the same user keeps landing on the same version of a split.")
     galley: CacheOptions | None = Field(None, description="galley extensions")
 
     @model_validator(mode="after")

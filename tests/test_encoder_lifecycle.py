@@ -140,6 +140,11 @@ async def test_encoder_canary_split_is_sticky_per_user_and_rolls_back(make_stack
     assert by_version["emb@1"] != by_version["emb@2"]  # really different weights
     for u in range(8):
         assert len({(await stack.embed("emb", user=f"user{u}"))[1] for _ in range(3)}) == 1
+    by_user = {f"user{u}": v for u, (v, _) in enumerate(got)}
+    for user in list(by_user)[:12]:  # the native endpoint takes `user` too: the same version as /v1/embeddings
+        async with stack.client.session.post("/api/v1/embed", json={"model": "emb", "inputs": ["x"], "user": user},
+                                             headers={"Authorization": f"Bearer {stack.key}"}) as resp:
+            assert resp.status == 200 and resp.headers["X-Model-Version"] == by_user[user]
     status, version, body = await stack.embed("emb@2")
     assert (status, version) == (200, "emb@2") and body["data"][0]["embedding"] == by_version["emb@2"]
     async with stack.client.session.post("/api/v1/embed", json={"model": "emb@1", "inputs": ["a cat on a mat"]},
