@@ -18,6 +18,7 @@ run one at a time (`_lock`), so the memory budget is counted exactly.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -47,6 +48,7 @@ log = structlog.get_logger(__name__)
 GIB = 1024**3
 WARMUP_PREFIX = "warmup-"
 SHADOW_PREFIX = "shadow-"  # mirrored copies (api/shadow.py): they keep a version warm but judge nothing
+CANARY_CHECK_INTERVAL_S = 0.1
 MODEL_VERSION = "model_version"  # request[MODEL_VERSION]: name@version that served it (X-Model-Version)
 
 
@@ -126,6 +128,7 @@ class ModelManager:
         self.health: dict[str, HealthWindow] = {}  # name@version -> recent outcomes
         self.previous_stable: dict[str, str | None] = {}  # model name -> what a rollback returns to
         self._rolling_back: set[str] = set()  # model names with an automatic rollback under way
+        self._checked_s: dict[str, float] = {}  # model name -> when its canaries were last judged
         self.metrics = LifecycleMetrics(metrics_registry, self)
         self._lock = asyncio.Lock()
         self._background = BackgroundTasks()
@@ -362,11 +365,16 @@ class ModelManager:
         self.health.setdefault(served.ref, HealthWindow()).record(now, ok, latency_s)
         self.check_canaries(served.name)
 
-    def check_canaries(self, name: str) -> None:
+    def check_canaries(self, name: str, force: bool = False) -> None:
+        """Judge `name`'s canaries against its stable version. From the finish hook at most every
+        CANARY_CHECK_INTERVAL_S per model: a p99 sorts the window, too much for every request."""
         deployment = self.router.deployments.get(name)
         if deployment is None or name in self._rolling_back:
             return
         now, window_s = time.monotonic(), self.deploy_cfg.window_seconds
+        if not force and now - self._checked_s.get(name, -math.inf) < CANARY_CHECK_INTERVAL_S:
+            return
+        self._checked_s[name] = now
         stable = self.health.setdefault(f"{name}@{deployment.stable}", HealthWindow())
         stable.trim(now, window_s)
         for version, percent in deployment.traffic.items():
@@ -392,7 +400,7 @@ class ModelManager:
                         and served.num_in_flight == 0 and now - vs.last_used_s > vs.keep_alive_s):
                     self._background.spawn(self.unload(vs, "keep_alive"))
             for name in list(self.router.deployments):
-                self.check_canaries(name)
+                self.check_canaries(name, force=True)
 
     # ---- registry and deployments -------------------------------------------------------
 

@@ -69,13 +69,15 @@ class HealthWindow:
 
     def __init__(self) -> None:
         self.outcomes: deque[Outcome] = deque()
+        self.num_errors = 0  # kept with the outcomes: the error rate costs nothing to read
 
     def record(self, at_s: float, ok: bool, latency_s: float) -> None:
         self.outcomes.append(Outcome(at_s, ok, latency_s))
+        self.num_errors += not ok
 
     def trim(self, now_s: float, window_s: float) -> None:
         while self.outcomes and self.outcomes[0].at_s < now_s - window_s:
-            self.outcomes.popleft()
+            self.num_errors -= not self.outcomes.popleft().ok
 
     @property
     def num_requests(self) -> int:
@@ -83,7 +85,7 @@ class HealthWindow:
 
     @property
     def error_rate(self) -> float:
-        return sum(not o.ok for o in self.outcomes) / len(self.outcomes) if self.outcomes else 0.0
+        return self.num_errors / len(self.outcomes) if self.outcomes else 0.0
 
     @property
     def p99_latency_s(self) -> float | None:

@@ -375,3 +375,29 @@ async def test_a_batch_job_outlives_its_model_being_unloaded(make_stack, version
     assert stack.metric("galley_model_unloads_total", model="tiny", reason="admin") == 1
     assert stack.metric("galley_model_load_seconds_count", model="tiny") == 2  # loaded again for the job
     assert stack.manager.versions["tiny@1"].state == "ready"
+
+
+def test_health_windows_count_errors_through_trims_and_judge_canaries():
+    from scheduling.deployments import HealthWindow, rollback_reason
+
+    window = HealthWindow()
+    for i in range(10):
+        window.record(float(i), ok=i % 2 == 0, latency_s=0.1)
+    assert window.num_requests == 10 and window.error_rate == 0.5
+    window.trim(now_s=9.0, window_s=4.5)  # keeps 5..9: ok at 6 and 8
+    assert window.num_requests == 5 and window.num_errors == 3 and window.error_rate == 0.6
+    window.trim(now_s=100.0, window_s=1.0)
+    assert window.num_requests == 0 and window.num_errors == 0 and window.error_rate == 0.0
+
+    cfg = DeploymentsConfig(max_error_rate=0.2, max_p99_ratio=3.0, min_requests=5)
+    stable, failing, slow, young = HealthWindow(), HealthWindow(), HealthWindow(), HealthWindow()
+    for i in range(20):
+        stable.record(i, True, 0.1)
+        failing.record(i, i % 3 != 0, 0.1)
+        slow.record(i, True, 0.5)
+    for i in range(4):
+        young.record(i, False, 0.1)
+    assert "error rate" in rollback_reason(failing, stable, cfg)
+    assert "p99 latency" in rollback_reason(slow, stable, cfg)
+    assert rollback_reason(young, stable, cfg) is None  # not judged before min_requests
+    assert rollback_reason(stable, stable, cfg) is None
