@@ -207,12 +207,8 @@ class Encoder:
         input_ids, mask = input_ids.to(self.device), mask.to(self.device)
         out = self.model(input_ids=input_ids, attention_mask=mask)
         if self.kind == "embed":
-            values = pool(out.last_hidden_state, mask, self.sentence.pooling)  # [batch, dim]
-            if self.sentence.normalize:
-                values = torch.nn.functional.normalize(values, p=2, dim=1)
-        else:
-            values = out.logits  # [batch, num_labels]
-        return values.float().cpu().tolist()
+            return self.rows(pool(out.last_hidden_state, mask, self.sentence.pooling))  # [batch, dim]
+        return self.rows(out.logits)  # [batch, num_labels]
 
     @torch.inference_mode()
     def forward_packed(self, ids: list[list[int]]) -> list[list[float]]:
@@ -221,11 +217,13 @@ class Encoder:
         flat = torch.tensor([t for x in ids for t in x], dtype=torch.long, device=self.device)
         h = self.packed.hidden_states(flat, batch)
         if self.kind == "embed":
-            values = pool_packed(h, batch, self.sentence.pooling)
-            if self.sentence.normalize:
-                values = torch.nn.functional.normalize(values, p=2, dim=1)
-        else:
-            values = self.packed.classify(h, batch)
+            return self.rows(pool_packed(h, batch, self.sentence.pooling))
+        return self.rows(self.packed.classify(h, batch))
+
+    def rows(self, values: torch.Tensor) -> list[list[float]]:
+        """[batch, n] pooled vectors (normalised if the folder says so) or logits -> plain lists."""
+        if self.kind == "embed" and self.sentence.normalize:
+            values = torch.nn.functional.normalize(values, p=2, dim=1)
         return values.float().cpu().tolist()
 
 

@@ -4,7 +4,8 @@ A padded batch spends most of its compute on padding: in a batch of mixed-length
 every linear layer runs over batch x longest tokens. Here the inputs are concatenated into
 one `[total_tokens, hidden]` row set, so the linear layers, layer norms and GELUs (nearly
 all the work for short inputs) see each real token once; only attention is laid out padded,
-`[batch, heads, longest, head_dim]` with a key mask, and gathered back. The modules and
+`[inputs, heads, longest, head_dim]` with a key mask, one call per group of inputs of similar
+lengths, and gathered back. The modules and
 weights are the `transformers` model's (no copy), so outputs equal its padded forward up to
 float summation order.
 """
