@@ -257,9 +257,8 @@ class DeviceWorker:
         if engine is not None and engine.num_unfinished:
             log.warning("detaching an engine with unfinished requests", engine=item.engine_id,
                         num_unfinished=engine.num_unfinished)
-        on_cuda = engine is not None and engine.runner.device.type == "cuda"
         del engine
-        self._free_memory(on_cuda)
+        self._free_memory()
         item.done.set_result(None)
 
     def _detach_encoder(self, item: _DetachEncoder) -> None:
@@ -267,17 +266,17 @@ class DeviceWorker:
         if batcher is not None:
             batcher.fail_all(RuntimeError(f"encoder {item.encoder_id!r} was unloaded"))
         del batcher
-        self._free_memory(on_cuda=True)
+        self._free_memory()
         item.done.set_result(None)
 
     @staticmethod
-    def _free_memory(on_cuda: bool) -> None:
+    def _free_memory() -> None:
+        """After dropping a model: collect it, and hand its CUDA blocks back if CUDA is in use."""
         gc.collect()
-        if on_cuda:
-            import torch
+        import torch
 
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
+        if torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
 
 
 class EncoderClient:
