@@ -366,15 +366,16 @@ class ModelManager:
         self.check_canaries(served.name)
 
     def check_canaries(self, name: str, force: bool = False) -> None:
-        """Judge `name`'s canaries against its stable version. From the finish hook at most every
-        CANARY_CHECK_INTERVAL_S per model: a p99 sorts the window, too much for every request."""
+        """Judge `name`'s canaries against its stable version: error rates on every call, p99
+        latencies (which sort the windows, too much for every request) at most every
+        CANARY_CHECK_INTERVAL_S per model unless `force`."""
         deployment = self.router.deployments.get(name)
         if deployment is None or name in self._rolling_back:
             return
         now, window_s = time.monotonic(), self.deploy_cfg.window_seconds
-        if not force and now - self._checked_s.get(name, -math.inf) < CANARY_CHECK_INTERVAL_S:
-            return
-        self._checked_s[name] = now
+        latency = force or now - self._checked_s.get(name, -math.inf) >= CANARY_CHECK_INTERVAL_S
+        if latency:
+            self._checked_s[name] = now
         stable = self.health.setdefault(f"{name}@{deployment.stable}", HealthWindow())
         stable.trim(now, window_s)
         for version, percent in deployment.traffic.items():
@@ -382,7 +383,7 @@ class ModelManager:
                 continue
             canary = self.health.setdefault(f"{name}@{version}", HealthWindow())
             canary.trim(now, window_s)
-            reason = rollback_reason(canary, stable, self.deploy_cfg)
+            reason = rollback_reason(canary, stable, self.deploy_cfg, latency)
             if reason is not None:
                 self._rolling_back.add(name)
                 task = self._background.spawn(self.rollback(name, f"canary {version}: {reason}", automatic=True))

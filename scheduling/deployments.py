@@ -93,13 +93,17 @@ class HealthWindow:
         return p99(ok) if ok else None
 
 
-def rollback_reason(canary: HealthWindow, stable: HealthWindow, cfg: DeploymentsConfig) -> str | None:
-    """Why the canary should be rolled back, or None while it looks healthy (or is not yet judged)."""
+def rollback_reason(canary: HealthWindow, stable: HealthWindow, cfg: DeploymentsConfig,
+                    latency: bool = True) -> str | None:
+    """Why the canary should be rolled back, or None while it looks healthy (or is not yet judged).
+    The error rate is O(1); `latency=False` skips the p99s, which sort both windows."""
     if canary.num_requests < cfg.min_requests:
         return None
     if canary.error_rate > cfg.max_error_rate and canary.error_rate > stable.error_rate:
         return (f"error rate {canary.error_rate:.0%} over {canary.num_requests} requests "
                 f"(stable {stable.error_rate:.0%}, limit {cfg.max_error_rate:.0%})")
+    if not latency:
+        return None
     canary_p99, stable_p99 = canary.p99_latency_s, stable.p99_latency_s
     if canary_p99 is not None and stable_p99 and canary_p99 > cfg.max_p99_ratio * stable_p99:
         return f"p99 latency {canary_p99:.3f}s is over {cfg.max_p99_ratio:g}x stable's {stable_p99:.3f}s"

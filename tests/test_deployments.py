@@ -399,5 +399,7 @@ def test_health_windows_count_errors_through_trims_and_judge_canaries():
         young.record(i, False, 0.1)
     assert "error rate" in rollback_reason(failing, stable, cfg)
     assert "p99 latency" in rollback_reason(slow, stable, cfg)
+    assert rollback_reason(slow, stable, cfg, latency=False) is None  # the cheap judgement: errors only
+    assert "error rate" in rollback_reason(failing, stable, cfg, latency=False)
     assert rollback_reason(young, stable, cfg) is None  # not judged before min_requests
     assert rollback_reason(stable, stable, cfg) is None
