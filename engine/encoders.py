@@ -214,11 +214,10 @@ class Encoder:
     def forward_packed(self, ids: list[list[int]]) -> list[list[float]]:
         """One packed forward (BERT family): the same outputs as `forward`, without padded linear work."""
         batch = PackedBatch.of([len(x) for x in ids], self.device)
-        flat = torch.tensor([t for x in ids for t in x], dtype=torch.long, device=self.device)
-        h = self.packed.hidden_states(flat, batch)
+        h = self.packed.hidden_states(batch.pack(ids, self.device), batch)
         if self.kind == "embed":
-            return self.rows(pool_packed(h, batch, self.sentence.pooling))
-        return self.rows(self.packed.classify(h, batch))
+            return self.rows(batch.restore(pool_packed(h, batch, self.sentence.pooling)))
+        return self.rows(batch.restore(self.packed.classify(h, batch)))
 
     def rows(self, values: torch.Tensor) -> list[list[float]]:
         """[batch, n] pooled vectors (normalised if the folder says so) or logits -> plain lists."""

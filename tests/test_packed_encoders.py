@@ -70,6 +70,9 @@ def test_packed_embeddings_equal_the_padded_hf_forward_for_every_pooling(tmp_pat
     near = ids[1:2] * 2 + ids[5:6]  # lengths 3, 3, 2: one attention group
     assert len(PackedBatch.of([len(x) for x in near], torch.device("cpu")).groups) == 1
     assert (torch.tensor(encoder.forward_packed(near)) - reference[[1, 1, 5]]).abs().max() < 1e-5
+    same = ids[2:3] * 3  # equal lengths: attention runs on the packed rows themselves, no padded layout
+    assert PackedBatch.of([len(x) for x in same], torch.device("cpu")).groups[0].slots is None
+    assert (torch.tensor(encoder.forward_packed(same)) - reference[[2, 2, 2]]).abs().max() < 1e-5
 
 
 @pytest.mark.parametrize("family", ["bert", "roberta"])

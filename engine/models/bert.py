@@ -38,21 +38,28 @@ ATTENTION_CALL_PAIRS = 4096
 
 @dataclass(frozen=True)
 class AttentionGroup:
-    """Inputs of similar lengths whose attention runs as one padded call."""
+    """Inputs of similar lengths, contiguous in the packed rows, whose attention runs as one padded call."""
 
-    tokens: torch.Tensor | None  # [group tokens]: their packed rows, input by input; None: every row, in order
-    slots: torch.Tensor  # [group tokens]: each one's index in the flattened [size * longest] padded layout
-    key_mask: torch.Tensor  # [size, 1, 1, longest] bool: real (not padding) keys
-    size: int
+    start: int  # its first packed row
+    stop: int  # one past its last
+    size: int  # inputs
     longest: int
+    slots: torch.Tensor | None  # [stop - start]: each row's index in the flattened [size * longest] padded
+    # layout; None when the inputs are all `longest` long: the rows already are that layout
+    key_mask: torch.Tensor | None  # [size, 1, 1, longest] bool: real (not padding) keys; None: no padding
 
 
 @dataclass(frozen=True)
 class PackedBatch:
-    """Where each input's tokens sit: in the packed rows, and in its attention group's padded layout."""
+    """Where each input's tokens sit: in the packed rows, and in its attention group's padded layout.
 
+    Inputs are packed shortest first, so each attention group is a contiguous run of rows (a
+    slice, not a gather); everything here is in that packed order, and `restore` puts per-input
+    results back in the caller's."""
+
+    order: list[int]  # packed input k is the caller's input order[k]
     lengths: torch.Tensor  # [batch]
-    rows: torch.Tensor  # [tokens]: the input each packed token belongs to
+    rows: torch.Tensor  # [tokens]: the (packed) input each token belongs to
     offsets: torch.Tensor  # [tokens]: its position within its input
     firsts: torch.Tensor  # [batch]: the packed index of each input's first token
     groups: list[AttentionGroup]
@@ -61,29 +68,40 @@ class PackedBatch:
     def of(lengths: list[int], device: torch.device) -> PackedBatch:
         """Inputs are split into attention groups of similar lengths where the padded query-key
         pairs saved pay for the extra call (a batch of near-equal lengths stays one group)."""
-        lens = torch.tensor(lengths, device=device)
-        rows = torch.repeat_interleave(torch.arange(len(lengths), device=device), lens)
+        cut = length_groups(lengths, lambda n, width: ATTENTION_CALL_PAIRS + n * width * width)
+        order = [i for members in cut for i in members]
+        packed = [lengths[i] for i in order]
+        lens = torch.tensor(packed, device=device)
+        rows = torch.repeat_interleave(torch.arange(len(packed), device=device), lens)
         firsts = torch.cumsum(lens, 0) - lens
         offsets = torch.arange(rows.numel(), device=device) - firsts[rows]
-        cut = length_groups(lengths, lambda n, width: ATTENTION_CALL_PAIRS + n * width * width)
-        if len(cut) == 1:
-            groups = [attention_group(lens, None, offsets, rows)]
-        else:
-            groups = []
-            for members in cut:
-                inputs = torch.tensor(members, device=device)
-                tokens = torch.cat([torch.arange(int(firsts[m]), int(firsts[m] + lens[m]), device=device)
-                                    for m in members])
-                local_rows = torch.repeat_interleave(torch.arange(len(members), device=device), lens[inputs])
-                groups.append(attention_group(lens[inputs], tokens, offsets[tokens], local_rows))
-        return PackedBatch(lens, rows, offsets, firsts, groups)
+        groups, first_input, first_row = [], 0, 0
+        for members in cut:
+            group_lengths = packed[first_input:first_input + len(members)]
+            stop = first_row + sum(group_lengths)
+            groups.append(attention_group(group_lengths, first_row, stop, offsets[first_row:stop]))
+            first_input, first_row = first_input + len(members), stop
+        return PackedBatch(order, lens, rows, offsets, firsts, groups)
+
+    def pack(self, ids: list[list[int]], device: torch.device) -> torch.Tensor:
+        """The inputs' token ids (caller's order) -> [tokens] packed ids."""
+        return torch.tensor([t for i in self.order for t in ids[i]], dtype=torch.long, device=device)
+
+    def restore(self, values: torch.Tensor) -> torch.Tensor:
+        """[batch, ...] per-input results in packed order -> in the caller's order."""
+        inverse = torch.empty(len(self.order), dtype=torch.long, device=values.device)
+        inverse[torch.tensor(self.order, device=values.device)] = torch.arange(len(self.order), device=values.device)
+        return values[inverse]
 
 
-def attention_group(lengths: torch.Tensor, tokens: torch.Tensor | None, offsets: torch.Tensor,
-                    rows: torch.Tensor) -> AttentionGroup:
-    longest = int(lengths.max())
-    key_mask = torch.arange(longest, device=lengths.device)[None, :] < lengths[:, None]
-    return AttentionGroup(tokens, rows * longest + offsets, key_mask[:, None, None, :], len(lengths), longest)
+def attention_group(lengths: list[int], start: int, stop: int, offsets: torch.Tensor) -> AttentionGroup:
+    longest, device = max(lengths), offsets.device
+    if min(lengths) == longest:
+        return AttentionGroup(start, stop, len(lengths), longest, None, None)
+    lens = torch.tensor(lengths, device=device)
+    rows = torch.repeat_interleave(torch.arange(len(lengths), device=device), lens)
+    key_mask = torch.arange(longest, device=device)[None, :] < lens[:, None]
+    return AttentionGroup(start, stop, len(lengths), longest, rows * longest + offsets, key_mask[:, None, None, :])
 
 
 class PackedBert:
@@ -122,30 +140,32 @@ class PackedBert:
         h = (emb.word_embeddings(flat) + emb.position_embeddings(self.positions(flat, batch))
              + emb.token_type_embeddings.weight[0])
         h = emb.LayerNorm(h)
-        # each group's padded q, k, v layout, zeroed once: the layers write only the real slots, so
+        # each padded group's q, k, v layout, zeroed once: the layers write only the real slots, so
         # padding stays 0 (masked keys get weight 0, and 0 x garbage could be NaN)
-        padded = [h.new_zeros(g.size * g.longest, 3 * h.shape[1]) for g in batch.groups]
+        padded = [None if g.slots is None else h.new_zeros(g.size * g.longest, 3 * h.shape[1])
+                  for g in batch.groups]
         for layer, (w_qkv, b_qkv) in zip(self.base.encoder.layer, self.qkv):
             qkv = F.linear(h, w_qkv, b_qkv)  # [tokens, 3 * hidden]
             if len(batch.groups) == 1:
                 ctx = self.attention(qkv, batch.groups[0], padded[0])
             else:
-                ctx = torch.empty_like(h)
-                for group, layout in zip(batch.groups, padded):
-                    ctx[group.tokens] = self.attention(qkv[group.tokens], group, layout)
+                ctx = torch.cat([self.attention(qkv[g.start:g.stop], g, layout)
+                                 for g, layout in zip(batch.groups, padded)])
             out = layer.attention.output
             h = out.LayerNorm(out.dense(ctx) + h)
             inner = F.gelu(layer.intermediate.dense(h), approximate=self.gelu)
             h = layer.output.LayerNorm(layer.output.dense(inner) + h)
         return h
 
-    def attention(self, qkv: torch.Tensor, group: AttentionGroup, padded: torch.Tensor) -> torch.Tensor:
-        """[group tokens, 3 * hidden] packed q, k, v -> [group tokens, hidden], through the group's
-        zero-padded layout `padded` ([size * longest, 3 * hidden]) for one SDPA call."""
-        padded[group.slots] = qkv
-        q, k, v = padded.view(group.size, group.longest, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+    def attention(self, qkv: torch.Tensor, group: AttentionGroup, padded: torch.Tensor | None) -> torch.Tensor:
+        """[group tokens, 3 * hidden] packed q, k, v -> [group tokens, hidden], in one SDPA call over
+        the group's zero-padded layout `padded` ([size * longest, 3 * hidden]), or over the rows
+        themselves when the group has no padding."""
+        layout = qkv if group.slots is None else padded.index_copy_(0, group.slots, qkv)
+        q, k, v = layout.view(group.size, group.longest, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=group.key_mask)  # [size, heads, longest, head_dim]
-        return ctx.transpose(1, 2).reshape(group.size * group.longest, -1)[group.slots]
+        ctx = ctx.transpose(1, 2).reshape(group.size * group.longest, -1)
+        return ctx if group.slots is None else ctx.index_select(0, group.slots)
 
     @torch.inference_mode()
     def classify(self, h: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
