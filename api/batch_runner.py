@@ -378,7 +378,7 @@ class BatchRunner:
                 await asyncio.sleep(self.config.retry_seconds)
                 continue
             try:
-                outputs = await asyncio.shield(asyncio.wrap_future(future))
+                outputs = await future
                 used = sum(out.num_tokens for out in outputs)
             except Exception as exc:
                 return [ItemResult(ItemStatus.FAILED.value, error=f"the {model.kind} model failed: {exc}")] * len(texts)

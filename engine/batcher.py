@@ -1,8 +1,8 @@
 """Dynamic batching for models without a KV cache (encoders), driven by the device worker.
 
 Callers on any thread submit a list of inputs through the worker (`engine.worker.EncoderClient`)
-and get a `concurrent.futures.Future` of the list of outputs (the event loop awaits it with
-`asyncio.wrap_future`). The worker thread hands each request to `add`, and whenever `due`
+and get a `concurrent.futures.Future` of the list of outputs (`scheduling.encoders.submit`
+turns it into an event-loop future). The worker thread hands each request to `add`, and whenever `due`
 (`max_batch` inputs waiting, or the oldest has waited `max_wait_ms`) calls `run_once`: ONE
 call of `run_batch` over the oldest inputs, whose outputs are split back to their requests.
 A request larger than `max_batch` is cut into several batches. There is no thread here: the

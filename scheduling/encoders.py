@@ -60,25 +60,35 @@ class ServedEncoder:
 OnEncoderFinish = Callable[[ServedEncoder, bool, float], None]
 
 
-def submit(model: ServedEncoder, items: list[Any], on_finish: OnEncoderFinish | None = None) -> Future:
+def submit(model: ServedEncoder, items: list[Any], on_finish: OnEncoderFinish | None = None) -> asyncio.Future:
     """Hand inputs to the model's handle, or raise `EncoderBusy` changing nothing. Call on the event loop.
 
-    `num_in_flight` drops when the future finishes (not when a caller stops waiting), then
-    `on_finish` runs; await the future through `asyncio.shield` so a leaving caller cannot cancel it."""
+    Returns a future on the running loop, settled in the one loop callback that also drops
+    `num_in_flight` (when the handle finishes, not when a caller stops waiting) and calls
+    `on_finish`. Cancelling it (a caller that leaves) does not cancel the inputs: a version
+    being drained still waits for them."""
     if model.num_in_flight + len(items) > model.max_waiting and model.num_in_flight:
         raise EncoderBusy(model.name, model.max_waiting)
     loop, started = asyncio.get_running_loop(), time.monotonic()
+    result = loop.create_future()
     future = model.handle.submit(items)
     model.num_in_flight += len(items)
 
     def settle(done: Future) -> None:
         model.num_in_flight -= len(items)
+        error = done.exception() if not done.cancelled() else asyncio.CancelledError()
         if on_finish is not None:
-            on_finish(model, not done.cancelled() and done.exception() is None, time.monotonic() - started)
+            on_finish(model, error is None, time.monotonic() - started)
+        if result.done():  # its caller stopped waiting
+            return
+        if error is None:
+            result.set_result(done.result())
+        else:
+            result.set_exception(error)
 
     def finished(done: Future) -> None:  # on the handle's thread
         with contextlib.suppress(RuntimeError):  # the loop closed at shutdown: nobody is counting
             loop.call_soon_threadsafe(settle, done)
 
     future.add_done_callback(finished)
-    return future
+    return result

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -197,7 +196,7 @@ class Router:
         replica.worker.submit(replica.engine_id, request)
         return stream
 
-    def submit_encoder(self, model: ServedEncoder, items: list[Any]) -> Future:
+    def submit_encoder(self, model: ServedEncoder, items: list[Any]) -> asyncio.Future:
         """Hand inputs to an encoder version (`EncoderBusy` over its bound); its outcome reaches `on_encoder_finish`."""
         return encoders.submit(model, items, self._encoder_finished)
 
