@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from api.errors import AuthenticationError, PermissionDeniedError
+from scheduling.admission import TenantLimits
 from storage import tenants
 from storage.db import Database
 from storage.tenants import DEFAULT_TENANT, ApiKey, Tenant, hash_key, key_prefix
@@ -156,6 +157,13 @@ async def auth_middleware(request: web.Request, handler):
 
 def tenant_of(request: web.Request) -> Tenant:
     return request[TENANT]
+
+
+def tenant_limits(request: web.Request) -> tuple[TenantLimits, float]:
+    """The caller's tenant's admission limits, and its fair-share weight."""
+    tenant = tenant_of(request)
+    limits = TenantLimits(tenant.name, tenant.max_concurrent, tenant.requests_per_minute, tenant.tokens_per_minute)
+    return limits, tenant.weight
 
 
 def check_model_access(request: web.Request, model_name: str) -> None:

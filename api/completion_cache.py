@@ -17,7 +17,7 @@ from aiohttp import web
 from api.auth import tenant_of
 from api.chunks import ChunkFormat, StreamEvent, event_chunks, role_chunk
 from api.metrics import METRICS
-from api.response_cache import RESPONSE_CACHE, cache_key, mark_lookup, wants_cache
+from api.response_cache import RESPONSE_CACHE, admit_hit, cache_key, mark_lookup, wants_cache
 from api.schemas import SamplingFields
 from api.sse import open_sse, send_event
 from api.streams import LiveStream, params_to_json
@@ -52,6 +52,8 @@ def lookup(request: web.Request, model: ServedModel, key: str | None) -> CachedC
     if key is None:
         return None
     found = request.app[RESPONSE_CACHE].get(key)
+    if found is not None:
+        admit_hit(request, model.name)
     metrics = request.app[METRICS]
     (metrics.cache_hits if found is not None else metrics.cache_misses).labels(model.name).inc()
     mark_lookup(request, found is not None)

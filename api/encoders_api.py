@@ -19,7 +19,7 @@ from typing import Any
 
 from aiohttp import web
 
-from api.auth import tenant_of
+from api.auth import tenant_limits, tenant_of
 from api.context import ROUTER
 from api.errors import InvalidRequestError, QueueFullError, RateLimitError, json_response
 from api.lifecycle import model_label, resolve_model
@@ -34,8 +34,7 @@ from api.native_schemas import (
     PredictRequest,
     PredictResponse,
 )
-from api.openai import tenant_limits
-from api.response_cache import RESPONSE_CACHE, cache_key, mark_lookup, wants_cache
+from api.response_cache import RESPONSE_CACHE, admit_hit, cache_key, mark_lookup, wants_cache
 from api.routes import Route
 from api.validation import parse_body
 from scheduling.admission import Rejected
@@ -66,6 +65,8 @@ async def run_encoder(request: web.Request, model: ServedEncoder, items: list[st
     keys = [cache_key(tenant, model.name, model.version, item, params) for item in items] if use_cache else []
     outputs = [cache.get(key) for key in keys] if use_cache else [None] * len(items)
     missing = [i for i, out in enumerate(outputs) if out is None]
+    if not missing:
+        admit_hit(request, model.name)
     if use_cache:
         metrics.cache_hits.labels(model.name).inc(len(items) - len(missing))
         metrics.cache_misses.labels(model.name).inc(len(missing))

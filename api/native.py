@@ -19,7 +19,7 @@ from api.lifecycle import model_label, resolve_model
 from api.metrics import METRICS
 from api.native_schemas import GenerateEvent, GenerateRequest, GenerateResponse
 from api.openai import collect, finish_reason, sampling_params, scheduled_events, submit, usage
-from api.response_cache import RESPONSE_CACHE, cache_key, mark_lookup, wants_cache
+from api.response_cache import RESPONSE_CACHE, admit_hit, cache_key, mark_lookup, wants_cache
 from api.routes import Route
 from api.sse import open_sse, send_event
 from api.streams import prepend
@@ -65,6 +65,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
     key = cache_key(tenant_of(request).name, model.name, model.version, prompt_ids,
                     {**params.__dict__, "stop": list(params.stop), "stop_token_ids": list(params.stop_token_ids)})
     result = cache.get(key) if use_cache else None
+    if result is not None:
+        admit_hit(request, model.name)
     if use_cache:
         (metrics.cache_hits if result is not None else metrics.cache_misses).labels(model.name).inc()
         mark_lookup(request, result is not None)

@@ -18,7 +18,7 @@ import structlog
 from aiohttp import web
 
 from api import completion_cache
-from api.auth import check_priority_access, tenant_of
+from api.auth import check_priority_access, tenant_limits, tenant_of
 from api.chunks import ChunkFormat, chat_logprobs, completion_logprobs
 from api.context import ROUTER, STATE
 from api.errors import (
@@ -48,7 +48,7 @@ from api.stream_api import collect_live, serve_live
 from api.streams import HUB, LiveStream
 from api.validation import parse_body
 from engine.types import GenerationRequest, Priority, SamplingParams, TokenEvent, TokenLogprob
-from scheduling.admission import Rejected, TenantLimits
+from scheduling.admission import Rejected
 from scheduling.deployments import parse_model_ref
 from scheduling.router import QueueFull, RequestStream, ServedModel
 from storage import conversations
@@ -101,12 +101,6 @@ def sampling_params(request: web.Request, body: SamplingFields, max_tokens: int 
         ignore_eos=body.ignore_eos,
         logprobs=logprobs,
     )
-
-
-def tenant_limits(request: web.Request) -> tuple[TenantLimits, float]:
-    tenant = tenant_of(request)
-    limits = TenantLimits(tenant.name, tenant.max_concurrent, tenant.requests_per_minute, tenant.tokens_per_minute)
-    return limits, tenant.weight
 
 
 def submit(request: web.Request, model: ServedModel, prompt_ids: list[int], params: SamplingParams,

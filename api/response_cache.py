@@ -20,6 +20,12 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from api.auth import tenant_limits
+from api.context import ROUTER
+from api.errors import RateLimitError
+from api.metrics import METRICS
+from scheduling.admission import Rejected
+
 
 @dataclass(frozen=True)
 class ResponseCacheConfig:
@@ -75,6 +81,19 @@ def wants_cache(request: web.Request, body_flag: bool | None) -> bool:
         return False
     directives = {d.strip().lower() for d in request.headers.get("Cache-Control", "").split(",")}
     return not directives & {"no-cache", "no-store"}
+
+
+def admit_hit(request: web.Request, model_name: str) -> None:
+    """A cache hit is still one of its tenant's requests: it counts against `requests_per_minute`
+    and `max_concurrent` like any other, and over them is refused with the same 429 (it computed
+    no tokens, so `tokens_per_minute` is not charged)."""
+    limits, _ = tenant_limits(request)
+    admission = request.app[ROUTER].admission
+    try:
+        admission.release(admission.admit(limits, 0), 0)
+    except Rejected as exc:
+        request.app[METRICS].rejected.labels(model_name, exc.reason).inc()
+        raise RateLimitError(str(exc), code=exc.reason, headers={"Retry-After": str(exc.retry_after_s)}) from exc
 
 
 def mark_lookup(request: web.Request, hit: bool) -> None:

@@ -75,6 +75,29 @@ async def test_tokens_per_minute_gives_429_then_recovers(stack):
     assert out.usage.completion_tokens == 17
 
 
+async def test_cache_hits_count_against_requests_per_minute(stack):
+    """An answer from the response cache is still a request: a tenant over its rate gets the same 429."""
+    server, client, _ = stack
+    key = await client.new_key("cached", requests_per_minute=2)
+    client_sdk = sdk(server, key)
+    ask = dict(model="tiny", prompt=[5, 6, 7], max_tokens=4, temperature=0)
+    first = await client_sdk.completions.with_raw_response.create(**ask)
+    second = await client_sdk.completions.with_raw_response.create(**ask)
+    assert (first.headers["X-Cache"], second.headers["X-Cache"]) == ("miss", "hit")
+    assert second.parse().choices[0].text == first.parse().choices[0].text
+    with pytest.raises(openai.RateLimitError) as exc:
+        await client_sdk.completions.create(**ask)
+    assert exc.value.body["code"] == "requests_per_minute" and int(exc.value.response.headers["Retry-After"]) >= 1
+    native = await client.new_key("cached-native", requests_per_minute=2)  # the native API's cache likewise
+    statuses = []
+    async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {native}"}) as session:
+        for _ in range(3):
+            async with session.post(server.make_url("/api/v1/generate"),
+                                    json={"model": "tiny", "prompt": "hi", "max_tokens": 2, "temperature": 0}) as resp:
+                statuses.append((resp.status, resp.headers.get("X-Cache")))
+    assert statuses[:2] == [(200, "miss"), (200, "hit")] and statuses[2][0] == 429
+
+
 async def test_max_concurrent(stack):
     server, client, _ = stack
     key = await client.new_key("single", max_concurrent=1)
