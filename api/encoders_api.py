@@ -36,6 +36,7 @@ from api.native_schemas import (
 )
 from api.response_cache import RESPONSE_CACHE, admit_hit, cache_key, mark_lookup, wants_cache
 from api.routes import Route
+from api.shadow import mirror_inputs
 from api.validation import parse_body
 from scheduling.admission import Rejected
 from scheduling.encoders import EncoderBusy, ServedEncoder
@@ -80,6 +81,7 @@ async def run_encoder(request: web.Request, model: ServedEncoder, items: list[st
         outputs[i] = out
         if use_cache:
             cache.put(keys[i], out)
+    mirror_inputs(request, model, items, outputs)
     return outputs
 
 

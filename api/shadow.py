@@ -1,21 +1,30 @@
 """Shadow traffic: a share of a deployment's requests mirrored to another version of the same
 model, whose outputs are logged beside the served ones and never returned.
 
-`ShadowMirror.mirror` runs right after a request was submitted to its model's stable version:
-`percent`% of requests (by a hash of the generation id) get a copy (new id, `low` priority,
-tenant `galley-shadow`, so the caller's quotas and fair share are untouched) submitted to the
-shadow version. A task waits for both and logs one `shadow` line (hashes and lengths of both
-outputs; the texts only with `log_prompts`), counting `galley_shadow_requests_total{outcome}`:
-`match`, `mismatch`, `error` (the shadow failed), `dropped` (not ready, queue full, not
-scheduled in time, or the served request did not complete, which aborts the copy). Copies
-never pass through the request metrics and never feed canary health (see `SHADOW_PREFIX`).
-The served request's text comes from a tap on its metrics observer (`Metrics.taps`).
+Generations: `ShadowMirror.mirror` runs right after a request was submitted to its model's
+stable version: `percent`% of requests (by a hash of the generation id) get a copy (new id,
+`low` priority, tenant `galley-shadow`, so the caller's quotas and fair share are untouched)
+submitted to the shadow version. A task waits for both and logs one `shadow` line (hashes and
+lengths of both outputs; the texts only with `log_prompts`). The served request's text comes
+from a tap on its metrics observer (`Metrics.taps`).
+
+Embeddings and classifications: `mirror_inputs` runs once the served version answered (by a
+hash of the request id); the same inputs go to the shadow version's batcher outside tenant
+admission, and the `shadow` line compares the outputs: the largest difference and the lowest
+cosine similarity of the vectors, or how many top labels agree (`match`: vectors within
+`EMBED_MATCH_TOL`, or every top label the same).
+
+Both count `galley_shadow_requests_total{outcome}`: `match`, `mismatch`, `error` (the shadow
+failed), `dropped` (not ready, queue full, not scheduled in time, or the served request did
+not complete, which aborts the copy). Copies never pass through the request metrics and never
+feed canary health (see `SHADOW_PREFIX`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import math
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -30,9 +39,11 @@ from api.lifecycle import MODELS, SHADOW_PREFIX, ModelManager
 from api.metrics import METRICS, STATUS, Metrics
 from api.telemetry import SUCCESS
 from engine.types import GenerationRequest, Priority, TokenEvent
+from scheduling import encoders
 from scheduling.admission import Rejected, TenantLimits
 from scheduling.deployments import NUM_BUCKETS, bucket
-from scheduling.router import QueueFull, RequestStream, ServedModel
+from scheduling.encoders import EncoderBusy, ServedEncoder
+from scheduling.router import QueueFull, RequestStream, Served, ServedModel
 from storage import registry
 from storage.db import Database
 from storage.registry import Shadow
@@ -41,6 +52,7 @@ log = structlog.get_logger(__name__)
 
 SHADOW_TENANT = "galley-shadow"
 MAX_PRIMARY_WAIT_S = 3600.0  # a served request nobody reads (never through the API) is given up after this
+EMBED_MATCH_TOL = 1e-4  # embeddings this close are the same output (batch composition moves the last digits)
 
 
 class PrimaryOutput:
@@ -98,10 +110,7 @@ class ShadowMirror:
             return
         if version is None:
             raise InvalidRequestError("version: required unless percent is 0", param="version")
-        vs = self.manager.get(model_name, version)  # 404 for an unknown version
-        if vs.spec.kind != "generate":
-            raise InvalidRequestError(f"`{vs.ref}` is a `{vs.spec.kind}` model; shadows are for generation",
-                                      param="version")
+        vs = self.manager.get(model_name, version)  # 404 for an unknown version (of the same kind: names keep one)
         if version == deployment.stable:
             raise InvalidRequestError(f"`{vs.ref}` is the stable version: it cannot shadow itself", param="version")
         wanted = Shadow(model_name, version, percent)
@@ -115,21 +124,44 @@ class ShadowMirror:
     def mirror(self, primary: RequestStream, log_prompts: bool) -> None:
         """Maybe copy `primary` to its model's shadow version; never raises, never waits."""
         try:
-            shadow = self._selected(primary)
+            shadow = self._selected(primary.model, primary.request_id)
             if shadow is not None:
                 self._submit_copy(primary, shadow, log_prompts)
         except Exception:
             log.exception("shadow copy failed", model=primary.model.name)
 
-    def _selected(self, primary: RequestStream) -> Shadow | None:
-        model = primary.model
+    def mirror_inputs(self, primary: ServedEncoder, request_id: str, items: list, outputs: list,
+                      log_prompts: bool) -> None:
+        """Maybe send an answered encoder request's inputs to its model's shadow version, to compare
+        with `outputs` (the served version's, `.values` each); never raises, never waits."""
+        try:
+            shadow = self._selected(primary, request_id)
+            if shadow is None:
+                return
+            target = self.router.deployments[shadow.model_name].routable(shadow.version)
+            reason = self._unfit_inputs(items, target, shadow)
+            if reason is None:
+                try:
+                    future = encoders.submit(target, items, lambda model, ok, s: self.manager.touch(model))
+                except EncoderBusy as exc:
+                    reason = f"refused: {exc}"
+                else:
+                    self._background.spawn(self._compare_inputs(primary, target, request_id, items,
+                                                                [out.values for out in outputs], future, log_prompts))
+                    return
+            self.requests.labels(shadow.model_name, shadow.version, "dropped").inc()
+            log.debug("shadow copy dropped", model=shadow.model_name, version=shadow.version, reason=reason)
+        except Exception:
+            log.exception("shadow copy failed", model=primary.name)
+
+    def _selected(self, model: Served, request_id: str) -> Shadow | None:
         shadow = self.shadows.get(model.name)
         deployment = self.router.deployments.get(model.name)
         if shadow is None or deployment is None or model.version != deployment.stable:
             return None  # only the stable version is mirrored
         if shadow.version == model.version:
             return None  # the shadow became the stable version (a later deploy): nothing to compare
-        if bucket(SHADOW_PREFIX + primary.request_id) >= shadow.percent * NUM_BUCKETS // 100:
+        if bucket(SHADOW_PREFIX + request_id) >= shadow.percent * NUM_BUCKETS // 100:
             return None
         return shadow
 
@@ -160,6 +192,16 @@ class ShadowMirror:
             return "over the shadow version's context"
         if target.vocab_size and any(t >= target.vocab_size for t in request.prompt_token_ids):
             return "prompt token ids outside the shadow version's vocabulary"
+        return None
+
+    def _unfit_inputs(self, items: list, target: Served | None, shadow: Shadow) -> str | None:
+        if not isinstance(target, ServedEncoder):
+            self._load(shadow)
+            return "not ready"
+        for item in items:
+            if isinstance(item, list) and (len(item) > target.max_seq_len
+                                           or any(t >= target.vocab_size for t in item)):
+                return "token ids outside the shadow version's vocabulary or context"
         return None
 
     def _load(self, shadow: Shadow) -> None:
@@ -201,6 +243,26 @@ class ShadowMirror:
                  primary_status=primary_status, shadow_status=result.status, primary_tokens=output.num_tokens,
                  shadow_tokens=result.num_tokens, **fields)
 
+    async def _compare_inputs(self, primary: ServedEncoder, target: ServedEncoder, request_id: str, items: list,
+                              served: list[list[float]], future: asyncio.Future, log_prompts: bool) -> None:
+        model, version = primary.name, target.version
+        try:
+            shadowed = [out.values for out in await asyncio.wait_for(future, self.router.queue_timeout_s)]
+        except TimeoutError:
+            self.requests.labels(model, version, "dropped").inc()
+            return
+        except Exception as exc:
+            self.requests.labels(model, version, "error").inc()
+            log.info("shadow", model=model, primary_version=primary.version, shadow_version=version,
+                     outcome="error", request_id=request_id, error=str(exc))
+            return
+        outcome, fields = compare_outputs(primary.kind, served, shadowed)
+        self.requests.labels(model, version, outcome).inc()
+        if log_prompts:
+            fields |= {"inputs": items, "primary_output": served, "shadow_output": shadowed}
+        log.info("shadow", model=model, primary_version=primary.version, shadow_version=version, outcome=outcome,
+                 request_id=request_id, kind=primary.kind, num_inputs=len(items), **fields)
+
     @staticmethod
     def _outcome(primary_status: str, output: PrimaryOutput, result: ShadowRun) -> str:
         if primary_status not in SUCCESS or result.status in ("cancelled", "timeout", "dropped"):
@@ -234,6 +296,22 @@ class ShadowMirror:
         await self._background.cancel_all()
 
 
+def compare_outputs(kind: str, served: list[list[float]], shadowed: list[list[float]]) -> tuple[str, dict]:
+    """An encoder request's outcome (`match` or `mismatch`) and the fields of its `shadow` line."""
+    if kind == "embed":
+        diff = max((abs(a - b) for u, v in zip(served, shadowed) for a, b in zip(u, v)), default=0.0)
+        similarity = min((cosine(u, v) for u, v in zip(served, shadowed)), default=1.0)
+        return ("match" if diff <= EMBED_MATCH_TOL else "mismatch"), {
+            "max_abs_diff": round(diff, 6), "min_cosine": round(similarity, 6)}
+    agree = sum(u.index(max(u)) == v.index(max(v)) for u, v in zip(served, shadowed))
+    return ("match" if agree == len(served) else "mismatch"), {"top_label_agreement": f"{agree}/{len(served)}"}
+
+
+def cosine(u: list[float], v: list[float]) -> float:
+    norm = math.sqrt(sum(a * a for a in u) * sum(b * b for b in v))
+    return sum(a * b for a, b in zip(u, v)) / norm if norm else 1.0
+
+
 SHADOWS = web.AppKey("shadows", ShadowMirror)
 
 
@@ -253,3 +331,9 @@ def mirror_request(request: web.Request, primary: RequestStream) -> None:
     """The hook of the submitting handlers."""
     app = request.app
     app[SHADOWS].mirror(primary, app[METRICS].log_prompts)
+
+
+def mirror_inputs(request: web.Request, model: ServedEncoder, items: list, outputs: list) -> None:
+    """The hook of the encoder handlers, once the served version answered."""
+    app = request.app
+    app[SHADOWS].mirror_inputs(model, request["request_id"], items, outputs, app[METRICS].log_prompts)

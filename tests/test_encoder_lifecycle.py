@@ -267,3 +267,42 @@ async def test_unloading_drains_the_inputs_in_flight_and_later_requests_load_it_
     assert stack.manager.versions["emb@1"].served is not served
     status, version, _ = await stack.embed("emb")
     assert (status, version) == (200, "emb@1")
+
+
+async def test_encoder_shadow_compares_vectors_and_labels_never_returns_them(make_stack, encoder_versions):
+    from structlog.testing import capture_logs
+
+    from tests.test_shadow import shadow_lines, wait_count
+
+    stack = await make_stack([ModelVersion("emb", "1", encoder_versions["emb1"], "embed"),
+                              ModelVersion("clf", "1", encoder_versions["clf"], "classify")])
+    assert (await stack.register("emb", "2", encoder_versions["emb2"]))[0] == 201  # other weights
+    assert (await stack.register("emb", "3", encoder_versions["emb1"]))[0] == 201  # v1's weights
+    assert (await stack.register("clf", "2", encoder_versions["clf"], kind="classify"))[0] == 201
+    for name, version in (("emb", "2"), ("clf", "2")):
+        status, body = await stack.client.call("PUT", f"{DEPLOYMENTS}/{name}/shadow", ADMIN,
+                                               json={"version": version, "percent": 100})
+        assert status == 200 and body["shadow"] == {"version": version, "percent": 100}, body
+        await stack.wait_state(f"{name}@{version}", "ready")
+
+    with capture_logs() as logs:
+        for i in range(3):
+            status, version, body = await stack.embed("emb", user=f"s{i}", text=f"shadowed text {i}")
+            assert (status, version) == (200, "emb@1")
+        await wait_count(stack, "mismatch", "2", 3)
+        assert (await stack.predict("clf"))[:2] == (200, "clf@1")
+        await wait_count(stack, "match", "2", 1)  # clf@2: the same classifier, the same top label
+    lines = shadow_lines(logs)
+    emb_lines = [line for line in lines if line["model"] == "emb"]
+    assert len(emb_lines) == 3 and all(line["shadow_version"] == "2" and line["kind"] == "embed" for line in emb_lines)
+    assert all(line["max_abs_diff"] > 1e-3 and line["min_cosine"] < 0.999 for line in emb_lines)
+    assert not any("inputs" in line or "primary_output" in line for line in emb_lines)  # log_prompts is off
+    clf_line = next(line for line in lines if line["model"] == "clf")
+    assert clf_line["top_label_agreement"] == "1/1" and clf_line["outcome"] == "match"
+    assert stack.manager.health.get("emb@2") is None  # copies judge no canary
+
+    status, _ = await stack.client.call("PUT", f"{DEPLOYMENTS}/emb/shadow", ADMIN, json={"version": "3", "percent": 100})
+    assert status == 200
+    await stack.wait_state("emb@3", "ready")
+    assert (await stack.embed("emb", user="same", text="the same weights"))[:2] == (200, "emb@1")
+    await wait_count(stack, "match", "3", 1)
