@@ -14,10 +14,9 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from api.auth import tenant_of
 from api.chunks import ChunkFormat, StreamEvent, event_chunks, role_chunk
 from api.metrics import METRICS
-from api.response_cache import RESPONSE_CACHE, admit_hit, cache_key, mark_lookup, wants_cache
+from api.response_cache import RESPONSE_CACHE, admit_hit, cache_key, cache_scope, mark_lookup, wants_cache
 from api.schemas import SamplingFields
 from api.sse import open_sse, send_event
 from api.streams import LiveStream, params_to_json
@@ -43,7 +42,7 @@ def completion_key(request: web.Request, body: SamplingFields, model: ServedMode
     if not wants_cache(request, body.galley.cache if body.galley else None):
         return None
     # "api" keeps these entries apart from native generate's, which hold another shape
-    return cache_key(tenant_of(request).name, model.name, model.version, prompt_ids,
+    return cache_key(cache_scope(request), model.name, model.version, prompt_ids,
                      {**params_to_json(params), "api": "openai"})
 
 

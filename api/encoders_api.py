@@ -19,7 +19,7 @@ from typing import Any
 
 from aiohttp import web
 
-from api.auth import tenant_limits, tenant_of
+from api.auth import tenant_limits
 from api.context import ROUTER
 from api.errors import InvalidRequestError, QueueFullError, RateLimitError, json_response
 from api.lifecycle import model_label, resolve_model
@@ -34,7 +34,7 @@ from api.native_schemas import (
     PredictRequest,
     PredictResponse,
 )
-from api.response_cache import RESPONSE_CACHE, admit_hit, cache_key, mark_lookup, wants_cache
+from api.response_cache import RESPONSE_CACHE, admit_hit, cache_key, cache_scope, mark_lookup, wants_cache
 from api.routes import Route
 from api.shadow import mirror_inputs
 from api.validation import parse_body
@@ -62,8 +62,8 @@ async def run_encoder(request: web.Request, model: ServedEncoder, items: list[st
                       params: dict, use_cache: bool) -> list[Any]:
     """One output (`.values`, `.num_tokens`) per item: cached ones at once, the rest in one batcher submit."""
     cache, metrics = request.app[RESPONSE_CACHE], request.app[METRICS]
-    tenant = tenant_of(request).name
-    keys = [cache_key(tenant, model.name, model.version, item, params) for item in items] if use_cache else []
+    scope = cache_scope(request)
+    keys = [cache_key(scope, model.name, model.version, item, params) for item in items] if use_cache else []
     outputs = [cache.get(key) for key in keys] if use_cache else [None] * len(items)
     missing = [i for i, out in enumerate(outputs) if out is None]
     if not missing:

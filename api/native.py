@@ -12,14 +12,14 @@ import time
 
 from aiohttp import web
 
-from api.auth import check_priority_access, tenant_of
+from api.auth import check_priority_access
 from api.context import ROUTER
 from api.errors import InvalidRequestError, json_response
 from api.lifecycle import model_label, resolve_model
 from api.metrics import METRICS
 from api.native_schemas import GenerateEvent, GenerateRequest, GenerateResponse
 from api.openai import collect, finish_reason, sampling_params, scheduled_events, submit, usage
-from api.response_cache import RESPONSE_CACHE, admit_hit, cache_key, mark_lookup, wants_cache
+from api.response_cache import RESPONSE_CACHE, admit_hit, cache_key, cache_scope, mark_lookup, wants_cache
 from api.routes import Route
 from api.sse import open_sse, send_event
 from api.streams import prepend
@@ -62,7 +62,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     deterministic = params.temperature == 0 or params.seed is not None
     use_cache = deterministic and wants_cache(request, body.galley.cache if body.galley else None)
     cache, metrics = request.app[RESPONSE_CACHE], request.app[METRICS]
-    key = cache_key(tenant_of(request).name, model.name, model.version, prompt_ids,
+    key = cache_key(cache_scope(request), model.name, model.version, prompt_ids,
                     {**params.__dict__, "stop": list(params.stop), "stop_token_ids": list(params.stop_token_ids)})
     result = cache.get(key) if use_cache else None
     if result is not None:

@@ -2,9 +2,9 @@
 
 Embeddings and classifications are always deterministic; generations are when greedy
 (temperature 0) or seeded. The key is (tenant, model, version, normalised input, params),
-hashed, so a tenant never sees another's entries and a new model version never serves an
-old answer. A request opts out with `"galley": {"cache": false}` or `Cache-Control: no-cache`.
-A generation looked up here answers with `X-Cache: hit` or `X-Cache: miss`.
+hashed, so a tenant never sees another's entries (unless `shared_across_tenants`) and a new
+model version never serves an old answer. A request opts out with `"galley": {"cache": false}`
+or `Cache-Control: no-cache`. A generation looked up here answers with `X-Cache: hit` or `X-Cache: miss`.
 Lives on the event loop; plain synchronous state.
 """
 
@@ -20,7 +20,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from api.auth import tenant_limits
+from api.auth import tenant_limits, tenant_of
 from api.context import ROUTER
 from api.errors import RateLimitError
 from api.metrics import METRICS
@@ -32,6 +32,7 @@ class ResponseCacheConfig:
     enabled: bool = True
     max_entries: int = 4096  # least recently used entries go first beyond this
     ttl_seconds: float = 300.0  # an entry older than this is a miss
+    shared_across_tenants: bool = False  # True: one tenant's answer may serve another's identical request
 
 
 def cache_key(tenant: str, model: str, version: str, inputs: Any, params: dict) -> str:
@@ -72,7 +73,16 @@ class ResponseCache:
 
 
 RESPONSE_CACHE = web.AppKey("response_cache", ResponseCache)
+SHARED_SCOPE = "*"  # never a tenant name (they start with a letter or digit)
 CACHE_STATUS = "cache_status"  # request[CACHE_STATUS]: "hit" | "miss", sent as the X-Cache header
+
+
+def cache_scope(request: web.Request) -> str:
+    """Whose entries a request may see: its tenant's, or everyone's with `shared_across_tenants`
+    (the tenant was already checked for access to the model)."""
+    if request.app[RESPONSE_CACHE].config.shared_across_tenants:
+        return SHARED_SCOPE
+    return tenant_of(request).name
 
 
 def wants_cache(request: web.Request, body_flag: bool | None) -> bool:

@@ -122,3 +122,17 @@ async def test_another_tenant_never_gets_a_cached_answer(stack):
     assert (await complete(bob, temperature=0))[0] == "miss"
     assert (await complete(bob, temperature=0))[0] == "hit"
     assert (await complete(alice, temperature=0))[0] == "hit"
+
+
+async def test_shared_across_tenants_lets_one_tenants_answer_serve_another(aiohttp_server, llama_path, db):
+    from api.response_cache import RESPONSE_CACHE, ResponseCacheConfig
+
+    async with auth_stack(aiohttp_server, llama_path, db) as (server, client, app, key):
+        app[RESPONSE_CACHE].config = ResponseCacheConfig(shared_across_tenants=True)  # as [response_cache] sets it
+        alice, bob = sdk(server, key), sdk(server, await client.new_key("bob"))
+        miss, first = await complete(alice, temperature=0)
+        hit, second = await complete(bob, temperature=0)
+        assert (miss, hit) == ("miss", "hit") and second.choices[0].text == first.choices[0].text
+        walled = sdk(server, await client.new_key("walled", allowed_models=["other"]))
+        with pytest.raises(openai.PermissionDeniedError):  # access to the model is checked before the cache
+            await complete(walled, temperature=0)
