@@ -8,6 +8,7 @@ A client that goes away aborts its request, so its KV blocks free within one ste
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -167,6 +168,39 @@ async def collect(request: web.Request, stream: RequestStream) -> tuple[str, lis
     return text, logprobs, last
 
 
+def check_n(body: SamplingFields) -> None:
+    if body.n > 1 and body.stream:
+        raise InvalidRequestError("n > 1 is supported without stream only", param="n")
+    if body.n > 1 and getattr(body, "conversation_id", None):
+        raise InvalidRequestError("n > 1 cannot continue a conversation: it would not know which choice to keep",
+                                  param="n")
+
+
+async def collect_n(request: web.Request, model: ServedModel, prompt_ids: list[int], params: SamplingParams,
+                    priority: str, n: int) -> list[tuple[str, list[TokenLogprob], TokenEvent]]:
+    """`n` generations of one prompt, side by side (seeded: seed, seed + 1, ..., so the choices
+    differ yet repeat); all or nothing: a refused or failed one aborts the others."""
+    streams: list[RequestStream] = []
+    try:
+        for i in range(n):
+            seed = None if params.seed is None else (params.seed + i) % 2**63
+            streams.append(submit(request, model, prompt_ids, dataclasses.replace(params, seed=seed), priority))
+    except Exception:
+        for stream in streams:
+            request.app[ROUTER].abort(stream)
+        raise
+    async with asyncio.TaskGroup() as group:  # one failing cancels the rest: `collect` aborts them
+        tasks = [group.create_task(collect(request, stream)) for stream in streams]
+    return [task.result() for task in tasks]
+
+
+def usage_n(results: list[tuple[str, list[TokenLogprob], TokenEvent]]) -> dict:
+    """One prompt, counted once; every choice's completion tokens."""
+    prompt = results[0][2].num_prompt_tokens
+    completion = sum(last.num_output_tokens for _, _, last in results)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
 def on_disconnect(request: web.Request, body: SamplingFields, conversation: bool) -> str:
     if body.galley and body.galley.on_disconnect:
         return body.galley.on_disconnect
@@ -254,7 +288,8 @@ async def submit_chat(request: web.Request, body: ChatCompletionRequest, plan: C
 
 
 async def start_chat(request: web.Request, body: ChatCompletionRequest) -> ChatStart:
-    """Plan and submit a chat. Shared by /v1/chat/completions and the WebSocket."""
+    """Plan and submit a chat (one choice, as the WebSocket streams it)."""
+    check_n(body)
     return await submit_chat(request, body, await plan_chat(request, body))
 
 
@@ -265,7 +300,14 @@ def start_live_chat(request: web.Request, body: ChatCompletionRequest, chat: Cha
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = await parse_body(request, ChatCompletionRequest)
+    check_n(body)
     plan = await plan_chat(request, body)
+    if body.n > 1:
+        results = await collect_n(request, plan.model, plan.prompt_ids, plan.params, body.priority, body.n)
+        fmt = chat_format(request, body, plan.model, f"chatcmpl-{uuid.uuid4().hex}")
+        choices = [chat_choice(fmt, plan.model.tokenizer, i, text, logprobs, finish_reason(last.finish_reason))
+                   for i, (text, logprobs, last) in enumerate(results)]
+        return chat_body(request, fmt, choices, usage_n(results), resumable=False)
     key = completion_cache.completion_key(request, body, plan.model, plan.prompt_ids, plan.params)
     cached = completion_cache.lookup(request, plan.model, key)
     if cached is not None:
@@ -291,12 +333,22 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 def chat_response(request: web.Request, fmt: ChunkFormat, tokenizer: Any, text: str, logprobs: list[TokenLogprob],
                   finish: str | None, usage_: dict) -> web.Response:
-    choice = {"index": 0, "message": {"role": "assistant", "content": text},
-              "logprobs": chat_logprobs(tokenizer, logprobs) if fmt.logprobs else None,
-              "finish_reason": finish}
+    return chat_body(request, fmt, [chat_choice(fmt, tokenizer, 0, text, logprobs, finish)], usage_)
+
+
+def chat_choice(fmt: ChunkFormat, tokenizer: Any, index: int, text: str, logprobs: list[TokenLogprob],
+                finish: str | None) -> dict:
+    return {"index": index, "message": {"role": "assistant", "content": text},
+            "logprobs": chat_logprobs(tokenizer, logprobs) if fmt.logprobs else None,
+            "finish_reason": finish}
+
+
+def chat_body(request: web.Request, fmt: ChunkFormat, choices: list[dict], usage_: dict,
+              resumable: bool = True) -> web.Response:
     body = {"id": fmt.id, "object": "chat.completion", "created": fmt.created, "model": fmt.model,
-            "choices": [choice], "usage": usage_}
-    return json_response(body, headers={"X-Request-Id": request["request_id"], "X-Stream-Id": fmt.id})
+            "choices": choices, "usage": usage_}
+    headers = {"X-Request-Id": request["request_id"]} | ({"X-Stream-Id": fmt.id} if resumable else {})
+    return json_response(body, headers=headers)
 
 
 # ---- completions -----------------------------------------------------------------------
@@ -304,6 +356,7 @@ def chat_response(request: web.Request, fmt: ChunkFormat, tokenizer: Any, text: 
 
 async def completions(request: web.Request) -> web.StreamResponse:
     body = await parse_body(request, CompletionRequest)
+    check_n(body)
     model = await resolve_model(request, body.model, user=body.user)
     check_priority_access(request, body.priority)
     if isinstance(body.prompt, str):
@@ -315,6 +368,14 @@ async def completions(request: web.Request) -> web.StreamResponse:
         prompt_ids = list(body.prompt)
     params = sampling_params(request, body, body.max_tokens or 16, len(prompt_ids), model, body.logprobs)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    if body.n > 1:
+        results = await collect_n(request, model, prompt_ids, params, body.priority, body.n)
+        fmt = ChunkFormat("completion", f"cmpl-{uuid.uuid4().hex}", int(time.time()), model_label(request, model),
+                          include_usage, body.logprobs is not None)
+        choices = [completion_choice(i, text, completion_logprobs(model.tokenizer, logprobs, 0) if fmt.logprobs
+                                     else None, finish_reason(last.finish_reason))
+                   for i, (text, logprobs, last) in enumerate(results)]
+        return completion_body(request, fmt, choices, usage_n(results))
     key = completion_cache.completion_key(request, body, model, prompt_ids, params)
     cached = completion_cache.lookup(request, model, key)
     if cached is not None:
@@ -342,9 +403,16 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 def completion_response(request: web.Request, fmt: ChunkFormat, text: str, logprobs: dict | None,
                         finish: str | None, usage_: dict) -> web.Response:
-    choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
+    return completion_body(request, fmt, [completion_choice(0, text, logprobs, finish)], usage_)
+
+
+def completion_choice(index: int, text: str, logprobs: dict | None, finish: str | None) -> dict:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+
+
+def completion_body(request: web.Request, fmt: ChunkFormat, choices: list[dict], usage_: dict) -> web.Response:
     result = {"id": fmt.id, "object": "text_completion", "created": fmt.created, "model": fmt.model,
-              "choices": [choice], "usage": usage_}
+              "choices": choices, "usage": usage_}
     return json_response(result, headers={"X-Request-Id": request["request_id"]})
 
 

@@ -25,6 +25,9 @@ def check_stop(value: str | list[str] | None) -> str | list[str] | None:
 Stop = Annotated[str | list[str] | None, AfterValidator(check_stop), Field(description="Up to 4 stop sequences.")]
 
 
+MAX_N = 16  # choices per request: each is a whole generation (its own prefill and KV blocks)
+
+
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -65,7 +68,8 @@ class SamplingFields(Strict):
     stream_options: StreamOptions | None = None
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    n: int = Field(1, ge=1, le=1, description="Only 1 is supported.")
+    n: int = Field(1, ge=1, le=MAX_N, description=f"Choices to generate (at most {MAX_N}); more than 1 only "
+                   "without `stream` and outside a conversation.")
     max_tokens: int | None = Field(None, ge=1)
     stop: Stop = None
     seed: int | None = Field(None, ge=0, le=2**63 - 1)

@@ -117,6 +117,28 @@ async def test_stop_string_and_seed_over_http(served):
     assert a == b
 
 
+async def test_n_choices(served):
+    server, _ = served
+    sdk = client(server)
+    base = dict(model="tiny", prompt="The quick brown", max_tokens=6, extra_body={"ignore_eos": True})
+    greedy = (await sdk.completions.create(**base, temperature=0)).choices[0].text
+    two = await sdk.completions.create(**base, temperature=0, n=2, logprobs=1)
+    assert [c.index for c in two.choices] == [0, 1] and {c.text for c in two.choices} == {greedy}
+    assert all(len(c.logprobs.tokens) == 6 for c in two.choices)
+    assert two.usage.completion_tokens == 12 and two.usage.prompt_tokens == two.usage.total_tokens - 12
+    seeded = dict(base, temperature=1.0, seed=11, n=3)
+    first, again = await sdk.completions.create(**seeded), await sdk.completions.create(**seeded)
+    assert [c.text for c in first.choices] == [c.text for c in again.choices]  # seeds 11, 12, 13: repeatable
+    assert len({c.text for c in first.choices}) > 1  # and different from each other
+    chat = await sdk.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], n=2,
+                                             max_tokens=4, temperature=0, extra_body={"ignore_eos": True})
+    assert [c.index for c in chat.choices] == [0, 1] and chat.usage.completion_tokens == 8
+    assert chat.choices[0].message.content == chat.choices[1].message.content
+    for bad, needle in ((dict(n=2, stream=True), "stream"), (dict(n=17), "n")):
+        with pytest.raises(openai.BadRequestError, match=needle):
+            await sdk.completions.create(**base, **bad)
+
+
 async def test_logprobs_shapes(served):
     server, _ = served
     sdk = client(server)
