@@ -133,6 +133,8 @@ class EncoderCollector:
     def collect(self):
         sizes = HistogramMetricFamily("galley_encoder_batch_size", "Inputs per encoder batch", labels=["model"])
         inputs = CounterMetricFamily("galley_encoder_inputs", "Inputs run through encoder models", labels=["model"])
+        busy = CounterMetricFamily("galley_encoder_busy_seconds", "Seconds encoder batches ran on their device "
+                                   "(its share of the device beside engine steps)", labels=["model"])
         by_name: dict[str, list] = {}
         for model in self.router.served_encoders():
             by_name.setdefault(model.name, []).append(model.handle.stats)
@@ -143,8 +145,10 @@ class EncoderCollector:
             num_items = sum(s.num_items for s in stats)
             sizes.add_metric([name], buckets, sum_value=num_items)
             inputs.add_metric([name], num_items)
+            busy.add_metric([name], sum(s.busy_s for s in stats))
         yield sizes
         yield inputs
+        yield busy
 
 
 class Metrics:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
@@ -37,6 +38,7 @@ class BatcherStats:
     num_requests: int = 0
     num_failed_batches: int = 0
     batch_sizes: dict[int, int] = field(default_factory=dict)  # batch size -> batches of that size
+    busy_s: float = 0.0  # seconds spent running batches on the device (its share beside engine steps)
 
 
 class Pending:
@@ -145,11 +147,11 @@ class DynamicBatcher:
                 raise RuntimeError(f"run_batch returned {len(outputs)} outputs for {len(inputs)} inputs")
         except Exception as exc:
             log.exception("encoder batch failed", model=self.name, batch_size=len(inputs))
-            self._record(len(inputs), failed=True)
+            self._record(len(inputs), True, time.perf_counter() - started)
             for s in batch:
                 self._fail(s.pending, exc)
             return
-        self._record(len(inputs), failed=False)
+        self._record(len(inputs), False, time.perf_counter() - started)
         item_s = (time.perf_counter() - started) / len(inputs)
         self.item_s = item_s if self.item_s is None else 0.8 * self.item_s + 0.2 * item_s
         offset = 0
@@ -166,14 +168,12 @@ class DynamicBatcher:
         with contextlib.suppress(InvalidStateError):
             pending.future.set_exception(exc)
 
-    def _record(self, size: int, failed: bool) -> None:
+    def _record(self, size: int, failed: bool, seconds: float) -> None:
         old = self.stats
         sizes = dict(old.batch_sizes)
         sizes[size] = sizes.get(size, 0) + 1
         self.stats = BatcherStats(old.num_batches + 1, old.num_items + size, old.num_requests,
-                                  old.num_failed_batches + failed, sizes)
+                                  old.num_failed_batches + failed, sizes, old.busy_s + seconds)
 
     def _record_request(self) -> None:
-        old = self.stats
-        self.stats = BatcherStats(old.num_batches, old.num_items, old.num_requests + 1,
-                                  old.num_failed_batches, old.batch_sizes)
+        self.stats = dataclasses.replace(self.stats, num_requests=self.stats.num_requests + 1)

@@ -102,6 +102,8 @@ async def test_64_concurrent_embeddings_equal_sentence_transformers_and_are_batc
     assert num_items == 64 and num_batches < 64, (num_batches, num_items)
     assert max(stats.batch_sizes) > 1
     assert await metric(http, "galley_encoder_batch_size_count", model="minilm") == stats.num_batches
+    busy = await metric(http, "galley_encoder_busy_seconds_total", model="minilm")
+    assert busy == stats.busy_s and busy - stats_before.busy_s > 0
     assert responses[0].usage.prompt_tokens == len(AutoTokenizer.from_pretrained(minilm_folder())(texts[0]).input_ids)
 
 
