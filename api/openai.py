@@ -20,7 +20,7 @@ from aiohttp import web
 
 from api import completion_cache
 from api.auth import check_priority_access, tenant_limits, tenant_of
-from api.chunks import ChunkFormat, chat_logprobs, completion_logprobs
+from api.chunks import ChunkFormat, StreamEvent, chat_logprobs, completion_logprobs, event_chunks, role_chunk
 from api.context import ROUTER, STATE
 from api.errors import (
     ConflictError,
@@ -45,7 +45,8 @@ from api.schemas import (
     SamplingFields,
 )
 from api.shadow import mirror_request
-from api.stream_api import collect_live, serve_live
+from api.sse import open_sse, send_event
+from api.stream_api import collect_live, error_chunk, serve_live
 from api.streams import HUB, LiveStream
 from api.validation import parse_body
 from engine.types import GenerationRequest, Priority, SamplingParams, TokenEvent, TokenLogprob
@@ -169,17 +170,15 @@ async def collect(request: web.Request, stream: RequestStream) -> tuple[str, lis
 
 
 def check_n(body: SamplingFields) -> None:
-    if body.n > 1 and body.stream:
-        raise InvalidRequestError("n > 1 is supported without stream only", param="n")
     if body.n > 1 and getattr(body, "conversation_id", None):
         raise InvalidRequestError("n > 1 cannot continue a conversation: it would not know which choice to keep",
                                   param="n")
 
 
-async def collect_n(request: web.Request, model: ServedModel, prompt_ids: list[int], params: SamplingParams,
-                    priority: str, n: int) -> list[tuple[str, list[TokenLogprob], TokenEvent]]:
+def submit_n(request: web.Request, model: ServedModel, prompt_ids: list[int], params: SamplingParams,
+             priority: str, n: int) -> list[RequestStream]:
     """`n` generations of one prompt, side by side (seeded: seed, seed + 1, ..., so the choices
-    differ yet repeat); all or nothing: a refused or failed one aborts the others."""
+    differ yet repeat); all or nothing: if one is refused, the others are aborted."""
     streams: list[RequestStream] = []
     try:
         for i in range(n):
@@ -189,15 +188,79 @@ async def collect_n(request: web.Request, model: ServedModel, prompt_ids: list[i
         for stream in streams:
             request.app[ROUTER].abort(stream)
         raise
-    async with asyncio.TaskGroup() as group:  # one failing cancels the rest: `collect` aborts them
-        tasks = [group.create_task(collect(request, stream)) for stream in streams]
-    return [task.result() for task in tasks]
+    return streams
 
 
-def usage_n(results: list[tuple[str, list[TokenLogprob], TokenEvent]]) -> dict:
-    """One prompt, counted once; every choice's completion tokens."""
-    prompt = results[0][2].num_prompt_tokens
-    completion = sum(last.num_output_tokens for _, _, last in results)
+async def collect_n(request: web.Request, streams: list[RequestStream]) -> list[tuple[str, list[TokenLogprob],
+                                                                                       TokenEvent]]:
+    tasks = [asyncio.ensure_future(collect(request, stream)) for stream in streams]
+    try:
+        return await asyncio.gather(*tasks)  # the first failure is raised as it is (a 503 stays a 503)
+    finally:
+        for task in tasks:  # and cancels the rest: `collect` aborts their generations
+            task.cancel()
+
+
+async def stream_n(request: web.Request, fmt: ChunkFormat, tokenizer: Any,
+                   streams: list[RequestStream]) -> web.StreamResponse:
+    """The choices as one SSE stream: chunks in the order their tokens come, each with its
+    choice's index; with `include_usage`, one usage chunk over all choices at the end. Not
+    resumable (no X-Stream-Id). A failure before the first token is a plain HTTP error, after it
+    an error chunk; a client that leaves aborts every choice."""
+    merged: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, stream: RequestStream) -> None:
+        try:
+            async for event in scheduled_events(request, stream):
+                merged.put_nowait((index, event))
+        except Exception as exc:
+            merged.put_nowait((index, exc))
+
+    pumps = [asyncio.create_task(pump(i, stream)) for i, stream in enumerate(streams)]
+    response, counts, offsets, ends = None, [0] * len(streams), [0] * len(streams), []
+    try:
+        while len(ends) < len(streams):
+            index, event = await merged.get()
+            failed = isinstance(event, Exception) or event.error is not None
+            if failed and response is None:
+                if isinstance(event, Exception):
+                    raise event
+                raise web.HTTPInternalServerError(text=event.error)
+            if response is None:
+                response = await open_sse(request, {"X-Request-Id": request["request_id"]})
+                for i in range(len(streams) if fmt.kind == "chat" else 0):
+                    chunk = role_chunk(fmt)
+                    chunk["choices"][0]["index"] = i
+                    await send_event(response, chunk)
+            if failed:
+                error = str(event) if isinstance(event, Exception) else event.error
+                await send_event(response, error_chunk(StreamEvent(counts[index], "", offsets[index], error=error)))
+                return response
+            finish = event.finish_reason.value if event.finish_reason else None
+            for chunk in event_chunks(fmt, tokenizer, StreamEvent(counts[index], event.text, offsets[index],
+                                                                  event.logprobs, finish)):
+                chunk["choices"][0]["index"] = index
+                await send_event(response, chunk)
+            counts[index] += 1
+            offsets[index] += len(event.text)
+            if event.finished:
+                ends.append(event)
+        if fmt.include_usage:
+            await send_event(response, {**fmt.base, "choices": [], "usage": usage_n(ends)})
+        await send_event(response, "[DONE]")
+        return response
+    finally:
+        for task in pumps:
+            task.cancel()
+        for stream in streams:
+            if not stream.finished:
+                request.app[ROUTER].abort(stream)
+
+
+def usage_n(lasts: list[TokenEvent]) -> dict:
+    """From each choice's last event: one prompt, counted once; every choice's completion tokens."""
+    prompt = lasts[0].num_prompt_tokens
+    completion = sum(last.num_output_tokens for last in lasts)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
@@ -289,7 +352,8 @@ async def submit_chat(request: web.Request, body: ChatCompletionRequest, plan: C
 
 async def start_chat(request: web.Request, body: ChatCompletionRequest) -> ChatStart:
     """Plan and submit a chat (one choice, as the WebSocket streams it)."""
-    check_n(body)
+    if body.n > 1:
+        raise InvalidRequestError("a chat over the WebSocket streams one choice: n must be 1", param="n")
     return await submit_chat(request, body, await plan_chat(request, body))
 
 
@@ -303,11 +367,14 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     check_n(body)
     plan = await plan_chat(request, body)
     if body.n > 1:
-        results = await collect_n(request, plan.model, plan.prompt_ids, plan.params, body.priority, body.n)
+        streams = submit_n(request, plan.model, plan.prompt_ids, plan.params, body.priority, body.n)
         fmt = chat_format(request, body, plan.model, f"chatcmpl-{uuid.uuid4().hex}")
+        if body.stream:
+            return await stream_n(request, fmt, plan.model.tokenizer, streams)
+        results = await collect_n(request, streams)
         choices = [chat_choice(fmt, plan.model.tokenizer, i, text, logprobs, finish_reason(last.finish_reason))
                    for i, (text, logprobs, last) in enumerate(results)]
-        return chat_body(request, fmt, choices, usage_n(results), resumable=False)
+        return chat_body(request, fmt, choices, usage_n([last for _, _, last in results]), resumable=False)
     key = completion_cache.completion_key(request, body, plan.model, plan.prompt_ids, plan.params)
     cached = completion_cache.lookup(request, plan.model, key)
     if cached is not None:
@@ -369,13 +436,16 @@ async def completions(request: web.Request) -> web.StreamResponse:
     params = sampling_params(request, body, body.max_tokens or 16, len(prompt_ids), model, body.logprobs)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     if body.n > 1:
-        results = await collect_n(request, model, prompt_ids, params, body.priority, body.n)
+        streams = submit_n(request, model, prompt_ids, params, body.priority, body.n)
         fmt = ChunkFormat("completion", f"cmpl-{uuid.uuid4().hex}", int(time.time()), model_label(request, model),
                           include_usage, body.logprobs is not None)
+        if body.stream:
+            return await stream_n(request, fmt, model.tokenizer, streams)
+        results = await collect_n(request, streams)
         choices = [completion_choice(i, text, completion_logprobs(model.tokenizer, logprobs, 0) if fmt.logprobs
                                      else None, finish_reason(last.finish_reason))
                    for i, (text, logprobs, last) in enumerate(results)]
-        return completion_body(request, fmt, choices, usage_n(results))
+        return completion_body(request, fmt, choices, usage_n([last for _, _, last in results]))
     key = completion_cache.completion_key(request, body, model, prompt_ids, params)
     cached = completion_cache.lookup(request, model, key)
     if cached is not None:

@@ -68,8 +68,8 @@ class SamplingFields(Strict):
     stream_options: StreamOptions | None = None
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    n: int = Field(1, ge=1, le=MAX_N, description=f"Choices to generate (at most {MAX_N}); more than 1 only "
-                   "without `stream` and outside a conversation.")
+    n: int = Field(1, ge=1, le=MAX_N, description=f"Choices to generate (at most {MAX_N}); more than 1 not in a "
+                   "conversation.")
     max_tokens: int | None = Field(None, ge=1)
     stop: Stop = None
     seed: int | None = Field(None, ge=0, le=2**63 - 1)

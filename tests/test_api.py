@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 from api import schemas
 from api.app import create_app
 from scheduling.router import Router
-from tests.helpers import start_tiny_engines
+from tests.helpers import metric, start_tiny_engines
 from tests.test_reference import hf_greedy, prompts
 
 
@@ -134,9 +134,41 @@ async def test_n_choices(served):
                                              max_tokens=4, temperature=0, extra_body={"ignore_eos": True})
     assert [c.index for c in chat.choices] == [0, 1] and chat.usage.completion_tokens == 8
     assert chat.choices[0].message.content == chat.choices[1].message.content
-    for bad, needle in ((dict(n=2, stream=True), "stream"), (dict(n=17), "n")):
-        with pytest.raises(openai.BadRequestError, match=needle):
-            await sdk.completions.create(**base, **bad)
+    with pytest.raises(openai.BadRequestError, match="n"):
+        await sdk.completions.create(**base, n=17)
+
+    streamed = await sdk.completions.create(**seeded, stream=True, stream_options={"include_usage": True})
+    texts = ["", "", ""]
+    finishes = {}
+    chunks = [chunk async for chunk in streamed]
+    for chunk in chunks[:-1]:
+        (choice,) = chunk.choices
+        texts[choice.index] += choice.text
+        if choice.finish_reason:
+            finishes[choice.index] = choice.finish_reason
+    assert texts == [c.text for c in first.choices]  # streamed choices equal the collected ones
+    assert finishes == {0: "length", 1: "length", 2: "length"}
+    assert not chunks[-1].choices and chunks[-1].usage.completion_tokens == 18
+    chat_stream = await sdk.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], n=2,
+                                                    max_tokens=4, temperature=0, stream=True,
+                                                    extra_body={"ignore_eos": True})
+    replies = {0: "", 1: ""}
+    roles = []
+    async for chunk in chat_stream:
+        (choice,) = chunk.choices
+        if choice.delta.role:
+            roles.append(choice.index)
+        replies[choice.index] += choice.delta.content or ""
+    assert roles == [0, 1] and replies[0] == replies[1] == chat.choices[0].message.content
+
+    _, router = served
+    async with aiohttp.ClientSession(base_url=server.make_url("/")) as session:  # leaving aborts every choice
+        cancelled = await metric(session, "galley_requests_total", status="cancelled")
+        long = {"model": "tiny", "prompt": "go", "max_tokens": 400, "ignore_eos": True, "stream": True, "n": 3}
+        async with session.post("/v1/completions", json=long) as resp:
+            await resp.content.readline()
+        await wait_blocks_free(router)
+        assert await metric(session, "galley_requests_total", status="cancelled") == cancelled + 3
 
 
 async def test_logprobs_shapes(served):

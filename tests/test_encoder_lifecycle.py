@@ -301,7 +301,8 @@ async def test_encoder_shadow_compares_vectors_and_labels_never_returns_them(mak
     assert clf_line["top_label_agreement"] == "1/1" and clf_line["outcome"] == "match"
     assert stack.manager.health.get("emb@2") is None  # copies judge no canary
 
-    status, _ = await stack.client.call("PUT", f"{DEPLOYMENTS}/emb/shadow", ADMIN, json={"version": "3", "percent": 100})
+    status, _ = await stack.client.call("PUT", f"{DEPLOYMENTS}/emb/shadow", ADMIN,
+                                        json={"version": "3", "percent": 100})
     assert status == 200
     await stack.wait_state("emb@3", "ready")
     assert (await stack.embed("emb", user="same", text="the same weights"))[:2] == (200, "emb@1")
