@@ -372,7 +372,7 @@ class BatchRunner:
                 continue
             used = estimate
             try:
-                future = self.router.submit_encoder(model, texts)
+                future = self.router.submit_encoder(model, texts, low=True)  # the low class, as generations
             except EncoderBusy:
                 self.router.admission.release(ticket, 0)
                 await asyncio.sleep(self.config.retry_seconds)

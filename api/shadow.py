@@ -142,7 +142,7 @@ class ShadowMirror:
             reason = self._unfit_inputs(items, target, shadow)
             if reason is None:
                 try:
-                    future = encoders.submit(target, items, lambda model, ok, s: self.manager.touch(model))
+                    future = encoders.submit(target, items, lambda model, ok, s: self.manager.touch(model), low=True)
                 except EncoderBusy as exc:
                     reason = f"refused: {exc}"
                 else:

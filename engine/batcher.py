@@ -4,7 +4,8 @@ Callers on any thread submit a list of inputs through the worker (`engine.worker
 and get a `concurrent.futures.Future` of the list of outputs (`scheduling.encoders.submit`
 turns it into an event-loop future). The worker thread hands each request to `add`, and whenever `due`
 (`max_batch` inputs waiting, or the oldest has waited `max_wait_ms`) calls `run_once`: ONE
-call of `run_batch` over the oldest inputs, whose outputs are split back to their requests.
+call of `run_batch` over the oldest inputs (interactive requests first; `low` ones, batch jobs
+and shadow copies, fill the room left), whose outputs are split back to their requests.
 A request larger than `max_batch` is cut into several batches. There is no thread here: the
 encoders of a device run on that device's worker thread, between engine steps, because a
 second long-lived thread running torch ops makes libgomp throttle both threads' OpenMP teams
@@ -44,8 +45,9 @@ class BatcherStats:
 class Pending:
     """One submitted request: its outputs fill in as its items' batches finish."""
 
-    def __init__(self, items: list[Any]) -> None:
+    def __init__(self, items: list[Any], low: bool = False) -> None:
         self.items = items
+        self.low = low  # batch jobs and shadow copies: they fill what room interactive requests leave
         self.outputs: list[Any] = [None] * len(items)
         self.remaining = len(items)
         self.future: Future = Future()
@@ -76,23 +78,26 @@ class DynamicBatcher:
         self.max_wait_s = max_wait_ms / 1000
         self.stats = BatcherStats()
         self.item_s: float | None = None  # moving average of a batch's seconds per input
-        self._waiting: collections.deque[_Slice] = collections.deque()
-        self._num_waiting = 0
+        self._waiting: collections.deque[_Slice] = collections.deque()  # interactive requests, oldest first
+        self._low: collections.deque[_Slice] = collections.deque()  # `low` requests, oldest first
+        self._num_waiting = 0  # inputs in both
 
     def add(self, pending: Pending) -> None:
+        line = self._low if pending.low else self._waiting
         for start in range(0, len(pending.items), self.max_batch):
             piece = _Slice(pending, start, min(start + self.max_batch, len(pending.items)))
-            self._waiting.append(piece)
+            line.append(piece)
             self._num_waiting += piece.size
 
     def deadline(self) -> float | None:
         """When a batch is due (monotonic seconds): now if full, else when the oldest input's wait
         ends; None with nothing waiting."""
-        if not self._waiting:
+        oldest = [line[0].pending.arrival_s for line in (self._waiting, self._low) if line]
+        if not oldest:
             return None
         if self._num_waiting >= self.max_batch:
             return 0.0
-        return self._waiting[0].pending.arrival_s + self.max_wait_s
+        return min(oldest) + self.max_wait_s
 
     def due(self, now: float) -> bool:
         deadline = self.deadline()
@@ -112,30 +117,33 @@ class DynamicBatcher:
         return max(1, min(self.max_batch, int(seconds / self.item_s)))
 
     def fail_all(self, exc: BaseException) -> None:
-        while self._waiting:
-            self._fail(self._waiting.popleft().pending, exc)
+        for line in (self._waiting, self._low):
+            while line:
+                self._fail(line.popleft().pending, exc)
         self._num_waiting = 0
     def _take_batch(self, limit: int) -> list[_Slice]:
-        """Oldest first, up to `limit` inputs, whole requests where they fit (a request that does
-        not fit an empty batch is cut); requests already done (cancelled, failed) are dropped."""
+        """Up to `limit` inputs: interactive requests oldest first, then `low` ones in the room
+        left; whole requests where they fit (a request that does not fit an empty batch is cut);
+        requests already done (cancelled, failed) are dropped."""
         batch: list[_Slice] = []
         size = 0
-        while self._waiting and size < limit:
-            piece = self._waiting[0]
-            if piece.pending.future.done():
-                self._waiting.popleft()
+        for line in (self._waiting, self._low):
+            while line and size < limit:
+                piece = line[0]
+                if piece.pending.future.done():
+                    line.popleft()
+                    self._num_waiting -= piece.size
+                    continue
+                if size + piece.size > limit:
+                    if batch:
+                        break
+                    piece = _Slice(piece.pending, piece.start, piece.start + limit)
+                    line[0].start += limit  # the rest stays first in line
+                else:
+                    line.popleft()
                 self._num_waiting -= piece.size
-                continue
-            if size + piece.size > limit:
-                if batch:
-                    break
-                piece = _Slice(piece.pending, piece.start, piece.start + limit)
-                self._waiting[0].start += limit  # the rest stays first in line
-            else:
-                self._waiting.popleft()
-            self._num_waiting -= piece.size
-            size += piece.size
-            batch.append(piece)
+                size += piece.size
+                batch.append(piece)
         return batch
 
     def _run_one(self, batch: list[_Slice]) -> None:

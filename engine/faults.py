@@ -49,10 +49,10 @@ class FaultyEncoderHandle:
     def __getattr__(self, name: str):
         return getattr(self.handle, name)
 
-    def submit(self, items: list[Any]) -> Future:
+    def submit(self, items: list[Any], low: bool = False) -> Future:
         self.num_submits += 1
         if self.num_submits <= self.num_good_submits:
-            return self.handle.submit(items)
+            return self.handle.submit(items, low)
         future: Future = Future()
         future.set_exception(InjectedFault("injected fault (test-only option fault='raise')"))
         return future

@@ -288,9 +288,10 @@ class EncoderClient:
         self.owns_worker = False  # a worker started for this encoder alone stops with it
         self._batcher = batcher
 
-    def submit(self, items: list) -> Future:
-        """A future of one output per item, in order (thread-safe)."""
-        pending = Pending(list(items))
+    def submit(self, items: list, low: bool = False) -> Future:
+        """A future of one output per item, in order (thread-safe); `low` inputs (batch jobs,
+        shadow copies) only fill the room interactive requests leave in a batch."""
+        pending = Pending(list(items), low)
         if not pending.items:
             pending.future.set_result([])
         else:

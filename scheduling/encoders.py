@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 
 class EncoderHandle(Protocol):
-    def submit(self, items: list[Any]) -> Future: ...
+    def submit(self, items: list[Any], low: bool = False) -> Future: ...
 
     @property
     def stats(self) -> Any: ...  # engine.batcher.BatcherStats: num_batches, num_items, batch_sizes
@@ -60,18 +60,20 @@ class ServedEncoder:
 OnEncoderFinish = Callable[[ServedEncoder, bool, float], None]
 
 
-def submit(model: ServedEncoder, items: list[Any], on_finish: OnEncoderFinish | None = None) -> asyncio.Future:
+def submit(model: ServedEncoder, items: list[Any], on_finish: OnEncoderFinish | None = None,
+           low: bool = False) -> asyncio.Future:
     """Hand inputs to the model's handle, or raise `EncoderBusy` changing nothing. Call on the event loop.
 
     Returns a future on the running loop, settled in the one loop callback that also drops
     `num_in_flight` (when the handle finishes, not when a caller stops waiting) and calls
     `on_finish`. Cancelling it (a caller that leaves) does not cancel the inputs: a version
-    being drained still waits for them."""
+    being drained still waits for them. `low` inputs (batch jobs, shadow copies) only fill the
+    room that interactive requests leave in a batch."""
     if model.num_in_flight + len(items) > model.max_waiting and model.num_in_flight:
         raise EncoderBusy(model.name, model.max_waiting)
     loop, started = asyncio.get_running_loop(), time.monotonic()
     result = loop.create_future()
-    future = model.handle.submit(items)
+    future = model.handle.submit(items, low)
     model.num_in_flight += len(items)
 
     def settle(done: Future) -> None:

@@ -196,9 +196,9 @@ class Router:
         replica.worker.submit(replica.engine_id, request)
         return stream
 
-    def submit_encoder(self, model: ServedEncoder, items: list[Any]) -> asyncio.Future:
+    def submit_encoder(self, model: ServedEncoder, items: list[Any], low: bool = False) -> asyncio.Future:
         """Hand inputs to an encoder version (`EncoderBusy` over its bound); its outcome reaches `on_encoder_finish`."""
-        return encoders.submit(model, items, self._encoder_finished)
+        return encoders.submit(model, items, self._encoder_finished, low)
 
     def _encoder_finished(self, model: ServedEncoder, ok: bool, latency_s: float) -> None:
         if self.on_encoder_finish is not None:

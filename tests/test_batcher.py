@@ -46,6 +46,19 @@ def make(recorder: Recorder, max_batch: int = 4, max_wait_ms: float = 50.0) -> E
     return client
 
 
+def test_low_inputs_fill_the_room_interactive_requests_leave(recorder):
+    recorder.gate.clear()  # hold the first batch so that the rest queue behind it
+    batcher = make(recorder, max_batch=4, max_wait_ms=0)
+    first = batcher.submit([0])
+    time.sleep(0.05)
+    low = [batcher.submit(items, low=True) for items in ([100, 101], [102, 103, 104])]  # batch job items, first
+    interactive = [batcher.submit([i]) for i in (1, 2)]
+    recorder.gate.set()
+    assert [f.result(5) for f in low] == [[200, 202], [204, 206, 208]]
+    assert [f.result(5) for f in interactive] == [[2], [4]] and first.result(5) == [0]
+    assert recorder.batches == [[0], [1, 2, 100, 101], [102, 103, 104]]  # whole requests where they fit
+
+
 def test_requests_waiting_together_share_one_forward(recorder):
     recorder.gate.clear()  # hold the first batch so that the next three queue behind it
     batcher = make(recorder, max_batch=8, max_wait_ms=0)
