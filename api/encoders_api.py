@@ -21,7 +21,7 @@ from aiohttp import web
 
 from api.auth import tenant_limits
 from api.context import ROUTER
-from api.errors import InvalidRequestError, QueueFullError, RateLimitError, json_response
+from api.errors import InvalidRequestError, QueueFullError, json_response, rate_limited
 from api.lifecycle import model_label, resolve_model
 from api.metrics import METRICS
 from api.native import path_model
@@ -94,7 +94,7 @@ async def submit_inputs(request: web.Request, model: ServedEncoder, items: list[
         ticket = admission.admit(limits, estimate)
     except Rejected as exc:
         metrics.rejected.labels(model.name, exc.reason).inc()
-        raise RateLimitError(str(exc), code=exc.reason, headers={"Retry-After": str(exc.retry_after_s)}) from exc
+        raise rate_limited(exc) from exc
     used = estimate
     try:
         try:

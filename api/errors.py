@@ -68,6 +68,11 @@ class RateLimitError(APIError):
     type = "rate_limit_error"
 
 
+def rate_limited(rejection) -> RateLimitError:
+    """A tenant limit's refusal (`scheduling.admission.Rejected`) as its 429 with Retry-After."""
+    return RateLimitError(str(rejection), code=rejection.reason, headers={"Retry-After": str(rejection.retry_after_s)})
+
+
 class QueueFullError(APIError):
     status = 429
     type = "rate_limit_error"

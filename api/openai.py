@@ -28,9 +28,9 @@ from api.errors import (
     ModelNotFoundError,
     NotFoundError,
     QueueFullError,
-    RateLimitError,
     ServiceUnavailableError,
     json_response,
+    rate_limited,
 )
 from api.lifecycle import MODELS, model_label, resolve_model
 from api.metrics import METRICS
@@ -118,7 +118,7 @@ def submit(request: web.Request, model: ServedModel, prompt_ids: list[int], para
         raise QueueFullError(f"{exc}; retry shortly", headers={"Retry-After": "1"}) from exc
     except Rejected as exc:
         metrics.reject(model, exc.reason, limits.name, priority)
-        raise RateLimitError(str(exc), code=exc.reason, headers={"Retry-After": str(exc.retry_after_s)}) from exc
+        raise rate_limited(exc) from exc
     metrics.admitted.labels(model.name, limits.name, priority).inc()
     mirror_request(request, stream)
     return stream

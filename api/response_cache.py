@@ -22,7 +22,7 @@ from aiohttp import web
 
 from api.auth import tenant_limits, tenant_of
 from api.context import ROUTER
-from api.errors import RateLimitError
+from api.errors import rate_limited
 from api.metrics import METRICS
 from scheduling.admission import Rejected
 
@@ -103,7 +103,7 @@ def admit_hit(request: web.Request, model_name: str) -> None:
         admission.release(admission.admit(limits, 0), 0)
     except Rejected as exc:
         request.app[METRICS].rejected.labels(model_name, exc.reason).inc()
-        raise RateLimitError(str(exc), code=exc.reason, headers={"Retry-After": str(exc.retry_after_s)}) from exc
+        raise rate_limited(exc) from exc
 
 
 def mark_lookup(request: web.Request, hit: bool) -> None:
