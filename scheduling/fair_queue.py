@@ -49,9 +49,10 @@ class FairQueue:
         self._line(seq).append(seq)
         self._len += 1
 
-    def push_front(self, seq: Sequence) -> None:
-        """A preempted sequence: first in its tenant's line, keeping its place in time."""
-        seq.enqueued_s = min(seq.enqueued_s, self.clock())
+    def push_front(self, seq: Sequence, restart_wait: bool = False) -> None:
+        """A preempted sequence: first in its tenant's line, keeping its place in time unless
+        `restart_wait` (preempted to admit another: it must not age past that one at once)."""
+        seq.enqueued_s = self.clock() if restart_wait else min(seq.enqueued_s, self.clock())
         self._line(seq).appendleft(seq)
         self._len += 1
 
@@ -94,12 +95,17 @@ class FairQueue:
         return max(running, key=self._victim_key)
 
     def preempt_for(self, waiting: Sequence, running: list[Sequence]) -> Sequence | None:
-        """Preempt a lower-priority sequence at once, or an over-served tenant's after its quantum."""
+        """Preempt a lower-class sequence at once, or an over-served tenant's after its quantum.
+
+        Classes compare by the waiting request's own class, not its aged one: aging orders the
+        queue but grants no preemption, since a peer preempted by an aged request would itself
+        have aged and go back ahead of it (the livelock of issue 11). A victim requeues with its
+        wait restarted, so it never outranks the request it made room for."""
         mine = self.effective_priority(waiting)
         my_counter = self.counters.get(waiting.tenant, 0.0)
 
         def eligible(seq: Sequence) -> bool:
-            if seq.priority > mine:
+            if seq.priority > waiting.priority:
                 return True
             decoded = seq.num_output_tokens - seq.num_output_at_admission
             return (

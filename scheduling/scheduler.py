@@ -79,9 +79,11 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
+        """Admit in queue order. Terminates by construction: each pass admits a sequence or
+        preempts one, and a sequence preempted in this call is not admitted again in it."""
         while budget > 0:
             seq = self.waiting.peek()
-            if seq is None:
+            if seq is None or seq in batch.preempted:
                 return
             num_new = min(seq.num_uncomputed_tokens, budget)
             if len(self.running) >= self.config.max_num_seqs or not self.kv.can_allocate(seq, num_new):
@@ -103,11 +105,13 @@ class Scheduler:
             victim = self.waiting.preempt_for(seq, self.running)
             if victim is None:
                 return False
-            self._preempt(victim, batch)
+            self._preempt(victim, batch, restart_wait=True)
         return True
 
-    def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> int:
-        """Free `seq` and requeue it at the front; returns the budget it held in this batch."""
+    def _preempt(self, seq: Sequence, batch: ScheduledBatch, restart_wait: bool = False) -> int:
+        """Free `seq` and requeue it at the front; returns the budget it held in this batch.
+        `restart_wait`: it made room for another request, so its wait (and aging) starts over
+        and it cannot outrank the request it was preempted for."""
         returned = 0
         for item in batch.seqs:
             if item.seq is seq:
@@ -119,7 +123,7 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.push_front(seq)
+        self.waiting.push_front(seq, restart_wait)
         batch.preempted.append(seq)
         return returned
 
