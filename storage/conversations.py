@@ -93,8 +93,19 @@ def create_conversation_tables(db: sqlite_utils.Database) -> None:
     db.execute("CREATE INDEX messages_conversation ON messages(conversation_id, id)")
 
 
+def add_conversation_activity(db: sqlite_utils.Database) -> None:
+    """Migration: a strictly increasing activity number orders conversations by last update
+    (millisecond timestamps tie, and then the order was arbitrary)."""
+    db.execute("ALTER TABLE conversations ADD COLUMN activity INTEGER NOT NULL DEFAULT 0")
+    db.execute("UPDATE conversations SET activity = rowid")
+    db.execute("CREATE INDEX conversations_activity ON conversations(tenant, activity)")
+
+
+NEXT_ACTIVITY = "(SELECT COALESCE(MAX(activity), 0) + 1 FROM conversations)"
+
+
 def conversation_from_row(row: Mapping[str, Any]) -> Conversation:
-    return Conversation(**row)
+    return Conversation(**{k: v for k, v in row.items() if k != "activity"})
 
 
 def message_from_row(row: Mapping[str, Any]) -> Message:
@@ -108,7 +119,9 @@ def create_conversation(db: sqlite_utils.Database, tenant: str, model: str, mode
                         title: str | None = None) -> Conversation:
     now = utc_now()
     conversation = Conversation(ID_PREFIX + uuid.uuid4().hex, tenant, model, model_version, title, now, now)
-    db.table("conversations").insert(dataclasses.asdict(conversation))
+    row = dataclasses.asdict(conversation)
+    db.execute(f"INSERT INTO conversations ({', '.join(row)}, activity) VALUES ({', '.join('?' * len(row))}, "
+               f"{NEXT_ACTIVITY})", list(row.values()))
     return conversation
 
 
@@ -122,7 +135,7 @@ def list_conversations(db: sqlite_utils.Database, tenant: str, limit: int = 100)
     """The tenant's conversations, most recently updated first."""
     if limit < 1:
         raise ValueError(f"limit must be >= 1, got {limit}")
-    rows = db.query("SELECT * FROM conversations WHERE tenant = ? ORDER BY updated_at DESC, rowid DESC LIMIT ?",
+    rows = db.query("SELECT * FROM conversations WHERE tenant = ? ORDER BY activity DESC LIMIT ?",
                     [tenant, limit])
     return [conversation_from_row(row) for row in rows]
 
@@ -141,7 +154,7 @@ def list_all_conversations(db: sqlite_utils.Database, limit: int = 100,
     where, params = ("WHERE c.tenant = ?", [tenant]) if tenant else ("", [])
     rows = db.query(f"""
         SELECT c.*, (SELECT COUNT(*) FROM messages m WHERE m.conversation_id = c.id) AS num_messages
-        FROM conversations c {where} ORDER BY c.updated_at DESC, c.rowid DESC LIMIT ?""", [*params, limit])
+        FROM conversations c {where} ORDER BY c.activity DESC LIMIT ?""", [*params, limit])
     out = []
     for row in rows:
         count = row.pop("num_messages")
@@ -164,7 +177,8 @@ def add_message(db: sqlite_utils.Database, conversation_id: str, role: str, cont
     """Appends a message and bumps the conversation's updated_at; ConversationNotFoundError if there is none."""
     now = utc_now()
     message = Message(0, conversation_id, role, content, prompt_tokens, completion_tokens, stream_id, now)
-    cursor = db.execute("UPDATE conversations SET updated_at = ? WHERE id = ?", [now, conversation_id])
+    cursor = db.execute(f"UPDATE conversations SET updated_at = ?, activity = {NEXT_ACTIVITY} WHERE id = ?",
+                        [now, conversation_id])
     if cursor.rowcount == 0:
         raise ConversationNotFoundError(conversation_id)
     row = dataclasses.asdict(message)

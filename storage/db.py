@@ -33,6 +33,7 @@ MIGRATIONS: tuple[Migration, ...] = (
     batches.create_batch_tables,
     batches.add_batch_job_kind,
     registry.create_shadow_table,
+    conversations.add_conversation_activity,
 )
 
 

@@ -227,3 +227,18 @@ def test_retention_deletes_only_old_final_streams(db):
     assert left == {"strm_run", "strm_new"}
     assert write(db, lambda d: streams.delete_streams_finished_before(d, "2999-01-01T00:00:00+00:00")) == 1
     assert [r.id for r in db.read(lambda d: streams.list_streams(d, "running"))] == ["strm_run"]
+
+
+def test_updates_within_one_clock_tick_still_order_newest_first(db, monkeypatch):
+    """Timestamps tie (milliseconds, or a clock that stands still): order by a strictly
+    increasing key, not by the timestamp (this failed once in a fresh CI run)."""
+    monkeypatch.setattr(conversations, "utc_now", lambda: "2026-01-01T00:00:00.000+00:00")
+    first, second, third = (new_conversation(db, title=t) for t in ("1", "2", "3"))
+    assert [c.id for c in db.read(lambda d: conversations.list_conversations(d, "default"))] == [
+        third.id, second.id, first.id]
+    write(db, lambda d: conversations.add_message(d, first.id, "user", "hi"))
+    write(db, lambda d: conversations.add_message(d, second.id, "user", "hi"))
+    assert [c.id for c in db.read(lambda d: conversations.list_conversations(d, "default"))] == [
+        second.id, first.id, third.id]
+    assert [c.id for c, _ in db.read(lambda d: conversations.list_all_conversations(d))] == [
+        second.id, first.id, third.id]
