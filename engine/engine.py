@@ -7,6 +7,7 @@ scheduling/); it owns who runs, this class owns what a step means for each reque
 from __future__ import annotations
 
 import bisect
+import sys
 import time
 from typing import Any, Protocol
 
@@ -20,10 +21,12 @@ from engine.model_runner import ModelRunner
 from engine.sampler import Sampler
 from engine.types import (
     BATCH_TOKEN_BOUNDS,
+    GENERATION_FAILED,
     EngineStats,
     FinishReason,
     GenerationRequest,
     ScheduledBatch,
+    ScheduledSeq,
     Sequence,
     TokenEvent,
     TokenLogprob,
@@ -72,6 +75,7 @@ class LLMEngine:
         self.requests: dict[str, RequestState] = {}
         self.num_steps = 0
         self.num_batched_tokens = 0
+        self.num_step_errors = 0  # steps in which something raised (only the requests it hit failed)
         self.batch_token_counts = [0] * (len(BATCH_TOKEN_BOUNDS) + 1)
         self.memory = DeviceMemory(runner)
         self.last_stats = self.stats()
@@ -97,6 +101,7 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             num_steps=self.num_steps,
             num_batched_tokens=self.num_batched_tokens,
+            num_step_errors=self.num_step_errors,
             waiting_by_class=self.scheduler.waiting.depth_by_class(),
             batch_token_counts=tuple(self.batch_token_counts),
             weights_bytes=self.memory.weights_bytes,
@@ -133,13 +138,54 @@ class LLMEngine:
                 item.seq.first_scheduled_s = now
         try:
             sample_seqs, logits = self.runner.execute(batch)
-            tokens, logprobs = self.sampler.sample(logits, sample_seqs)
-        except Exception as exc:  # a failed step fails its batch, not the worker
-            log.exception("engine step failed", num_seqs=len(batch.seqs))
-            return [self._fail(item.seq, exc) for item in batch.seqs]
+        except Exception:
+            self.num_step_errors += 1
+            if len(batch.seqs) == 1:
+                return [self._fail(batch.seqs[0].seq, "forward failed")]
+            # one sequence's input can fail the packed forward: find it by running each alone
+            log.exception("engine step failed; retrying its sequences one by one", num_seqs=len(batch.seqs))
+            return [event for item in batch.seqs for event in self._run_alone(item)]
+        return self._sample_and_append(batch, sample_seqs, logits)
+
+    def _run_alone(self, item: ScheduledSeq) -> list[TokenEvent]:
+        try:
+            sample_seqs, logits = self.runner.execute(ScheduledBatch([item]))
+        except Exception:
+            return [self._fail(item.seq, "forward failed")]
+        return self._sample_and_append(ScheduledBatch([item]), sample_seqs, logits)
+
+    def _sample_and_append(self, batch: ScheduledBatch, sample_seqs: list[Sequence],
+                           logits: torch.Tensor) -> list[TokenEvent]:
+        """Sample the batch in one go; if that raises, row by row, so only the rows that fail do."""
+        try:
+            sampled = list(zip(*self.sampler.sample(logits, sample_seqs)))
+        except Exception:
+            self.num_step_errors += 1
+            log.exception("batched sampling failed; sampling row by row", num_seqs=len(sample_seqs))
+            sampled = [self._sample_row(logits[row : row + 1], seq) for row, seq in enumerate(sample_seqs)]
+        failed = {seq.request_id for seq, result in zip(sample_seqs, sampled) if result is None}
+        events = [self._fail(item.seq, "sampling failed") for item in batch.seqs if item.seq.request_id in failed]
         for item in batch.seqs:
-            item.seq.num_computed_tokens += item.num_new_tokens
-        return [self._append_token(seq, t, lp) for seq, t, lp in zip(sample_seqs, tokens, logprobs)]
+            if item.seq.request_id not in failed:
+                item.seq.num_computed_tokens += item.num_new_tokens
+        for seq, result in zip(sample_seqs, sampled):
+            if result is not None:
+                events.append(self._append_or_fail(seq, *result))
+        return events
+
+    def _sample_row(self, logits: torch.Tensor, seq: Sequence) -> tuple[int, TokenLogprob | None] | None:
+        try:
+            tokens, logprobs = self.sampler.sample(logits, [seq])
+        except Exception:
+            log.exception("sampling failed", request_id=seq.request_id)
+            return None
+        return tokens[0], logprobs[0]
+
+    def _append_or_fail(self, seq: Sequence, token_id: int, logprob: TokenLogprob | None) -> TokenEvent:
+        try:
+            return self._append_token(seq, token_id, logprob)
+        except Exception:
+            return self._fail(seq, "appending a token failed")
 
     def _append_token(self, seq: Sequence, token_id: int, logprob: TokenLogprob | None) -> TokenEvent:
         state = self.requests[seq.request_id]
@@ -170,8 +216,29 @@ class LLMEngine:
             num_preemptions=seq.num_preemptions,
         )
 
-    def _fail(self, seq: Sequence, exc: Exception) -> TokenEvent:
+    def fail_all(self) -> list[TokenEvent]:
+        """End every unfinished request with an error: the worker's answer to a failure outside
+        the step's own guards (the scheduler's state may be what broke, so releasing is best effort)."""
+        self.num_step_errors += 1
+        events = []
+        for state in list(self.requests.values()):
+            self.requests.pop(state.seq.request_id, None)
+            try:
+                self.scheduler.finish(state.seq)
+            except Exception:
+                log.exception("could not release a failed request", request_id=state.seq.request_id)
+            events.append(self._error_event(state.seq))
+        return events
+
+    def _fail(self, seq: Sequence, what: str) -> TokenEvent:
+        """End one request with an error. The exception goes to the log with the request id; the
+        client gets `GENERATION_FAILED` only (exception text can hold paths, shapes, other inputs)."""
+        log.error("generation failed", request_id=seq.request_id, what=what, exc_info=sys.exc_info()[0] is not None)
         self._release(seq)
+        return self._error_event(seq)
+
+    @staticmethod
+    def _error_event(seq: Sequence) -> TokenEvent:
         return TokenEvent(
             request_id=seq.request_id,
             text="",
@@ -179,7 +246,7 @@ class LLMEngine:
             num_prompt_tokens=seq.num_prompt_tokens,
             num_output_tokens=seq.num_output_tokens,
             finish_reason=FinishReason.ERROR,
-            error=f"engine step failed: {type(exc).__name__}: {exc}",
+            error=GENERATION_FAILED,
             scheduled_s=seq.first_scheduled_s,
             num_preemptions=seq.num_preemptions,
         )

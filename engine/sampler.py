@@ -37,7 +37,8 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
 
 def filter_logits(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     """Top-k, top-p and min-p, per row; masked entries become -inf."""
-    top_k = torch.tensor([s.params.top_k or logits.shape[1] for s in seqs], device=logits.device)
+    vocab = logits.shape[1]
+    top_k = torch.tensor([min(s.params.top_k or vocab, vocab) for s in seqs], device=logits.device)
     top_p = torch.tensor([s.params.top_p for s in seqs], device=logits.device, dtype=logits.dtype)
     min_p = torch.tensor([s.params.min_p for s in seqs], device=logits.device, dtype=logits.dtype)
     sorted_logits, order = logits.sort(dim=-1, descending=True)
@@ -98,7 +99,7 @@ class Sampler:
                 continue
             top = []
             if n:
-                values, ids = raw[row].topk(n)
+                values, ids = raw[row].topk(min(n, raw.shape[1]))
                 top = list(zip(ids.tolist(), values.tolist()))
             out.append(TokenLogprob(token, raw[row, token].item(), top))
         return out

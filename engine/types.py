@@ -25,6 +25,10 @@ class Priority(enum.IntEnum):
     LOW = 2
 
 
+# What a client hears when the engine fails its request: stable, with no exception text in it.
+GENERATION_FAILED = "the model failed while generating this request (internal error)"
+
+
 class FinishReason(enum.StrEnum):
     STOP = "stop"
     LENGTH = "length"
@@ -32,9 +36,17 @@ class FinishReason(enum.StrEnum):
     ERROR = "error"
 
 
+GREEDY_BELOW = 1e-5  # temperatures under this are greedy: dividing by one in float32 gives inf logits, NaN probs
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """Per-request sampling settings, already validated by the API layer."""
+    """Per-request sampling settings, range-checked by the API layer.
+
+    Normalised here so every path (HTTP, WebSocket, batch jobs, recovery) means the same thing:
+    a temperature below `GREEDY_BELOW` is greedy (0.0), `top_k` of 0 or less is no limit (None),
+    and `stop_token_ids` is a frozenset (one membership test per token, whatever its length).
+    """
 
     max_tokens: int
     temperature: float = 1.0
@@ -46,9 +58,17 @@ class SamplingParams:
     presence_penalty: float = 0.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
+    stop_token_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False
     logprobs: int | None = None  # None: no logprobs; N: chosen token plus N alternatives
+
+    def __post_init__(self) -> None:
+        if self.temperature < GREEDY_BELOW:
+            object.__setattr__(self, "temperature", 0.0)
+        if self.top_k is not None and self.top_k <= 0:
+            object.__setattr__(self, "top_k", None)
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", frozenset(self.stop_token_ids))
 
     @property
     def is_greedy(self) -> bool:
@@ -186,6 +206,7 @@ class EngineStats:
     num_preemptions: int
     num_steps: int
     num_batched_tokens: int  # summed over all steps
+    num_step_errors: int = 0  # steps in which something raised; only the requests it hit failed
     waiting_by_class: dict[tuple[str, str], int] = field(default_factory=dict)  # (priority, tenant) -> count
     batch_token_counts: tuple[int, ...] = ()  # steps per BATCH_TOKEN_BOUNDS bucket (not cumulative; last: +Inf)
     weights_bytes: int = 0
