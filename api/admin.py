@@ -17,7 +17,7 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from api.auth import AUTH, DATABASE, TenantDirectory
-from api.errors import ConflictError, NotFoundError, json_response
+from api.errors import ConflictError, InvalidRequestError, NotFoundError, json_response
 from api.routes import Route
 from api.validation import parse_body
 from storage import tenants
@@ -47,7 +47,8 @@ class TenantLimits(Strict):
 
 class TenantCreate(TenantLimits):
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$",
-                      description="1-64 letters, digits, `.`, `_`, `-`; starts with a letter or digit.")
+                      description="1-64 letters, digits, `.`, `_`, `-`; starts with a letter or digit; "
+                                  "names starting with `galley-` are reserved (400).")
     weight: float = Field(1.0, gt=0, allow_inf_nan=False, description="Fair-share weight.")
     max_priority: Priority = Field("high", description="The highest priority its requests may use.")
 
@@ -146,6 +147,9 @@ def tenant_not_found(name: str) -> NotFoundError:
 
 async def create_tenant(request: web.Request) -> web.Response:
     body = await parse_body(request, TenantCreate)
+    if tenants.is_reserved(body.name):
+        raise InvalidRequestError(f"Tenant names starting with `{tenants.RESERVED_PREFIX}` are reserved for the "
+                                  "server's own requests.", param="name", code="reserved_tenant_name")
     tenant = Tenant(**body.model_dump(exclude_unset=True))
     try:
         saved = await commit(request, lambda db: tenants.create_tenant(db, tenant),

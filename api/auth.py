@@ -10,6 +10,7 @@ are compared (`hmac.compare_digest`).
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import secrets
 from dataclasses import dataclass, field
 
@@ -22,11 +23,13 @@ from storage.db import Database
 from storage.tenants import DEFAULT_TENANT, ApiKey, Tenant, hash_key, key_prefix
 
 TENANT = "tenant"  # request[TENANT]: the caller's Tenant
+IS_ADMIN = "is_admin"  # request[IS_ADMIN]: the caller presented the admin key
 ADMIN_KEY_SETTING = "admin_key_hash"
 TENANT_PATHS = ("/v1/", "/api/", "/ws/")
 WS_PATH = "/ws/"  # browsers cannot set headers on a WebSocket: these also take the key as `?token=`
 ADMIN_PATH = "/admin/api/"
-DEPLOYMENTS_PATH = "/api/v1/deployments"  # reads: any tenant key; writes: the admin key (when auth is on)
+DEPLOYMENTS_PATH = "/api/v1/deployments"  # reads: a tenant key (its models, in summary) or the admin key (all);
+# writes: the admin key (when auth is on)
 
 
 @dataclass
@@ -129,9 +132,30 @@ def authenticate_tenant(request: web.Request, directory: TenantDirectory) -> Ten
     return tenant
 
 
+def is_loopback(host: str) -> bool:
+    """A bind address only this machine can reach (0.0.0.0 and :: are every interface)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def is_admin_key(auth: Auth, token: str) -> bool:
+    return auth.admin_key_hash is not None and hmac.compare_digest(auth.admin_key_hash, hash_key(token))
+
+
+def presents_admin_key(request: web.Request, auth: Auth) -> bool:
+    """True when `Authorization: Bearer` carries the admin key (no error otherwise)."""
+    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+    return scheme.lower() == "bearer" and is_admin_key(auth, token.strip())
+
+
 def authenticate_admin(request: web.Request, auth: Auth) -> None:
     token = bearer_token(request)
-    if auth.admin_key_hash is not None and hmac.compare_digest(auth.admin_key_hash, hash_key(token)):
+    if is_admin_key(auth, token):
+        request[IS_ADMIN] = True
         return
     if auth.directory.tenant_for_key(token) is not None:
         raise PermissionDeniedError("The admin API needs the admin key; this is a tenant key.",
@@ -145,8 +169,9 @@ async def auth_middleware(request: web.Request, handler):
     request[TENANT] = auth.directory.default
     if request.path.startswith(ADMIN_PATH):
         authenticate_admin(request, auth)
-    elif auth.enabled and request.path.startswith(DEPLOYMENTS_PATH) and request.method not in ("GET", "HEAD"):
-        authenticate_admin(request, auth)  # changing a deployment is an admin act
+    elif request.path.startswith(DEPLOYMENTS_PATH) and (
+            auth.enabled and request.method not in ("GET", "HEAD") or presents_admin_key(request, auth)):
+        authenticate_admin(request, auth)  # changing a deployment is an admin act; reading it all, too
     elif auth.enabled and request.path.startswith(TENANT_PATHS):
         request[TENANT] = authenticate_tenant(request, auth.directory)
     return await handler(request)
@@ -157,6 +182,11 @@ async def auth_middleware(request: web.Request, handler):
 
 def tenant_of(request: web.Request) -> Tenant:
     return request[TENANT]
+
+
+def is_admin(request: web.Request) -> bool:
+    """The caller presented the admin key (on /admin/api/ and /api/v1/deployments)."""
+    return request.get(IS_ADMIN, False)
 
 
 def tenant_limits(request: web.Request) -> tuple[TenantLimits, float]:

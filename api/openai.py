@@ -21,11 +21,10 @@ from aiohttp import web
 from api import completion_cache
 from api.auth import check_priority_access, tenant_limits, tenant_of
 from api.chunks import ChunkFormat, StreamEvent, chat_logprobs, completion_logprobs, event_chunks, role_chunk
-from api.context import ROUTER, STATE
+from api.context import ROUTER
 from api.errors import (
     ConflictError,
     InvalidRequestError,
-    ModelNotFoundError,
     NotFoundError,
     QueueFullError,
     ServiceUnavailableError,
@@ -56,17 +55,6 @@ from scheduling.router import QueueFull, RequestStream, ServedModel
 from storage import conversations
 
 log = structlog.get_logger(__name__)
-
-
-def served_model(request: web.Request, name: str) -> ServedModel:
-    """A loaded version by `name` (its default) or `name@version`, without loading or routing
-    (handlers that generate use `api.lifecycle.resolve_model`)."""
-    model = request.app[ROUTER].find(name)
-    if model is None and not request.app[STATE].ready:
-        raise ServiceUnavailableError("models are still loading", headers={"Retry-After": "5"})
-    if model is None:
-        raise ModelNotFoundError(f"The model `{name}` does not exist.", param="model")
-    return model
 
 
 def sampling_params(request: web.Request, body: SamplingFields, max_tokens: int | None, prompt_len: int,

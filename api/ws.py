@@ -10,12 +10,19 @@ stream's event log; all writes to the socket go through one lock. Closing the so
 cancels the followers and detaches them from their streams; the streams themselves follow
 their `on_disconnect` policy. This module must not reach into the engine or the scheduler
 beyond the router's `abort`.
+
+The socket authenticates once, at the upgrade, and is re-checked against the tenant
+directory on every message and whenever the directory changes: a revoked key or deleted
+tenant closes it (code 1008) at once, and each chat sees the tenant's limits as they are
+now. While the server drains, idle sockets close (1001) and busy ones close when their
+last stream ends.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import uuid
 import weakref
 from typing import Annotated, Any, Literal
 
@@ -23,10 +30,11 @@ import structlog
 from aiohttp import WSCloseCode, WSMsgType, web
 from pydantic import Field, TypeAdapter, ValidationError, model_validator
 
-from api.auth import check_model_access, check_priority_access, tenant_of
-from api.context import ROUTER
+from api.auth import AUTH, check_priority_access, current_tenant, tenant_of
+from api.context import ROUTER, STATE
 from api.errors import APIError, InvalidRequestError, NotFoundError, RateLimitError, validation_error
-from api.openai import served_model, start_chat, start_live_chat
+from api.lifecycle import resolve_model
+from api.openai import start_chat, start_live_chat
 from api.routes import Route
 from api.schemas import ChatCompletionRequest, Strict
 from api.streams import HUB, LiveStream
@@ -38,7 +46,7 @@ HEARTBEAT_S = 20.0
 MAX_STREAMS_PER_SOCKET = 64  # followed at once; tenant limits bound generations, this bounds resumes
 RESERVED_PARAMS = ("model", "messages", "conversation_id", "stream")
 FINISH_REASONS = {"abort": "cancelled"}  # the engine's name -> the protocol's
-SOCKETS = web.AppKey("websockets", weakref.WeakSet)
+SOCKETS = web.AppKey("websockets", weakref.WeakSet)  # every open ChatSocket
 
 
 # ---- client messages -------------------------------------------------------------------
@@ -118,6 +126,7 @@ class ChatSocket:
         self.tenant = tenant_of(request).name
         self.followers: set[asyncio.Task] = set()
         self._write = asyncio.Lock()
+        self._closing: asyncio.Task | None = None
 
     async def send(self, message: dict) -> None:
         if self.ws.closed:
@@ -125,8 +134,31 @@ class ChatSocket:
         async with self._write:
             await self.ws.send_json(message)
 
+    def close_soon(self, code: int, reason: str, error: dict | None = None) -> None:
+        """Close the socket from outside its receive loop (a directory change, a drain), once."""
+        if self._closing is None and not self.ws.closed:
+            self._closing = asyncio.get_running_loop().create_task(self._close_with(code, reason, error))
+
+    async def _close_with(self, code: int, reason: str, error: dict | None) -> None:
+        try:
+            if error is not None:
+                await self.send(error)
+            await self.ws.close(code=code, message=reason.encode())
+        except ConnectionError:
+            pass  # the client is gone already
+
+    def check_key(self) -> bool:
+        """False (and the socket closing) once the key it opened with is revoked or its tenant deleted."""
+        if current_tenant(self.request) is not None:
+            return True
+        self.close_soon(WSCloseCode.POLICY_VIOLATION, "API key revoked",
+                        error_message("invalid_api_key", "Invalid API key: unknown or revoked."))
+        return False
+
     async def handle(self, text: str) -> None:
         """Act on one client message; any error is answered with an `error` message."""
+        if not self.check_key():
+            return
         try:
             message = ClientMessage.validate_json(text)
         except ValidationError as exc:
@@ -169,9 +201,10 @@ class ChatSocket:
         await self.follow(start_live_chat(self.request, body, chat), -1)
 
     async def new_conversation(self, body: ChatCompletionRequest) -> str:
-        model = served_model(self.request, body.model)
-        check_model_access(self.request, model.name)
+        """A conversation pinned to the version HTTP would route it to (the split, by `user` or a
+        fresh key; a cold version loads), after the same access checks."""
         check_priority_access(self.request, body.priority)
+        model = await resolve_model(self.request, body.model, user=body.user, conversation_id=uuid.uuid4().hex)
         made = await asyncio.wrap_future(self.hub.db.write(
             lambda db: conversations.create_conversation(db, self.tenant, model.name, model.version)))
         return made.id
@@ -195,6 +228,8 @@ class ChatSocket:
     def _ended(self, live: LiveStream, task: asyncio.Task) -> None:
         self.followers.discard(task)
         self.hub.detach(live)
+        if not self.followers and self.request.app[STATE].draining:
+            self.close_soon(WSCloseCode.GOING_AWAY, "server shutting down")
 
     async def forward(self, live: LiveStream, after: int) -> None:
         try:
@@ -215,34 +250,54 @@ class ChatSocket:
         for task in list(self.followers):
             task.cancel()
         await asyncio.gather(*self.followers, return_exceptions=True)
+        if self._closing is not None:
+            await asyncio.gather(self._closing, return_exceptions=True)
 
 
 async def ws_chat(request: web.Request) -> web.WebSocketResponse:
     """Upgrade to a WebSocket (authenticated before the upgrade), then serve chat messages."""
     ws = web.WebSocketResponse(heartbeat=HEARTBEAT_S)
     await ws.prepare(request)
-    request.app[SOCKETS].add(ws)
     socket = ChatSocket(request, ws)
+    request.app[SOCKETS].add(socket)
+    if request.app[STATE].draining:  # opened as the drain began
+        socket.close_soon(WSCloseCode.GOING_AWAY, "server shutting down")
     try:
         async for message in ws:
             if message.type == WSMsgType.TEXT:
                 await socket.handle(message.data)
             elif message.type == WSMsgType.BINARY:
                 await socket.send(error_message("invalid_message", "messages are JSON in text frames"))
+    except ConnectionError:
+        pass  # the client left while we wrote: a normal end
     finally:
         await socket.close()
-        request.app[SOCKETS].discard(ws)
+        request.app[SOCKETS].discard(socket)
     return ws
+
+
+def check_keys(app: web.Application) -> None:
+    """After a tenant directory change: close the sockets whose key was revoked or tenant deleted."""
+    for socket in list(app[SOCKETS]):
+        socket.check_key()
+
+
+def close_idle_sockets(app: web.Application) -> None:
+    """At drain start: close the sockets that follow no stream (the others close as their last ends)."""
+    for socket in list(app[SOCKETS]):
+        if not socket.followers:
+            socket.close_soon(WSCloseCode.GOING_AWAY, "server shutting down")
 
 
 async def close_sockets(app: web.Application) -> None:
     """On shutdown: close every socket (their conversation streams continue or wait for a restart)."""
-    for ws in list(app[SOCKETS]):
-        await ws.close(code=WSCloseCode.GOING_AWAY, message=b"server shutting down")
+    for socket in list(app[SOCKETS]):
+        await socket.ws.close(code=WSCloseCode.GOING_AWAY, message=b"server shutting down")
 
 
 def setup(app: web.Application) -> None:
     app[SOCKETS] = weakref.WeakSet()
+    app[AUTH].directory.listeners.append(functools.partial(check_keys, app))
     app.on_shutdown.append(close_sockets)
 
 

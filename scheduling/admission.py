@@ -31,12 +31,35 @@ class Rejected(Exception):
         self.retry_after_s = retry_after_s
 
 
+RATE_LIMITS = ("requests_per_minute", "tokens_per_minute")  # the limits kept as token buckets
+
+
 @dataclass
 class TenantState:
+    """One tenant's admission state: exactly one per tenant name, whatever its limits are now."""
+
     limits: TenantLimits
     in_flight: int = 0
-    requests: TokenBucket | None = None
-    tokens: TokenBucket | None = None
+    buckets: dict[str, TokenBucket] = field(default_factory=dict)  # by limit name; kept while a limit is off
+
+    @property
+    def requests(self) -> TokenBucket | None:
+        return self.buckets.get("requests_per_minute") if self.limits.requests_per_minute else None
+
+    @property
+    def tokens(self) -> TokenBucket | None:
+        return self.buckets.get("tokens_per_minute") if self.limits.tokens_per_minute else None
+
+    def apply(self, limits: TenantLimits, clock: Callable[[], float]) -> None:
+        """Take on edited limits in place: a bucket keeps its level when its capacity changes, and
+        a removed limit's bucket is kept, so no edit ever hands out a full bucket."""
+        self.limits = limits
+        for name in RATE_LIMITS:
+            capacity, bucket = getattr(limits, name), self.buckets.get(name)
+            if capacity is not None and bucket is None:
+                self.buckets[name] = TokenBucket(capacity, 60.0, clock)
+            elif capacity is not None and bucket.capacity != capacity:
+                bucket.resize(capacity)
 
 
 @dataclass
@@ -50,18 +73,19 @@ class Ticket:
 
 @dataclass
 class Admission:
+    """Limits are passed in on every call (read from the tenant directory at admission time);
+    the state they are checked against lives here, one `TenantState` per tenant name."""
+
     clock: Callable[[], float] = time.monotonic
     tenants: dict[str, TenantState] = field(default_factory=dict)
 
     def _state(self, limits: TenantLimits) -> TenantState:
         state = self.tenants.get(limits.name)
-        if state is None or state.limits != limits:  # new tenant, or its limits were edited
-            state = TenantState(limits, in_flight=state.in_flight if state else 0)
-            if limits.requests_per_minute:
-                state.requests = TokenBucket(limits.requests_per_minute, 60.0, self.clock)
-            if limits.tokens_per_minute:
-                state.tokens = TokenBucket(limits.tokens_per_minute, 60.0, self.clock)
-            self.tenants[limits.name] = state
+        if state is None:
+            state = self.tenants[limits.name] = TenantState(limits)
+            state.apply(limits, self.clock)
+        elif state.limits != limits:  # edited: the same state, resized
+            state.apply(limits, self.clock)
         return state
 
     def admit(self, limits: TenantLimits, estimated_tokens: int) -> Ticket:

@@ -18,11 +18,21 @@ class TokenBucket:
     def __init__(self, capacity: float, period_s: float = 60.0, clock: Callable[[], float] = time.monotonic):
         if capacity <= 0:
             raise ValueError("capacity must be positive")
+        self.period_s = period_s
+        self.clock = clock
         self.capacity = capacity
         self.rate = capacity / period_s
-        self.clock = clock
         self.level = capacity
         self._updated = clock()
+
+    def resize(self, capacity: float) -> None:
+        """A new limit, in place: what was taken stays taken (a change never refills the bucket)."""
+        if capacity <= 0:
+            raise ValueError("capacity must be positive")
+        self._refill()
+        self.capacity = capacity
+        self.rate = capacity / self.period_s
+        self.level = min(self.level, capacity)
 
     def _refill(self) -> None:
         now = self.clock()

@@ -24,6 +24,12 @@ PRIORITIES = ("high", "normal", "low")  # highest first
 DEFAULT_TENANT = "default"
 LIMITS = ("max_concurrent", "requests_per_minute", "tokens_per_minute", "max_tokens")
 KEY_SCHEME = "gk"
+RESERVED_PREFIX = "galley-"  # the server's own tenants (galley-shadow, galley-warmup): never created by an admin
+
+
+def is_reserved(name: str) -> bool:
+    """Names the server uses for its own requests; a tenant so named would share their admission state."""
+    return name.lower().startswith(RESERVED_PREFIX)
 
 
 class TenantExistsError(Exception):

@@ -18,7 +18,11 @@ from aiohttp.test_utils import make_mocked_request
 
 from api.app import create_app
 from api.auth import (
+    AUTH,
+    KEY_PREFIX,
     TENANT,
+    Auth,
+    TenantDirectory,
     check_model_access,
     check_priority_access,
     resolve_admin_key,
@@ -269,9 +273,17 @@ async def test_openapi_lists_the_admin_routes(api):
     assert body["schema"]["$ref"].endswith("/TenantCreate")
 
 
+def caller(tenant: Tenant) -> web.Request:
+    """A request from `tenant` (auth off: no key), its tenant as the app's directory has it."""
+    app = web.Application()
+    app[AUTH] = Auth(False, TenantDirectory({tenant.name: tenant}), None)
+    request = make_mocked_request("POST", "/v1/chat/completions", app=app)
+    request[TENANT], request[KEY_PREFIX] = tenant, None
+    return request
+
+
 def test_check_model_and_priority_access_read_the_request_tenant():
-    request = make_mocked_request("POST", "/v1/chat/completions")
-    request[TENANT] = Tenant("acme", allowed_models=("a",), max_priority="normal")
+    request = caller(Tenant("acme", allowed_models=("a",), max_priority="normal"))
     check_model_access(request, "a")
     with pytest.raises(PermissionDeniedError, match="acme.*`b`") as raised:
         check_model_access(request, "b")
@@ -281,7 +293,7 @@ def test_check_model_and_priority_access_read_the_request_tenant():
     with pytest.raises(PermissionDeniedError, match="high") as raised:
         check_priority_access(request, "high")
     assert raised.value.code == "priority_not_allowed"
-    request[TENANT] = Tenant("open")
+    request = caller(Tenant("open"))
     check_model_access(request, "b")
     check_priority_access(request, "high")
 
