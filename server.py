@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import ipaddress
+import dataclasses
 import logging
 import os
 import signal
@@ -23,7 +23,7 @@ import structlog
 from aiohttp import web
 
 from api.app import create_app
-from api.auth import resolve_admin_key
+from api.auth import is_loopback, resolve_admin_key
 from api.batch import BATCH
 from api.context import ServerState
 from api.lifecycle import MODELS
@@ -68,15 +68,6 @@ def build_config(args: argparse.Namespace) -> GalleyConfig:
         extra_models=args.model,
         auth={"enabled": args.auth},
     )
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def open_database(cfg: GalleyConfig) -> tuple[Database, str]:
@@ -124,11 +115,13 @@ async def serve(cfg: GalleyConfig, db: Database, admin_key_hash: str) -> int:
 
     workers = start_workers(cfg.engine, emit)  # idle until the model manager attaches engines
     loader = EngineLoader(cfg.engine, cfg.scheduling.max_waiting, workers)
+    observability = dataclasses.replace(cfg.observability, metrics_token=os.environ.get(
+        "GALLEY_METRICS_TOKEN") or cfg.observability.metrics_token)
     app = create_app(router, state, db=db, auth_enabled=cfg.auth.enabled, admin_key_hash=admin_key_hash,
                      streams_config=cfg.streams, batch_config=cfg.batch,
-                     response_cache=cfg.response_cache, observability=cfg.observability, tracing=cfg.tracing,
+                     response_cache=cfg.response_cache, observability=observability, tracing=cfg.tracing,
                      alerts=cfg.alerts, loader=loader, lifecycle_config=cfg.lifecycle,
-                     deployments_config=cfg.deployments)
+                     deployments_config=cfg.deployments, bind_host=cfg.server.host)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, cfg.server.host, cfg.server.port)

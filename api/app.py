@@ -20,7 +20,7 @@ from api.auth import AUTH, DATABASE, Auth, TenantDirectory, auth_middleware
 from api.batch_runner import BatchConfig, BatchRunner
 from api.context import ROUTER, STATE, ServerState
 from api.errors import error_middleware, json_response
-from api.metrics import METRICS, Metrics, metrics_endpoint
+from api.metrics import METRICS, METRICS_ACCESS, Metrics, MetricsAccess, metrics_endpoint
 from api.openapi import build_spec
 from api.response_cache import RESPONSE_CACHE, ResponseCache, ResponseCacheConfig, add_cache_header
 from api.routes import Route
@@ -96,8 +96,10 @@ def create_app(router: Router, state: ServerState | None = None, *, db: Database
                lifecycle_config: lifecycle.LifecycleConfig | None = None,
                deployments_config: DeploymentsConfig | None = None,
                observability: ObservabilityConfig | None = None, tracing: TracingConfig | None = None,
-               alerts: tuple[AlertRule, ...] = DEFAULT_ALERTS, span_exporter=None) -> web.Application:
+               alerts: tuple[AlertRule, ...] = DEFAULT_ALERTS, span_exporter=None,
+               bind_host: str = "127.0.0.1") -> web.Application:
     """The app; `db` stays open after cleanup (its owner closes it). No admin key: the admin API refuses all.
+    `bind_host` is where the server listens: beyond loopback with auth on, /metrics needs a token.
 
     Without a `loader` only the models already in `router` are served (the registry cannot load more)."""
     app = web.Application(middlewares=[request_context, error_middleware, auth_middleware],
@@ -106,8 +108,10 @@ def create_app(router: Router, state: ServerState | None = None, *, db: Database
     app[AUTH] = Auth(auth_enabled, TenantDirectory.load(app[DATABASE]), admin_key_hash)
     app[ROUTER] = router
     app[STATE] = state or ServerState(ready=True)
+    observability = observability or ObservabilityConfig()
     app[METRICS] = Metrics(router)
-    dashboard.setup(app, observability or ObservabilityConfig(), tracing or TracingConfig(), alerts, span_exporter)
+    app[METRICS_ACCESS] = MetricsAccess.for_bind(auth_enabled, bind_host, observability.metrics_token)
+    dashboard.setup(app, observability, tracing or TracingConfig(), alerts, span_exporter)
     app[RESPONSE_CACHE] = ResponseCache(response_cache or ResponseCacheConfig())
     app.on_response_prepare.append(add_cache_header)
     lifecycle.setup(app, app[DATABASE], app[METRICS].registry, loader, lifecycle_config, deployments_config)

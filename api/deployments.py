@@ -1,6 +1,9 @@
 """The registry and deployment endpoints: `/admin/api/models*` (admin key) and `/api/v1/deployments*`
 (writes need the admin key when auth is on; see api/auth.py).
 
+Sources, options, load errors, health and history are the admin key's: a tenant's listing
+names only the models it may use, each with its split and the states of the versions in it.
+
 Thin: validate with pydantic, call the `ModelManager`, answer with its state. Loads and
 unloads answer 202 at once and run in the background; poll `GET /admin/api/models`.
 """
@@ -13,6 +16,7 @@ from typing import Annotated, Any, Literal
 from aiohttp import web
 from pydantic import BaseModel, Field, RootModel
 
+from api.auth import is_admin, tenant_of
 from api.errors import ConflictError, InvalidRequestError, json_response
 from api.lifecycle import MODELS, VersionState
 from api.routes import Route
@@ -119,9 +123,25 @@ class DeploymentOut(BaseModel):
     events: list[EventOut] = Field(description="Most recent changes first.")
 
 
+class VersionSummary(BaseModel):
+    version: str
+    kind: str
+    state: Literal["unloaded", "loading", "ready", "failed"]
+
+
+class DeploymentSummary(BaseModel):
+    """What a tenant key sees of a deployment."""
+
+    model_name: str
+    traffic: dict[str, int]
+    stable_version: str
+    versions: dict[str, VersionSummary] = Field(description="The versions the split sends traffic to.")
+
+
 class DeploymentList(BaseModel):
     object: Literal["list"] = "list"
-    data: list[DeploymentOut]
+    data: list[DeploymentOut | DeploymentSummary] = Field(
+        description="The admin key: every deployment in full; a tenant key: the models it may use, in summary.")
 
 
 # ---- rendering -------------------------------------------------------------------------
@@ -232,9 +252,24 @@ async def rollback(request: web.Request) -> web.Response:
     return json_response(await deployment_json(request, name))
 
 
+def deployment_summary(request: web.Request, name: str) -> dict[str, Any]:
+    deployment, _ = request.app[MODELS].deployment(name)
+    versions = {}
+    for version in deployment.traffic:
+        vs = request.app[MODELS].versions.get(f"{name}@{version}")
+        if vs is not None:
+            versions[version] = VersionSummary(version=version, kind=vs.spec.kind, state=vs.state)
+    return DeploymentSummary(model_name=name, traffic=deployment.traffic, stable_version=deployment.stable,
+                             versions=versions).model_dump()
+
+
 async def list_deployments(request: web.Request) -> web.Response:
-    manager = request.app[MODELS]
-    data = [await deployment_json(request, name) for name in sorted(manager.router.deployments)]
+    names = sorted(request.app[MODELS].router.deployments)
+    if is_admin(request):
+        data = [await deployment_json(request, name) for name in names]
+    else:
+        tenant = tenant_of(request)
+        data = [deployment_summary(request, name) for name in names if tenant.allows_model(name)]
     return json_response({"object": "list", "data": data})
 
 
@@ -252,7 +287,8 @@ ROUTES = [
           response=Accepted),
     Route("POST", DEPLOYMENTS_PATH, create_deployment, "Deploy a version with a share of the traffic",
           request=DeploymentCreate, response=DeploymentOut),
-    Route("GET", DEPLOYMENTS_PATH, list_deployments, "List deployments, their splits, health and history",
+    Route("GET", DEPLOYMENTS_PATH, list_deployments, "List deployments: with the admin key every one with its "
+          "versions, health and history; with a tenant key the models it may use, in summary",
           response=DeploymentList),
     Route("PUT", DEPLOYMENTS_PATH + "/{model_name}/traffic", update_traffic,
           "Set a traffic split {version: percent} summing to 100", request=TrafficSplit, response=DeploymentOut),

@@ -30,10 +30,16 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
-from api.auth import check_model_access
+from api.auth import AUTH, check_model_access, tenant_of
 from api.background import BackgroundTasks
 from api.context import ROUTER, STATE
-from api.errors import ConflictError, InvalidRequestError, ModelNotFoundError, ServiceUnavailableError
+from api.errors import (
+    ConflictError,
+    InvalidRequestError,
+    ModelNotFoundError,
+    PermissionDeniedError,
+    ServiceUnavailableError,
+)
 from api.offload import in_fresh_thread
 from engine.types import FinishReason, GenerationRequest, SamplingParams, TokenEvent
 from scheduling.deployments import DeploymentsConfig, HealthWindow, parse_model_ref, rollback_reason
@@ -68,6 +74,13 @@ class Loader(Protocol):
 
 class LoadFailed(Exception):
     pass
+
+
+def load_failed(ref: str) -> ServiceUnavailableError:
+    """The client's error for a version that failed to load: the loader's text (paths, stack
+    details) is for the logs and the admin API only."""
+    return ServiceUnavailableError(f"`{ref}` failed to load; the admin API has the details",
+                                   code="model_load_failed")
 
 
 @dataclass
@@ -215,15 +228,15 @@ class ModelManager:
         if vs is None or self.loader is None:
             raise ModelNotFoundError(f"The model version `{ref}` does not exist.", param="model")
         if vs.state == "failed":
-            raise ServiceUnavailableError(f"`{ref}` failed to load: {vs.error}", code="model_load_failed")
+            raise load_failed(ref)
         vs.num_waiters += 1
         try:
             return await asyncio.wait_for(asyncio.shield(self._load_task(vs)), self.cfg.load_timeout_seconds)
         except TimeoutError:
             raise ServiceUnavailableError(f"`{ref}` is still loading; retry shortly", code="model_loading",
                                           headers={"Retry-After": "5"}) from None
-        except LoadFailed as exc:
-            raise ServiceUnavailableError(f"`{ref}` failed to load: {exc}", code="model_load_failed") from None
+        except LoadFailed:
+            raise load_failed(ref) from None
         finally:
             vs.num_waiters -= 1
 
@@ -560,16 +573,18 @@ async def resolve_model(request: web.Request, ref: str, *, user: str | None = No
     """The one lookup for every endpoint: the served version for `ref` (`name` or `name@version`).
 
     Routing key: `user`, else the conversation, else the request id. An unknown model is a
-    404 (503 while startup loading runs), then the tenant must be allowed it (403), then it
-    must be of one of `kinds` (400), then a cold version loads. Records the version for the
+    404 (503 while startup loading runs), then the tenant must be allowed it and an explicit
+    version (403), then it must be of one of `kinds` (400), then a cold version loads. Records the version for the
     `X-Model-Version` header."""
     manager = request.app[MODELS]
-    name, _ = parse_model_ref(ref)
+    name, version = parse_model_ref(ref)
     if name not in manager.router.deployments:
         if not request.app[STATE].ready:
             raise ServiceUnavailableError("models are still loading", headers={"Retry-After": "5"})
         raise ModelNotFoundError(f"The model `{name}` does not exist.", param="model")
     check_model_access(request, name)
+    if version is not None and pinned_version is None:
+        check_version_access(request, manager.router.deployments[name], version)
     kind = manager.kind(name)
     if kind not in kinds:
         raise InvalidRequestError(f"The model `{name}` is a `{kind}` model; this endpoint needs a "
@@ -577,6 +592,22 @@ async def resolve_model(request: web.Request, ref: str, *, user: str | None = No
     served = await manager.resolve(ref, user or conversation_id or request["request_id"], pinned_version)
     request[MODEL_VERSION] = served.ref
     return served
+
+
+def check_version_access(request: web.Request, deployment: ModelDeployment, version: str) -> None:
+    """403 unless the split sends `version` traffic or the caller may name any version: auth is off
+    (the local operator), or its tenant's allowed models list `name@version` (or `name@*`). Loading
+    versions is the operator's call: a tenant that could name any one could load, and by alternating,
+    thrash them all under the memory budget."""
+    if deployment.traffic.get(version, 0) > 0 or not request.app[AUTH].enabled:
+        return
+    tenant = tenant_of(request)
+    granted = tenant.allowed_models or ()
+    if f"{deployment.name}@{version}" in granted or f"{deployment.name}@*" in granted:
+        return
+    raise PermissionDeniedError(
+        f"`{deployment.name}@{version}` takes no traffic; naming such a version needs the admin's grant "
+        f"(`{deployment.name}@{version}` among the key's allowed models).", param="model", code="version_not_allowed")
 
 
 def model_label(request: web.Request, served: Served) -> str:

@@ -33,6 +33,8 @@ class ObservabilityConfig:
     max_profile_seconds: float = 30.0  # longest POST /admin/api/profile?seconds=N
     alert_interval_seconds: float = 5.0  # how often [[alerts]] rules are evaluated
     stats_window_seconds: float = 60.0  # window of the TTFT percentiles in GET /admin/api/stats
+    metrics_token: str = ""  # env GALLEY_METRICS_TOKEN wins; with auth on a non-loopback bind, /metrics needs it
+    # (or the admin key) as `Authorization: Bearer`; "": the admin key only
 
 
 @dataclass(frozen=True)

@@ -282,8 +282,8 @@ async def test_faulty_canary_rolls_back_automatically_and_stable_clients_see_no_
     assert event.kind == "auto_rollback" and event.traffic_after == {"1": 100} and "error rate" in event.reason
     assert stack.metric("galley_rollbacks_total", model="tiny", trigger="auto") == 1
     assert stack.manager.versions["tiny@2"].state == "ready"  # kept loaded for inspection
-    status, _, body = await stack.complete("tiny@2")  # still reachable explicitly, still broken
-    assert status == 500
+    status, _, body = await stack.complete("tiny@2")  # out of the split: tenants may not name it any more
+    assert status == 403 and body["error"]["code"] == "version_not_allowed"
 
 
 async def test_hot_cold_with_a_budget_for_one_model(make_stack, versions):
