@@ -3,8 +3,11 @@
 Owns the in-memory `TenantDirectory` (the DB's tenants and unrevoked keys), loaded once at
 startup and updated by the admin handlers the moment each write commits, so a request never
 waits on SQLite and a revoked key is refused at once. Every request gets `request["tenant"]`
-(the `default` tenant when auth is off). Keys are never logged and only their sha256 hashes
-are compared (`hmac.compare_digest`).
+(the `default` tenant when auth is off) and the prefix of the key it came with; `tenant_of`
+reads the tenant again from the directory on every call, so a long-lived request (a
+WebSocket) sees limit edits at once and a revoked key or deleted tenant is refused on its
+next message. Keys are never logged and only their sha256 hashes are compared
+(`hmac.compare_digest`).
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import hmac
 import ipaddress
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from aiohttp import web
@@ -22,7 +26,8 @@ from storage import tenants
 from storage.db import Database
 from storage.tenants import DEFAULT_TENANT, ApiKey, Tenant, hash_key, key_prefix
 
-TENANT = "tenant"  # request[TENANT]: the caller's Tenant
+TENANT = "tenant"  # request[TENANT]: the caller's Tenant as authenticated (handlers use `tenant_of`)
+KEY_PREFIX = "api_key_prefix"  # request[KEY_PREFIX]: the prefix of the key it came with; None: no key
 IS_ADMIN = "is_admin"  # request[IS_ADMIN]: the caller presented the admin key
 ADMIN_KEY_SETTING = "admin_key_hash"
 TENANT_PATHS = ("/v1/", "/api/", "/ws/")
@@ -38,6 +43,7 @@ class TenantDirectory:
 
     tenants: dict[str, Tenant]
     keys: dict[str, tuple[str, str]] = field(default_factory=dict)  # prefix -> (key sha256 hex, tenant)
+    listeners: list[Callable[[], None]] = field(default_factory=list)  # called after a change that may revoke
 
     @classmethod
     def load(cls, db: Database) -> TenantDirectory:
@@ -56,18 +62,34 @@ class TenantDirectory:
             return None
         return self.tenants.get(entry[1])
 
+    def current(self, tenant: str, prefix: str | None) -> Tenant | None:
+        """`tenant` as it is now, if the key it authenticated with (by prefix; None: no key, auth
+        off) is still its and unrevoked; else None. Dictionary lookups only: cheap per message."""
+        if prefix is not None:
+            entry = self.keys.get(prefix)
+            if entry is None or entry[1] != tenant:
+                return None
+        return self.tenants.get(tenant)
+
     def put_tenant(self, tenant: Tenant) -> None:
         self.tenants[tenant.name] = tenant
+        self._changed()
 
     def remove_tenant(self, name: str) -> None:
         self.tenants.pop(name, None)
         self.keys = {prefix: entry for prefix, entry in self.keys.items() if entry[1] != name}
+        self._changed()
 
     def add_key(self, key: ApiKey, key_hash: str) -> None:
         self.keys[key.prefix] = (key_hash, key.tenant)
 
     def revoke_key(self, prefix: str) -> None:
         self.keys.pop(prefix, None)
+        self._changed()
+
+    def _changed(self) -> None:
+        for listener in self.listeners:
+            listener()
 
 
 @dataclass
@@ -126,10 +148,16 @@ def tenant_key(request: web.Request) -> str:
 
 
 def authenticate_tenant(request: web.Request, directory: TenantDirectory) -> Tenant:
-    tenant = directory.tenant_for_key(tenant_key(request))
+    key = tenant_key(request)
+    tenant = directory.tenant_for_key(key)
     if tenant is None:
-        raise unauthorized("Invalid API key: unknown or revoked.", "invalid_api_key")
+        raise revoked()
+    request[KEY_PREFIX] = key_prefix(key)
     return tenant
+
+
+def revoked() -> AuthenticationError:
+    return unauthorized("Invalid API key: unknown or revoked.", "invalid_api_key")
 
 
 def is_loopback(host: str) -> bool:
@@ -167,6 +195,7 @@ def authenticate_admin(request: web.Request, auth: Auth) -> None:
 async def auth_middleware(request: web.Request, handler):
     auth = request.app[AUTH]
     request[TENANT] = auth.directory.default
+    request[KEY_PREFIX] = None
     if request.path.startswith(ADMIN_PATH):
         authenticate_admin(request, auth)
     elif request.path.startswith(DEPLOYMENTS_PATH) and (
@@ -180,8 +209,17 @@ async def auth_middleware(request: web.Request, handler):
 # ---- for handlers ----------------------------------------------------------------------
 
 
+def current_tenant(request: web.Request) -> Tenant | None:
+    """The caller's tenant as the directory has it now; None once its key is revoked or it is deleted."""
+    return request.app[AUTH].directory.current(request[TENANT].name, request[KEY_PREFIX])
+
+
 def tenant_of(request: web.Request) -> Tenant:
-    return request[TENANT]
+    """The caller's tenant as it is now (limits, models, priority); 401 once its key is revoked."""
+    tenant = current_tenant(request)
+    if tenant is None:
+        raise revoked()
+    return tenant
 
 
 def is_admin(request: web.Request) -> bool:
@@ -190,7 +228,7 @@ def is_admin(request: web.Request) -> bool:
 
 
 def tenant_limits(request: web.Request) -> tuple[TenantLimits, float]:
-    """The caller's tenant's admission limits, and its fair-share weight."""
+    """The caller's tenant's admission limits as they are now, and its fair-share weight."""
     tenant = tenant_of(request)
     limits = TenantLimits(tenant.name, tenant.max_concurrent, tenant.requests_per_minute, tenant.tokens_per_minute)
     return limits, tenant.weight
