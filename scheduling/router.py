@@ -13,6 +13,8 @@ after the tenant's own limits (`scheduling.admission`) have let the request thro
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import random
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -130,6 +132,15 @@ class RequestStream:
                 return
 
 
+def seed_sampling(request: GenerationRequest) -> None:
+    """Give a sampled request without a seed a random one, at admission. The sampler's noise is a
+    function of (seed, position), so the seed stored with the stream makes a replay after a crash
+    regenerate exactly the tokens already sent; a fresh seed per request keeps unseeded requests
+    random from one request to the next."""
+    if request.params.seed is None and not request.params.is_greedy:
+        request.params = dataclasses.replace(request.params, seed=random.getrandbits(63))
+
+
 @dataclass
 class Router:
     deployments: dict[str, ModelDeployment] = field(default_factory=dict)
@@ -190,6 +201,7 @@ class Router:
             raise QueueFull(model.name, model.max_in_flight_per_replica * len(model.replicas))
         estimate = len(request.prompt_token_ids) + request.params.max_tokens
         ticket = self.admission.admit(limits or TenantLimits(request.tenant), estimate)
+        seed_sampling(request)
         stream = RequestStream(request, model, replica, ticket)
         self.streams[request.request_id] = stream
         replica.num_in_flight += 1
