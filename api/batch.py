@@ -1,8 +1,9 @@
 """The batch API under /api/v1/batch: submit a job of many inputs, follow it, read its results, cancel it.
 
 Every handler is scoped to the caller's tenant: another tenant's job answers 404 exactly as
-a missing one does. The work itself happens in `api.batch_runner.BatchRunner`; these
-handlers validate, store and read.
+a missing one does. Creating a job counts as one of the tenant's requests, and the tenant's
+unfinished jobs and stored input bytes are capped (429 with Retry-After). The work itself
+happens in `api.batch_runner.BatchRunner`; these handlers validate, store and read.
 """
 
 from __future__ import annotations
@@ -17,14 +18,16 @@ from pydantic import BaseModel, Field, field_validator
 
 from api.auth import tenant_of
 from api.batch_runner import BatchRunner, job_summary
-from api.errors import InvalidRequestError, NotFoundError, json_response
+from api.errors import InvalidRequestError, NotFoundError, json_response, rate_limited
 from api.lifecycle import resolve_model
+from api.quotas import count_creation
 from api.routes import Route
 from api.schemas import ChatMessage, Stop, Strict, Usage
 from api.validation import parse_body
+from api.webhooks import CallbackRefused
 from scheduling.encoders import ServedEncoder
 from storage import batches, registry
-from storage.batches import BatchItem, BatchJob
+from storage.batches import BatchItem, BatchJob, QuotaExceeded
 
 BATCH = web.AppKey("batch_runner", BatchRunner)
 MAX_INPUTS = 100_000  # the schema's bound; [batch] max_inputs is the configured one
@@ -60,8 +63,11 @@ class BatchCreate(Strict):
                                      description="Prompts (strings) or chat conversations (lists of messages); "
                                      "texts (strings) for embed and classify models.")
     params: BatchParams | None = Field(None, description="Generative models only.")
-    callback_url: str | None = Field(None, max_length=2048,
-                                     description="http(s) URL that gets the job summary by POST when it ends.")
+    callback_url: str | None = Field(None, max_length=2048, pattern=r"^[Hh][Tt][Tt][Pp][Ss]?://[^/?#]",
+                                     description="http(s) URL that gets the job summary by POST when it ends, "
+                                     "signed with `callback_secret` (header X-Galley-Signature: t=<unix>,v1=<hex "
+                                     "HMAC-SHA256 of \"<t>.<body>\">). Only public addresses are called (unless "
+                                     "the server's allow-list says otherwise); redirects are not followed.")
 
     @field_validator("callback_url")
     @classmethod
@@ -84,6 +90,8 @@ class BatchCreated(BaseModel):
     kind: Literal["generate", "embed", "classify"]
     num_inputs: int
     estimated_time: float = Field(description="Rough seconds until the job completes.")
+    callback_secret: str | None = Field(description="The key that signs this job's callback; shown only here "
+                                        "(null without a callback_url).")
 
 
 class BatchProgress(BaseModel):
@@ -175,6 +183,12 @@ async def create_batch(request: web.Request) -> web.Response:
     if len(body.inputs) > runner.config.max_inputs:
         raise InvalidRequestError(f"{len(body.inputs)} inputs; at most {runner.config.max_inputs} per job",
                                   param="inputs")
+    if body.callback_url is not None:
+        try:
+            runner.webhooks.policy.check_url(body.callback_url)
+        except CallbackRefused as exc:
+            raise InvalidRequestError(f"callback_url {exc}", param="callback_url") from exc
+    count_creation(request)
     model = await resolve_model(request, body.model, kinds=registry.KINDS)  # a cold model loads now
     params = body.params or BatchParams()
     if isinstance(model, ServedEncoder):
@@ -192,10 +206,14 @@ async def create_batch(request: web.Request) -> web.Response:
                                                          "content": m.text()} for m in value]
                   for value in body.inputs]
     estimate = runner.estimate_seconds(model, len(inputs), params.max_tokens)
-    job = await runner.submit(tenant_of(request).name, body.model, inputs, params.model_dump(), body.callback_url,
-                              kind)
+    try:
+        job = await runner.submit(tenant_of(request).name, body.model, inputs, params.model_dump(),
+                                  body.callback_url, kind)
+    except QuotaExceeded as exc:
+        raise rate_limited(exc) from exc
     return json_response({"batch_id": job.id, "object": "batch", "status": job.status, "model": job.model,
-                          "kind": job.kind, "num_inputs": job.num_items, "estimated_time": estimate})
+                          "kind": job.kind, "num_inputs": job.num_items, "estimated_time": estimate,
+                          "callback_secret": job.callback_secret})
 
 
 async def get_batch(request: web.Request) -> web.Response:
@@ -241,10 +259,12 @@ async def cancel_batch(request: web.Request) -> web.Response:
 
 
 def setup(app: web.Application, runner: BatchRunner) -> None:
-    """Register the runner; its tasks stop (and its callback client closes) at cleanup."""
+    """Register the runner; finished jobs expire while the app runs; its tasks stop (and its
+    callback client closes) at cleanup."""
     app[BATCH] = runner
 
     async def lifecycle(app: web.Application):
+        app[BATCH].start_expiry()
         yield
         await app[BATCH].close()
 

@@ -4,9 +4,12 @@ Owns one task per job that is running or waiting for a job slot (`max_running_jo
 keeps at most `max_in_flight_per_job` items submitted to its model, each a `GenerationRequest`
 of the job's tenant in the `low` priority class, so interactive requests overtake queued
 batch items and a big job never floods the queue; a refusal at admission (the model's queue
-bound, the tenant's limits) is retried later, never failed. Each result is written to SQLite
-as it arrives, so after a restart `recover()` reruns only the unfinished items. When a job
-ends, its callback URL gets the job summary by POST, retried with exponential backoff.
+bound, the tenant's limits, a version being unloaded) is retried later, resolving the model
+again after every wait, never failed; an admitted item without a first token by
+`first_token_timeout_seconds` fails. Each result is written to SQLite as it arrives, so after
+a restart `recover()` reruns only the unfinished items. When a job ends, its callback URL gets
+the job summary by a signed POST (`api.webhooks`: public addresses only unless allow-listed, no
+redirects), retried with exponential backoff. Finished jobs expire after `retention_seconds`.
 While the server drains, no new item starts (in-flight ones finish and are stored).
 Must not block the loop: SQLite reads run in a thread, writes on the DB writer thread.
 """
@@ -14,6 +17,7 @@ Must not block the loop: SQLite reads run in a thread, writes on the DB writer t
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import time
 import uuid
@@ -30,10 +34,11 @@ from api.context import ServerState
 from api.encoders_api import prediction
 from api.metrics import Metrics
 from api.native_schemas import PredictParams
+from api.webhooks import CallbackPolicy, CallbackRefused, WebhookClient, new_secret
 from engine.types import FinishReason, GenerationRequest, Priority, SamplingParams
 from scheduling.admission import Rejected, TenantLimits
 from scheduling.encoders import EncoderBusy, ServedEncoder
-from scheduling.router import QueueFull, RequestStream, Router, Served, ServedModel
+from scheduling.router import ModelUnavailable, QueueFull, RequestStream, Router, Served, ServedModel
 from storage import batches
 from storage.batches import BatchItem, BatchJob, ItemResult, ItemStatus, JobStatus
 from storage.db import Database
@@ -51,14 +56,29 @@ class BatchConfig:
     max_running_jobs: int = 4  # jobs running at once; later ones wait, queued
     max_inputs: int = 10000  # inputs per job
     retry_seconds: float = 1.0  # wait before resubmitting an item the model's queue refused
+    first_token_timeout_seconds: float = 600.0  # an item admitted but without a first token by then fails
     callback_max_attempts: int = 5
     callback_backoff_seconds: float = 1.0  # waits 1, 2, 4, ... seconds between callback attempts
     callback_timeout_seconds: float = 10.0
+    callback_allow_hosts: tuple[str, ...] = ()  # non-public callback hosts allowed: names, addresses, CIDR ranges
+    max_queued_jobs_per_tenant: int = 16  # unfinished (queued or running) jobs per tenant
+    max_stored_bytes_per_tenant: int = 256 * 1024 * 1024  # inputs of a tenant's jobs kept, until they expire
+    retention_seconds: float = 7 * 24 * 3600.0  # finished jobs, their inputs and results are deleted after this
 
     def __post_init__(self) -> None:
-        for name in ("max_in_flight_per_job", "max_running_jobs", "max_inputs", "callback_max_attempts"):
+        object.__setattr__(self, "callback_allow_hosts", tuple(self.callback_allow_hosts))  # a TOML list
+        for name in ("max_in_flight_per_job", "max_running_jobs", "max_inputs", "callback_max_attempts",
+                     "max_queued_jobs_per_tenant", "max_stored_bytes_per_tenant"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("first_token_timeout_seconds", "retention_seconds"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+
+    @property
+    def quota(self) -> batches.JobQuota:
+        return batches.JobQuota(self.max_queued_jobs_per_tenant, self.max_stored_bytes_per_tenant,
+                                self.retention_seconds)
 
 
 class ItemError(Exception):
@@ -129,17 +149,24 @@ class BatchRunner:
         self.item_seconds: dict[str, float] = {}  # per model, moving average of one item's duration
         self._slots: asyncio.Semaphore | None = None
         self._background = BackgroundTasks()
-        self._session: aiohttp.ClientSession | None = None
+        self.webhooks = WebhookClient(CallbackPolicy.from_entries(config.callback_allow_hosts),
+                                      config.callback_timeout_seconds)
         self.jobs_total = Counter("galley_batch_jobs", "Batch jobs by status reached (queued: submitted)",
                                   ["status"], registry=metrics.registry)
         self.items_total = Counter("galley_batch_items", "Batch items finished, by status", ["status"],
                                    registry=metrics.registry)
+        self.retries_total = Counter("galley_batch_item_retries", "Batch item submits refused and retried later, "
+                                     "by reason (queue_full, model_unavailable, or the tenant limit)", ["reason"],
+                                     registry=metrics.registry)
 
     # ---- lifecycle -----------------------------------------------------------------------
 
     async def submit(self, tenant: str, model: str, inputs: list[Any], params: dict,
                      callback_url: str | None, kind: str = "generate") -> BatchJob:
-        job = await self._write(lambda db: batches.create_job(db, tenant, model, inputs, params, callback_url, kind))
+        """Store and start a job (its `callback_secret` is new); `batches.QuotaExceeded` over a tenant's caps."""
+        secret = new_secret() if callback_url else None
+        job = await self._write(lambda db: batches.create_job(db, tenant, model, inputs, params, callback_url, kind,
+                                                              secret, self.config.quota))
         self.jobs_total.labels(JobStatus.QUEUED.value).inc()
         self._start(job)
         log.info("batch job queued", batch_id=job.id, model=model, tenant=tenant, num_items=job.num_items)
@@ -175,8 +202,27 @@ class BatchRunner:
 
     async def close(self) -> None:
         await self._background.cancel_all()
-        if self._session is not None:
-            await self._session.close()
+        await self.webhooks.close()
+
+    def start_expiry(self) -> None:
+        """Delete finished jobs (inputs and results too) once they are `retention_seconds` old, in the background."""
+        self._background.spawn(self._expire_forever())
+
+    async def expire(self) -> int:
+        retention_s = self.config.retention_seconds
+        expired = await self._write(lambda db: batches.expire_jobs(db, retention_s))
+        if expired:
+            log.info("batch jobs expired", count=expired, retention_s=retention_s)
+        return expired
+
+    async def _expire_forever(self) -> None:
+        interval_s = min(max(self.config.retention_seconds / 10, 0.05), 600.0)
+        while True:
+            try:
+                await self.expire()
+            except Exception:
+                log.exception("batch job expiry failed")
+            await asyncio.sleep(interval_s)
 
     def estimate_seconds(self, model: ServedModel | ServedEncoder, num_items: int, max_tokens: int | None) -> float:
         """Rough: this job's items plus those ahead of it on the model, in waves of max_in_flight_per_job."""
@@ -244,11 +290,7 @@ class BatchRunner:
             if run.cancelled or self.state.draining:
                 return
             try:
-                current = await self.find_model(run.job)  # the version may have changed (rollout, unload)
-                if current is None:
-                    result = ItemResult(ItemStatus.FAILED.value, error=f"the model {run.job.model!r} is not served")
-                else:
-                    result = await self._run_item(run, current, item)
+                result = await self._run_item(run, item)
             except Exception as exc:  # a bug must fail this item, not stall the job
                 log.exception("batch item failed", batch_id=run.job.id, index=item.idx)
                 result = ItemResult(ItemStatus.FAILED.value, error=f"internal error: {type(exc).__name__}")
@@ -280,56 +322,78 @@ class BatchRunner:
             max_tokens = min(max_tokens, tenant.max_tokens)
         return prompt_ids, sampling_params(job.params, max_tokens)
 
-    async def _run_item(self, run: JobRun, model: ServedModel, item: BatchItem) -> ItemResult | None:
+    async def _run_item(self, run: JobRun, item: BatchItem) -> ItemResult | None:
         """The item's result; None when it was aborted (cancel) or never started (cancel, drain)."""
-        try:
-            prompt_ids, params = self.prepare(run.job, model, item.input)
-        except ItemError as exc:
-            return ItemResult(ItemStatus.FAILED.value, error=str(exc))
-        generation = GenerationRequest(f"{run.job.id}-{item.idx}-{uuid.uuid4().hex[:8]}", prompt_ids, params,
-                                       tenant=run.job.tenant, priority=Priority.LOW)
         started = time.monotonic()
-        stream = await self._submit(run, model, generation)
-        if stream is None:
-            return None
+        submitted = await self._submit(run, item)
+        if not isinstance(submitted, RequestStream):
+            return submitted
+        stream = submitted
+        timeout_s = self.config.first_token_timeout_seconds
         text, last = "", None
         try:
-            async for event in self.metrics.observe(stream):
+            async for event in self.metrics.observe(stream, timeout_s):
                 text, last = text + event.text, event
+        except TimeoutError:
+            return ItemResult(ItemStatus.FAILED.value, error=f"no first token within {timeout_s:g}s "
+                              "(first_token_timeout_seconds): the model is overloaded")
         finally:
             run.streams.discard(stream)
-            if not stream.finished:  # our task was cancelled: server shutdown
+            if not stream.finished:  # timed out, or our task was cancelled (server shutdown)
                 self.router.abort(stream)
         if last.finish_reason == FinishReason.ABORT:
             return None
         if last.error or last.finish_reason == FinishReason.ERROR:
             return ItemResult(ItemStatus.FAILED.value, error=last.error or "generation failed")
-        self._observe_item(model.name, time.monotonic() - started)
+        self._observe_item(stream.model.name, time.monotonic() - started)
         return ItemResult(ItemStatus.COMPLETED.value, output=text, finish_reason=last.finish_reason.value,
                           prompt_tokens=last.num_prompt_tokens, completion_tokens=last.num_output_tokens)
 
-    async def _submit(self, run: JobRun, model: ServedModel, generation: GenerationRequest) -> RequestStream | None:
-        """Submit at low priority, waiting out refusals; None if the job is cancelled or the server drains first."""
+    async def _submit(self, run: JobRun, item: BatchItem) -> RequestStream | ItemResult | None:
+        """Submit the item at low priority, waiting out refusals. The model is resolved again after every
+        wait (it may have been unloaded, reloaded or replaced meanwhile: a stale version would take the
+        item nowhere). An ItemResult when the item cannot run; None if the job is cancelled or the server
+        drains first."""
+        prepared: tuple[ServedModel, list[int], SamplingParams] | None = None
         while not (run.cancelled or self.state.draining):
             tenant = self.tenants(run.job.tenant)
             if tenant is None:  # deleted with its jobs
                 run.cancelled = True
                 return None
-            generation.weight = tenant.weight
-            limits = TenantLimits(tenant.name, tenant.max_concurrent, tenant.requests_per_minute,
-                                  tenant.tokens_per_minute)
-            try:
-                stream = self.router.submit(model, generation, limits)
-            except QueueFull:
-                delay = self.config.retry_seconds
-            except Rejected as exc:
-                delay = max(self.config.retry_seconds, exc.retry_after_s)
-            else:
-                self.metrics.admitted.labels(model.name, tenant.name, "low").inc()
-                run.streams.add(stream)
+            model = await self.find_model(run.job)
+            if not isinstance(model, ServedModel):
+                return ItemResult(ItemStatus.FAILED.value, error=f"the model {run.job.model!r} is not served")
+            if prepared is None or prepared[0] is not model:  # another version may tokenize differently
+                try:
+                    prepared = (model, *self.prepare(run.job, model, item.input))
+                except ItemError as exc:
+                    return ItemResult(ItemStatus.FAILED.value, error=str(exc))
+            stream, delay_s = self._try_submit(run, item, tenant, *prepared)
+            if stream is not None:
                 return stream
-            await asyncio.sleep(delay)
+            await asyncio.sleep(delay_s)
         return None
+
+    def _try_submit(self, run: JobRun, item: BatchItem, tenant: Tenant, model: ServedModel, prompt_ids: list[int],
+                    params: SamplingParams) -> tuple[RequestStream | None, float]:
+        """The admitted stream, or None and how long to wait before trying again."""
+        generation = GenerationRequest(f"{run.job.id}-{item.idx}-{uuid.uuid4().hex[:8]}", prompt_ids, params,
+                                       tenant=tenant.name, priority=Priority.LOW, weight=tenant.weight)
+        limits = TenantLimits(tenant.name, tenant.max_concurrent, tenant.requests_per_minute, tenant.tokens_per_minute)
+        try:
+            stream = self.router.submit(model, generation, limits)
+        except QueueFull:
+            reason, delay_s = "queue_full", 0.0
+        except ModelUnavailable:
+            reason, delay_s = "model_unavailable", 0.0
+        except Rejected as exc:
+            reason, delay_s = exc.reason, exc.retry_after_s
+        else:
+            self.metrics.admitted.labels(model.name, tenant.name, "low").inc()
+            run.streams.add(stream)
+            return stream, 0.0
+        self.retries_total.labels(reason).inc()
+        return None, max(self.config.retry_seconds, delay_s)
 
     async def _encode_all(self, run: JobRun, model: ServedEncoder, items: list[BatchItem]) -> None:
         """Encoder jobs: items in chunks of max_in_flight_per_job, one batcher submit each, one at a time."""
@@ -411,31 +475,34 @@ class BatchRunner:
         job = await self._read(lambda db: batches.get_job(db, job_id))
         if job is None or job.callback_url is None or job.callback_status != batches.CallbackStatus.PENDING:
             return
-        body = await self.summary(job_id)
+        body = json.dumps(await self.summary(job_id), separators=(",", ":")).encode()
         attempts = job.callback_attempts
         while attempts < self.config.callback_max_attempts:
             if attempts:
                 await asyncio.sleep(self.config.callback_backoff_seconds * 2 ** (attempts - 1))
             attempts += 1
-            if await self._post(job.callback_url, body, job_id, attempts):
+            if await self._post(job, body, attempts):
                 await self._write(lambda db, n=attempts: batches.set_callback(db, job_id, "delivered", n))
                 return
             await self._write(lambda db, n=attempts: batches.set_callback(db, job_id, "pending", n))
         await self._write(lambda db: batches.set_callback(db, job_id, "failed", attempts))
         log.warning("batch callback failed", batch_id=job_id, attempts=attempts)
 
-    async def _post(self, url: str, body: dict, job_id: str, attempt: int) -> bool:
-        if self._session is None:
-            self._session = aiohttp.ClientSession(
-                timeout=aiohttp.ClientTimeout(total=self.config.callback_timeout_seconds))
+    async def _post(self, job: BatchJob, body: bytes, attempt: int) -> bool:
+        """One signed attempt; only a 2xx answer is a delivery (a redirect is not followed)."""
         try:
-            async with self._session.post(url, json=body, headers={"X-Galley-Batch-Id": job_id}) as response:
-                if 200 <= response.status < 300:
-                    log.info("batch callback delivered", batch_id=job_id, attempt=attempt)
-                    return True
-                log.warning("batch callback refused", batch_id=job_id, attempt=attempt, status=response.status)
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            log.warning("batch callback failed to connect", batch_id=job_id, attempt=attempt, error=str(exc))
+            status = await self.webhooks.post(job.callback_url, body, job.callback_secret,
+                                              {"X-Galley-Batch-Id": job.id})
+        except CallbackRefused as exc:
+            log.warning("batch callback refused by the address policy", batch_id=job.id, error=str(exc))
+            return False
+        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+            log.warning("batch callback failed to connect", batch_id=job.id, attempt=attempt, error=str(exc))
+            return False
+        if 200 <= status < 300:
+            log.info("batch callback delivered", batch_id=job.id, attempt=attempt)
+            return True
+        log.warning("batch callback refused", batch_id=job.id, attempt=attempt, status=status)
         return False
 
     # ---- plumbing --------------------------------------------------------------------------

@@ -1,8 +1,9 @@
 """The conversations API under /api/v1/conversations: create, list, read, delete.
 
 Every handler is scoped to the caller's tenant: another tenant's conversation answers 404
-exactly as a missing one does, so ids never leak. A new conversation is pinned to the
-version its model is served at. Writes go through the DB writer thread, reads through the
+exactly as a missing one does, so ids never leak. Creating one counts as one of the tenant's
+requests (`requests_per_minute`). A new conversation is pinned to the version its model is
+served at. Writes go through the DB writer thread, reads through the
 read connection in a worker thread; the event loop never waits on SQLite.
 """
 
@@ -20,6 +21,7 @@ from pydantic import BaseModel, Field
 from api.auth import DATABASE, tenant_of
 from api.errors import NotFoundError, json_response
 from api.lifecycle import resolve_model
+from api.quotas import count_creation
 from api.routes import Route
 from api.schemas import Strict
 from api.validation import parse_body
@@ -103,6 +105,7 @@ def conversation_not_found(conversation_id: str) -> NotFoundError:
 
 async def create_conversation(request: web.Request) -> web.Response:
     body = await parse_body(request, ConversationCreate)
+    count_creation(request)  # before resolving: that may load a cold model
     model = await resolve_model(request, body.model)
     tenant = tenant_of(request).name
     made = await write(request, lambda db: conversations.create_conversation(

@@ -51,7 +51,7 @@ from api.validation import parse_body
 from engine.types import GenerationRequest, Priority, SamplingParams, TokenEvent, TokenLogprob
 from scheduling.admission import Rejected
 from scheduling.deployments import parse_model_ref
-from scheduling.router import QueueFull, RequestStream, ServedModel
+from scheduling.router import ModelUnavailable, QueueFull, RequestStream, ServedModel
 from storage import conversations
 
 log = structlog.get_logger(__name__)
@@ -104,6 +104,9 @@ def submit(request: web.Request, model: ServedModel, prompt_ids: list[int], para
     except QueueFull as exc:
         metrics.reject(model, "queue_full", limits.name, priority)
         raise QueueFullError(f"{exc}; retry shortly", headers={"Retry-After": "1"}) from exc
+    except ModelUnavailable as exc:  # unloaded while this request was being prepared
+        raise ServiceUnavailableError(f"{exc}; retry shortly", code="model_unloading",
+                                      headers={"Retry-After": "1"}) from exc
     except Rejected as exc:
         metrics.reject(model, exc.reason, limits.name, priority)
         raise rate_limited(exc) from exc
@@ -328,13 +331,22 @@ def chat_format(request: web.Request, body: ChatCompletionRequest, model: Served
 
 
 async def submit_chat(request: web.Request, body: ChatCompletionRequest, plan: ChatPlan) -> ChatStart:
-    """Submit a planned chat; store the new messages of a conversation."""
+    """Submit a planned chat; store the new messages of a conversation. Nothing owns the stream until
+    this returns, so if the write fails (or the client leaves during it) the generation is aborted:
+    left running it would hold a slot to the end of the context for no one."""
     stream = submit(request, plan.model, plan.prompt_ids, plan.params, body.priority)
     fmt = chat_format(request, body, plan.model, f"chatcmpl-{stream.request_id}")
     if body.conversation_id:
         conversation_id = body.conversation_id
-        await asyncio.wrap_future(request.app[HUB].db.write(lambda db: [
-            conversations.add_message(db, conversation_id, m["role"], m["content"]) for m in plan.new_messages]))
+        try:
+            await asyncio.wrap_future(request.app[HUB].db.write(lambda db: [
+                conversations.add_message(db, conversation_id, m["role"], m["content"]) for m in plan.new_messages]))
+        except BaseException as exc:
+            request.app[ROUTER].abort(stream)
+            if isinstance(exc, conversations.ConversationNotFoundError):  # deleted meanwhile
+                raise NotFoundError(f"no conversation {conversation_id!r}", param="conversation_id",
+                                    code="conversation_not_found") from exc
+            raise
     return ChatStart(plan.model, stream, fmt, body.conversation_id)
 
 

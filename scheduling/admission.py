@@ -108,6 +108,14 @@ class Admission:
         state.in_flight += 1
         return Ticket(limits.name, estimated_tokens)
 
+    def count_request(self, limits: TenantLimits) -> None:
+        """A request that holds no slot and runs nothing (creating a batch job or a conversation):
+        it takes one from `requests_per_minute` only, or raises `Rejected` changing nothing."""
+        state = self._state(limits)
+        if state.requests is not None and not state.requests.try_take(1):
+            raise Rejected("requests_per_minute", f"tenant {limits.name!r} is over its "
+                           f"requests_per_minute of {limits.requests_per_minute}", state.requests.retry_after_s(1))
+
     def release(self, ticket: Ticket, used_tokens: int) -> None:
         """The request is over: free its slot and settle its token estimate with the real count."""
         if ticket.released:

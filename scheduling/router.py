@@ -33,6 +33,14 @@ class QueueFull(Exception):
         self.limit = limit
 
 
+class ModelUnavailable(Exception):
+    """The version is draining or unloaded: route the request again (`resolve`) and submit there."""
+
+    def __init__(self, model: str) -> None:
+        super().__init__(f"model version {model!r} is being unloaded; route the request again")
+        self.model = model
+
+
 class WorkerHandle(Protocol):
     def submit(self, engine_id: str, request: GenerationRequest) -> None: ...
     def abort(self, engine_id: str, request_id: str) -> None: ...
@@ -194,8 +202,12 @@ class Router:
                limits: TenantLimits | None = None) -> RequestStream:
         """Admit (tenant limits, then the model's queue bound) and hand to the least loaded replica.
 
-        Raises `scheduling.admission.Rejected` or `QueueFull`, having changed nothing.
+        Raises `ModelUnavailable`, `scheduling.admission.Rejected` or `QueueFull`, having changed nothing.
+        A draining version is refused: its engines are about to be detached, so a request handed to
+        them would never be answered.
         """
+        if model.draining:
+            raise ModelUnavailable(model.ref)
         replica = model.pick_replica()
         if replica.num_in_flight >= model.max_in_flight_per_replica:
             raise QueueFull(model.name, model.max_in_flight_per_replica * len(model.replicas))

@@ -5,17 +5,23 @@ item's result is written once, as it completes, so a restart reruns only the ite
 had not finished. A job's final status (completed, failed, cancelled) is written once:
 later item results and status changes leave a final job as it is, so a cancel always wins
 over items still in flight. Deleting a tenant deletes its jobs, deleting a job its items
-(ON DELETE CASCADE). Sync functions over a `sqlite_utils.Database`; writes belong on the
-writer thread (`storage.db.Database.write`). Must not import anything but the standard
-library and sqlite_utils.
+(ON DELETE CASCADE). A tenant's unfinished jobs and stored input bytes are capped at creation
+(`JobQuota`, checked in the creating transaction, so concurrent creations cannot both slip
+under a cap), and final jobs are deleted with their items after the retention
+(`expire_jobs`). Sync functions over a `sqlite_utils.Database`; writes belong on the writer
+thread (`storage.db.Database.write`). Must not import anything but the standard library and
+sqlite_utils.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 from enum import StrEnum
 from typing import Any
 
@@ -69,6 +75,8 @@ class BatchJob:
     started_at: str | None
     finished_at: str | None
     kind: str = "generate"  # the model's: generate | embed | classify
+    callback_secret: str | None = None  # signs the callback; shown to the tenant once, at creation
+    input_bytes: int = 0  # the inputs as stored (JSON), counted against the tenant's stored bytes
 
     @property
     def is_final(self) -> bool:
@@ -89,6 +97,24 @@ class BatchItem:
     completion_tokens: int | None
     error: str | None
     completed_at: str | None
+
+
+@dataclass(frozen=True)
+class JobQuota:
+    """A tenant's caps at job creation (None: no cap)."""
+
+    max_unfinished_jobs: int | None = None
+    max_stored_bytes: int | None = None
+    retention_seconds: float = 0.0  # for the retry hint: when the oldest final job expires
+
+
+class QuotaExceeded(Exception):
+    """A new job would exceed a cap of `JobQuota`; nothing was written."""
+
+    def __init__(self, reason: str, message: str, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.retry_after_s = retry_after_s
 
 
 @dataclass(frozen=True)
@@ -149,6 +175,15 @@ def add_batch_job_kind(db: sqlite_utils.Database) -> None:
     db.execute("ALTER TABLE batch_jobs ADD COLUMN kind TEXT NOT NULL DEFAULT 'generate'")
 
 
+def add_batch_job_retention(db: sqlite_utils.Database) -> None:
+    """Migration: the callback's signing secret and each job's stored input bytes (existing jobs counted)."""
+    db.execute("ALTER TABLE batch_jobs ADD COLUMN callback_secret TEXT")
+    db.execute("ALTER TABLE batch_jobs ADD COLUMN input_bytes INTEGER NOT NULL DEFAULT 0")
+    db.execute("UPDATE batch_jobs SET input_bytes = (SELECT coalesce(sum(length(CAST(input AS BLOB))), 0) "
+               "FROM batch_items WHERE job_id = batch_jobs.id)")
+    db.execute("CREATE INDEX batch_jobs_finished ON batch_jobs(finished_at)")
+
+
 def dumps(value: Any) -> str:
     return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
 
@@ -165,18 +200,52 @@ def item_from_row(row: Mapping[str, Any]) -> BatchItem:
 
 
 def create_job(db: sqlite_utils.Database, tenant: str, model: str, inputs: list[Any], params: dict,
-               callback_url: str | None = None, kind: str = "generate") -> BatchJob:
-    """A queued job with one pending item per input, in order."""
+               callback_url: str | None = None, kind: str = "generate", callback_secret: str | None = None,
+               quota: JobQuota = JobQuota()) -> BatchJob:
+    """A queued job with one pending item per input, in order; QuotaExceeded (nothing written) over a cap."""
     if not inputs:
         raise ValueError("a batch job needs at least one input")
+    rows = [dumps(value) for value in inputs]
+    input_bytes = sum(len(row.encode()) for row in rows)
+    check_quota(db, tenant, input_bytes, quota)
     job = BatchJob(ID_PREFIX + uuid.uuid4().hex, tenant, model, params, callback_url, JobStatus.QUEUED.value,
                    len(inputs), None, CallbackStatus.PENDING.value if callback_url else None, 0, utc_now(),
-                   None, None, kind)
+                   None, None, kind, callback_secret if callback_url else None, input_bytes)
     db.table("batch_jobs").insert({**job.__dict__, "params": dumps(params)})
     db.table("batch_items").insert_all(
-        {"job_id": job.id, "idx": i, "input": dumps(value), "status": ItemStatus.PENDING.value}
-        for i, value in enumerate(inputs))
+        {"job_id": job.id, "idx": i, "input": row, "status": ItemStatus.PENDING.value} for i, row in enumerate(rows))
     return job
+
+
+def check_quota(db: sqlite_utils.Database, tenant: str, input_bytes: int, quota: JobQuota) -> None:
+    """QuotaExceeded when the tenant has too many unfinished jobs, or stored bytes would pass the cap."""
+    row = next(db.query(
+        f"SELECT count(*) FILTER (WHERE status IN ({sql_list(UNFINISHED)})) AS unfinished, "
+        "coalesce(sum(input_bytes), 0) AS stored, min(finished_at) AS oldest_final FROM batch_jobs WHERE tenant = ?",
+        [tenant]))
+    if quota.max_unfinished_jobs is not None and row["unfinished"] >= quota.max_unfinished_jobs:
+        raise QuotaExceeded("batch_jobs", f"tenant {tenant!r} has {row['unfinished']} unfinished batch jobs, its "
+                            f"limit; wait for one to finish or cancel one", 60)
+    if quota.max_stored_bytes is not None and row["stored"] + input_bytes > quota.max_stored_bytes:
+        raise QuotaExceeded("batch_bytes", f"tenant {tenant!r} stores {row['stored']} bytes of batch inputs; "
+                            f"{input_bytes} more would pass its limit of {quota.max_stored_bytes} (finished "
+                            "jobs are deleted after the retention)",
+                            seconds_until_expiry(row["oldest_final"], quota.retention_seconds))
+
+
+def seconds_until_expiry(finished_at: str | None, retention_seconds: float) -> int:
+    """Whole seconds until a job finished at `finished_at` expires (60 while none has finished)."""
+    if finished_at is None:
+        return 60
+    left = datetime.fromisoformat(finished_at).timestamp() + retention_seconds - time.time()
+    return max(1, math.ceil(left))
+
+
+def expire_jobs(db: sqlite_utils.Database, retention_seconds: float) -> int:
+    """Deletes final jobs that finished over `retention_seconds` ago, with their items; returns how many."""
+    cutoff = (datetime.now(UTC) - timedelta(seconds=retention_seconds)).isoformat(timespec="milliseconds")
+    cursor = db.execute(f"DELETE FROM batch_jobs WHERE status IN ({sql_list(FINAL)}) AND finished_at < ?", [cutoff])
+    return cursor.rowcount
 
 
 def get_job(db: sqlite_utils.Database, job_id: str, tenant: str | None = None) -> BatchJob | None:

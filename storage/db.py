@@ -34,6 +34,7 @@ MIGRATIONS: tuple[Migration, ...] = (
     batches.add_batch_job_kind,
     registry.create_shadow_table,
     conversations.add_conversation_activity,
+    batches.add_batch_job_retention,
 )
 
 

@@ -132,7 +132,7 @@ async def test_callback_is_posted_again_after_a_failed_attempt(make_stack, aioht
     receiver = web.Application()
     receiver.router.add_post("/hook", receive)
     hook = await aiohttp_server(receiver)
-    client, _, key = await make_stack(BatchConfig(callback_backoff_seconds=0.05))
+    client, _, key = await make_stack(BatchConfig(callback_backoff_seconds=0.05, callback_allow_hosts=("127.0.0.1",)))
     status, created = await client.call("POST", "/api/v1/batch", key, json={
         "model": "tiny", "inputs": PROMPTS[:5], "params": GREEDY, "callback_url": str(hook.make_url("/hook"))})
     assert status == 200, created
@@ -146,7 +146,8 @@ async def test_callback_is_posted_again_after_a_failed_attempt(make_stack, aioht
 
 
 async def test_an_unreachable_callback_gives_up_after_its_attempts(make_stack):
-    client, _, key = await make_stack(BatchConfig(callback_backoff_seconds=0.01, callback_max_attempts=3))
+    client, _, key = await make_stack(BatchConfig(callback_backoff_seconds=0.01, callback_max_attempts=3,
+                                                  callback_allow_hosts=("127.0.0.1",)))
     status, created = await client.call("POST", "/api/v1/batch", key, json={
         "model": "tiny", "inputs": PROMPTS[:2], "params": GREEDY, "callback_url": "http://127.0.0.1:9/nothing"})
     assert status == 200, created

@@ -69,7 +69,9 @@ def wait_until(server: ServerProcess, batch_id: str, done, timeout_s: float = 24
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["sigkill", "sigterm"])
 def test_a_batch_job_survives_a_restart_midway(tmp_path, receiver, sig):
-    server = ServerProcess(data_dir=tmp_path)
+    config = tmp_path / "config.toml"
+    config.write_text('[batch]\ncallback_allow_hosts = ["127.0.0.1"]  # the receiver is on loopback\n')
+    server = ServerProcess("--config", str(config), data_dir=tmp_path)
     try:
         server.wait_ready()
         created = httpx.post(server.url + "/api/v1/batch", timeout=10, json={
@@ -82,7 +84,7 @@ def test_a_batch_job_survives_a_restart_midway(tmp_path, receiver, sig):
         server.stop()
     assert before["progress"]["completed"] < 50, "the job finished before the restart: make it longer"
 
-    again = ServerProcess(data_dir=tmp_path)
+    again = ServerProcess("--config", str(config), data_dir=tmp_path)
     try:
         again.wait_ready()
         assert any("resumed batch jobs after restart" in line for line in again.output)
