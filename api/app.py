@@ -19,7 +19,7 @@ from api.alerts import DEFAULT_ALERTS, AlertRule
 from api.auth import AUTH, DATABASE, Auth, TenantDirectory, auth_middleware
 from api.batch_runner import BatchConfig, BatchRunner
 from api.context import ROUTER, STATE, ServerState
-from api.errors import error_middleware, json_response
+from api.errors import CLIENT_CLOSED, client_gone, error_middleware, json_response
 from api.metrics import METRICS, METRICS_ACCESS, Metrics, MetricsAccess, metrics_endpoint
 from api.openapi import build_spec
 from api.response_cache import RESPONSE_CACHE, ResponseCache, ResponseCacheConfig, add_cache_header
@@ -52,13 +52,21 @@ async def request_context(request: web.Request, handler):
     structlog.contextvars.bind_contextvars(request_id=request_id)
     try:
         response = await handler(request)
+    except asyncio.CancelledError:
+        if client_gone(request):  # aiohttp cancelled the handler of a client that left: a normal end
+            log_request(request, started, CLIENT_CLOSED)
+        raise
     finally:
         structlog.contextvars.unbind_contextvars("request_id")
     if not response.prepared:
         response.headers.setdefault("X-Request-Id", request_id)
-    log.info("request", request_id=request_id, method=request.method, path=request.path, status=response.status,
-             duration_s=round(time.monotonic() - started, 4))
+    log_request(request, started, response.status)
     return response
+
+
+def log_request(request: web.Request, started: float, status: int) -> None:
+    log.info("request", request_id=request["request_id"], method=request.method, path=request.path, status=status,
+             duration_s=round(time.monotonic() - started, 4))
 
 
 def all_routes() -> list[Route]:

@@ -125,6 +125,23 @@ async def error_middleware(request: web.Request, handler):
         type_ = HTTP_ERROR_TYPES.get(exc.status, "server_error" if exc.status >= 500 else "invalid_request_error")
         message = exc.text if exc.text and not exc.text.startswith(f"{exc.status}:") else exc.reason
         return json_response(error_body(message, type_), exc.status)
-    except Exception:
+    except Exception as exc:
+        if isinstance(exc, ConnectionResetError) and client_gone(request):
+            return client_closed()  # it left mid-response: a normal end, not a server error
         log.exception("unhandled error", path=request.path)
         return json_response(error_body("internal server error", "internal_error"), 500)
+
+
+CLIENT_CLOSED = 499  # nginx's "client closed request": logged, never sent
+
+
+def client_gone(request: web.Request) -> bool:
+    """The client has closed the connection (a write to it fails; a stream it stopped reading ends)."""
+    transport = request.transport
+    return transport is None or transport.is_closing()
+
+
+def client_closed() -> web.Response:
+    """What a handler whose client left ends with: the access log shows 499, and aiohttp, finding
+    the connection closed when it writes this, drops it quietly."""
+    return web.Response(status=CLIENT_CLOSED, reason="Client Closed Request")
