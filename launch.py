@@ -16,7 +16,7 @@ from engine.encoders import resolve_encoder_path, start_encoder
 from engine.engine import LLMEngine
 from engine.faults import FaultyEncoderHandle, FaultyRunner
 from engine.kv_cache import KVCacheManager
-from engine.loader import LoadedModel, ModelLoadError, load_model
+from engine.loader import LoadedModel, ModelLoadError, check_model_source, load_model
 from engine.model_runner import GIB, CacheConfig, ModelRunner, num_kv_blocks
 from engine.worker import DeviceWorker, Emit
 from scheduling.encoders import ServedEncoder
@@ -78,6 +78,14 @@ def checkpoint_bytes(folder: Path) -> int:
     return sum(f.stat().st_size for f in files)
 
 
+def check_source(source: str, kind: str) -> None:
+    """ModelLoadError unless the source of a `kind` model can be found (see `check_model_source`)."""
+    if kind != "generate" and source.startswith("pkg:"):
+        resolve_encoder_path(source)
+    else:
+        check_model_source(source)
+
+
 @dataclass
 class EngineLoader:
     """Loads registry versions onto running device workers and unloads them (blocking: call from a thread).
@@ -99,6 +107,15 @@ class EngineLoader:
         if not labels:
             raise ModelLoadError(f"device {wanted!r} is not configured; [engine] devices = {list(self.cfg.devices)}")
         return labels if spec.kind == "generate" else labels[:1]
+
+    def registration_problem(self, spec: ModelVersion) -> str | None:
+        """Why `spec` could not load here (its source or device), found without loading it; None: it could."""
+        try:
+            self.devices_for(spec)
+            check_source(spec.source, spec.kind)
+        except ModelLoadError as exc:
+            return str(exc)
+        return None
 
     def estimate_bytes(self, spec: ModelVersion) -> int:
         """Per replica: what it took last time, else checkpoint size (plus the CPU KV budget if generative)."""

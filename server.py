@@ -29,7 +29,8 @@ from api.context import ServerState
 from api.lifecycle import MODELS
 from api.streams import HUB
 from config import ConfigError, GalleyConfig, load_config, with_overrides
-from launch import EngineLoader, start_workers
+from engine.loader import ModelLoadError
+from launch import EngineLoader, check_source, start_workers
 from scheduling.router import Router
 from storage.db import Database
 from storage.registry import ModelVersion
@@ -68,6 +69,16 @@ def build_config(args: argparse.Namespace) -> GalleyConfig:
         extra_models=args.model,
         auth={"enabled": args.auth},
     )
+
+
+def model_source_problem(cfg: GalleyConfig) -> str | None:
+    """The first configured model whose source cannot be found, said before anything starts."""
+    for model in cfg.models:
+        try:
+            check_source(model.path, model.kind)
+        except ModelLoadError as exc:
+            return f"model `{model.name}` ([[models]] or --model): {exc}"
+    return None
 
 
 def open_database(cfg: GalleyConfig) -> tuple[Database, str]:
@@ -179,6 +190,10 @@ def main(argv: list[str] | None = None) -> int:
     if not cfg.auth.enabled and not is_loopback(cfg.server.host):
         print(f"refusing to listen on {cfg.server.host} without auth: pass --auth (API keys required) "
               "or bind to a loopback address such as 127.0.0.1", file=sys.stderr)
+        return 2
+    problem = model_source_problem(cfg)
+    if problem is not None:
+        print(f"config error: {problem}", file=sys.stderr)
         return 2
     configure_logging(cfg.server.log_format)
     try:

@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal, TypeVar
 
 import sqlite_utils
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field
 
 from api.auth import AUTH, DATABASE, TenantDirectory
 from api.errors import ConflictError, InvalidRequestError, NotFoundError, json_response
@@ -26,7 +26,10 @@ from storage.tenants import DEFAULT_TENANT, ApiKey, Tenant, hash_key
 T = TypeVar("T")
 
 Priority = Literal["high", "normal", "low"]
-Limit = Annotated[int, Field(ge=1)] | None
+MAX_LIMIT = 2**53 - 1  # integers JSON carries exactly (SQLite's INTEGER and orjson stop at 2**63)
+Limit = Annotated[int, Field(ge=1, le=MAX_LIMIT)] | None
+Weight = Annotated[float, Field(ge=0.001, le=1000.0, allow_inf_nan=False,
+                                description="Fair-share weight, 0.001 to 1000.")]
 ModelName = Annotated[str, Field(min_length=1)]
 
 
@@ -49,22 +52,16 @@ class TenantCreate(TenantLimits):
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$",
                       description="1-64 letters, digits, `.`, `_`, `-`; starts with a letter or digit; "
                                   "names starting with `galley-` are reserved (400).")
-    weight: float = Field(1.0, gt=0, allow_inf_nan=False, description="Fair-share weight.")
+    weight: Weight = 1.0
     max_priority: Priority = Field("high", description="The highest priority its requests may use.")
 
 
 class TenantPatch(TenantLimits):
-    """The fields to change: absent fields stay as they are; a limit set to null is removed."""
+    """The fields to change: absent fields stay as they are; a limit set to null is removed.
+    `weight` and `max_priority` may be left out but never be null (the `None` default means absent)."""
 
-    weight: float | None = Field(None, gt=0, allow_inf_nan=False)
-    max_priority: Priority | None = None
-
-    @model_validator(mode="after")
-    def required_fields_not_null(self) -> TenantPatch:
-        for name in ("weight", "max_priority"):
-            if name in self.model_fields_set and getattr(self, name) is None:
-                raise ValueError(f"{name} may not be null")
-        return self
+    weight: Weight = None
+    max_priority: Priority = None
 
 
 class TenantOut(BaseModel):
@@ -233,14 +230,15 @@ TENANT_PATH = "/admin/api/tenants/{name}"
 
 ROUTES = [
     Route("POST", "/admin/api/tenants", create_tenant, "Create a tenant (admin key)",
-          request=TenantCreate, response=TenantOut),
+          request=TenantCreate, response=TenantOut, status=201, errors=(409,)),
     Route("GET", "/admin/api/tenants", list_tenants, "List tenants (admin key)", response=TenantList),
     Route("GET", TENANT_PATH, get_tenant, "Get a tenant (admin key)", response=TenantOut),
     Route("PATCH", TENANT_PATH, update_tenant, "Change a tenant's weight, priority, models or limits (admin key)",
           request=TenantPatch, response=TenantOut),
-    Route("DELETE", TENANT_PATH, delete_tenant, "Delete a tenant and its keys (admin key)", response=Deleted),
+    Route("DELETE", TENANT_PATH, delete_tenant, "Delete a tenant and its keys (admin key)", response=Deleted,
+          errors=(409,)),
     Route("POST", TENANT_PATH + "/keys", create_key, "Create an API key; the key is shown only once (admin key)",
-          response=CreatedKey),
+          response=CreatedKey, status=201),
     Route("GET", TENANT_PATH + "/keys", list_keys, "List a tenant's keys by prefix (admin key)", response=KeyList),
     Route("DELETE", "/admin/api/keys/{prefix}", revoke_key, "Revoke an API key at once (admin key)",
           response=KeyOut),

@@ -134,7 +134,7 @@ def create_app(router: Router, state: ServerState | None = None, *, db: Database
     routes = all_routes()
     for route in routes:
         app.router.add_route(route.method, route.path, route.handler)
-    spec = build_spec(routes, "galley", VERSION)
+    spec = build_spec(routes, "galley", VERSION, auth_enabled)
 
     async def openapi(request: web.Request) -> web.Response:
         return json_response(spec)

@@ -147,7 +147,7 @@ CONVERSATION_PATH = CONVERSATIONS_PATH + "/{conversation_id}"
 
 ROUTES = [
     Route("POST", CONVERSATIONS_PATH, create_conversation, "Create a conversation pinned to a model's version",
-          request=ConversationCreate, response=ConversationOut),
+          request=ConversationCreate, response=ConversationOut, status=201),
     Route("GET", CONVERSATIONS_PATH, list_conversations, "List your conversations, most recently updated first",
           response=ConversationList),
     Route("GET", CONVERSATION_PATH, get_conversation, "Get a conversation with its messages",

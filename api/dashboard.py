@@ -18,15 +18,17 @@ from typing import Any
 import sqlite_utils
 from aiohttp import web
 from prometheus_client.core import GaugeMetricFamily
+from pydantic import BaseModel, Field
 
 from api.alerts import AlertManager, AlertRule, MetricsWindow, snapshot, total
 from api.auth import AUTH, DATABASE
 from api.context import ROUTER, STATE
-from api.errors import APIError, ConflictError, InvalidRequestError, NotFoundError, json_response
+from api.errors import APIError, ConflictError, NotFoundError, json_response
 from api.lifecycle import MODELS
 from api.metrics import METRICS, queue_depths
 from api.routes import Route
 from api.telemetry import ObservabilityConfig, RecentRequests, Tracing, TracingConfig, build_tracing, log_request
+from api.validation import parse_params
 from scheduling.router import ServedModel
 from storage import conversations
 
@@ -171,22 +173,15 @@ async def admin_stats(request: web.Request) -> web.Response:
 # ---- recent requests, alerts -----------------------------------------------------------
 
 
-def int_query(request: web.Request, name: str, default: int, low: int, high: int) -> int:
-    raw = request.query.get(name)
-    if raw is None:
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise InvalidRequestError(f"{name} must be an integer, not {raw!r}", param=name) from None
-    if not low <= value <= high:
-        raise InvalidRequestError(f"{name} must be between {low} and {high}", param=name)
-    return value
+class RequestsQuery(BaseModel):
+    limit: int = Field(100, ge=1, le=10_000)
+    tenant: str = Field(None, description="Only this tenant's requests.")
+    status: str = Field(None, description="Only requests that ended so (ok, error, rejected, cancelled, ...).")
 
 
 async def admin_requests(request: web.Request) -> web.Response:
-    limit = int_query(request, "limit", 100, 1, 10_000)
-    data = request.app[RECENT].latest(limit, request.query.get("tenant"), request.query.get("status"))
+    query = parse_params(request.query, RequestsQuery)
+    data = request.app[RECENT].latest(query.limit, query.tenant, query.status)
     return json_response({"object": "list", "data": data})
 
 
@@ -203,12 +198,16 @@ def conversation_json(c: conversations.Conversation, num_messages: int | None = 
     return out if num_messages is None else {**out, "num_messages": num_messages}
 
 
+class ConversationsQuery(BaseModel):
+    limit: int = Field(100, ge=1, le=1000)
+    tenant: str = Field(None, description="Only this tenant's conversations.")
+
+
 async def admin_list_conversations(request: web.Request) -> web.Response:
-    limit = int_query(request, "limit", 100, 1, 1000)
-    tenant = request.query.get("tenant") or None
+    params = parse_params(request.query, ConversationsQuery)
 
     def query(db: sqlite_utils.Database):
-        return conversations.list_all_conversations(db, limit, tenant)
+        return conversations.list_all_conversations(db, params.limit, params.tenant or None)
 
     rows = await asyncio.to_thread(request.app[DATABASE].read, query)
     return json_response({"object": "list", "data": [conversation_json(c, n) for c, n in rows]})
@@ -248,18 +247,19 @@ def workers_by_device(app: web.Application) -> dict[str, Any]:
     return out
 
 
+class ProfileQuery(BaseModel):
+    seconds: float = Field(5.0, gt=0, allow_inf_nan=False,
+                           description="How long to record; at most [observability] max_profile_seconds (longer "
+                           "asks record that long).")
+    device: str = Field(None, description="A device worker (`cpu#0`, `cuda:0#0`); default: the first.")
+
+
 async def admin_profile(request: web.Request) -> web.Response:
     """Record a torch profiler trace of one device worker's engine steps for N seconds."""
-    max_s = request.app[OBSERVABILITY].max_profile_seconds
-    raw = request.query.get("seconds", "5")
-    try:
-        seconds = float(raw)
-    except ValueError:
-        raise InvalidRequestError(f"seconds must be a number, not {raw!r}", param="seconds") from None
-    if not 0 < seconds <= max_s:
-        raise InvalidRequestError(f"seconds must be > 0 and <= {max_s:g} (max_profile_seconds)", param="seconds")
+    query = parse_params(request.query, ProfileQuery)
+    seconds = min(query.seconds, request.app[OBSERVABILITY].max_profile_seconds)
     workers = workers_by_device(request.app)
-    device = request.query.get("device") or next(iter(workers), None)
+    device = query.device or next(iter(workers), None)
     worker = workers.get(device) if device else None
     if worker is None:
         raise NotFoundError(f"no device worker {device!r}; loaded: {sorted(workers)}", param="device")
@@ -280,14 +280,14 @@ ROUTES = [
     Route("GET", "/admin", admin_page, "The admin page (HTML; it asks for the admin key)", content_type="text/html"),
     Route("GET", "/admin/api/stats", admin_stats,
           "Live summary for the charts: tokens, TTFT p50/p99, queues, KV, models (admin key)"),
-    Route("GET", "/admin/api/requests", admin_requests, "Recent generation requests, newest first; ?limit, "
-          "?tenant, ?status (admin key)"),
+    Route("GET", "/admin/api/requests", admin_requests, "Recent generation requests, newest first (admin key)",
+          query=RequestsQuery),
     Route("GET", "/admin/api/alerts", admin_alerts, "Alert rules, their state, firing alerts and recent transitions "
           "(admin key)"),
     Route("GET", "/admin/api/conversations", admin_list_conversations,
-          "Conversations across tenants, most recent first; ?tenant, ?limit (admin key)"),
+          "Conversations across tenants, most recent first (admin key)", query=ConversationsQuery),
     Route("GET", "/admin/api/conversations/{conversation_id}", admin_get_conversation,
           "A conversation of any tenant with its messages (admin key)"),
     Route("POST", "/admin/api/profile", admin_profile, "Record a torch profiler trace of the engine for ?seconds=N; "
-          "returns Chrome-trace JSON (admin key)"),
+          "returns Chrome-trace JSON (admin key)", query=ProfileQuery, errors=(404, 409)),
 ]

@@ -14,7 +14,7 @@ import time
 from typing import Annotated, Any, Literal
 
 from aiohttp import web
-from pydantic import BaseModel, Field, RootModel
+from pydantic import BaseModel, ConfigDict, Field, RootModel
 
 from api.auth import is_admin, tenant_of
 from api.errors import ConflictError, InvalidRequestError, json_response
@@ -34,9 +34,9 @@ class VersionOptions(Strict):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] | None = None
     device: str | None = Field(None, description="One of the configured devices; default: all of them.")
     pinned: bool | None = Field(None, description="Stays loaded: never unloaded for idleness or memory.")
-    keep_alive: float | None = Field(None, ge=0, description="Seconds idle before it unloads; 0: never.")
-    max_batch: int | None = Field(None, ge=1, description="Encoders: most inputs in one forward.")
-    max_wait_ms: float | None = Field(None, ge=0, description="Encoders: how long a batch waits to fill.")
+    keep_alive: float | None = Field(None, ge=0, le=10**9, description="Seconds idle before it unloads; 0: never.")
+    max_batch: int | None = Field(None, ge=1, le=65536, description="Encoders: most inputs in one forward.")
+    max_wait_ms: float | None = Field(None, ge=0, le=1000, description="Encoders: how long a batch waits to fill.")
     fault: Literal["raise"] | None = Field(
         None, description="TEST ONLY: after the warm-up, every engine step or encoder submit raises.")
 
@@ -83,11 +83,18 @@ class DeploymentCreate(Strict):
     traffic_percent: int = Field(ge=1, le=100, description="The version's share; the stable version keeps the rest.")
 
 
-class TrafficSplit(RootModel[dict[Name, Annotated[int, Field(strict=True, ge=0, le=100)]]]):
-    """`{"version": percent, ...}`: integers summing to 100."""
+class TrafficSplit(RootModel[Annotated[dict[Name, Annotated[int, Field(strict=True, ge=0, le=100)]],
+                                       Field(min_length=1)]]):
+    """`{"version": percent, ...}`: registered versions, integers summing to 100."""
+
+    model_config = ConfigDict(json_schema_extra={"additionalProperties": False})  # keys match the pattern
 
 
 class ShadowSet(Strict):
+    model_config = ConfigDict(json_schema_extra={  # a version is needed unless percent is 0 (see ShadowManager.set)
+        "if": {"properties": {"percent": {"minimum": 1}}}, "then": {"required": ["version"],
+                                                                     "properties": {"version": {"type": "string"}}}})
+
     version: Name | None = Field(None, description="A registered generate version of the model, not its stable one.")
     percent: int = Field(strict=True, ge=0, le=100, description="Share of the stable version's requests mirrored; "
                          "0 stops mirroring.")
@@ -227,11 +234,14 @@ async def create_deployment(request: web.Request) -> web.Response:
 async def update_traffic(request: web.Request) -> web.Response:
     name = request.match_info["model_name"]
     raw = (await parse_body(request, TrafficSplit)).root
+    manager = request.app[MODELS]
+    manager.deployment(name)  # unknown models and versions are 404s before the split's sum is judged
+    for version in raw:
+        manager.get(name, version)
     try:
         registry.check_traffic(raw)
     except ValueError as exc:
         raise InvalidRequestError(str(exc), param="traffic") from exc
-    manager = request.app[MODELS]
     await manager.set_traffic(name, raw, "traffic")
     return json_response(await deployment_json(request, name))
 
@@ -278,15 +288,15 @@ DEPLOYMENTS_PATH = "/api/v1/deployments"
 
 ROUTES = [
     Route("POST", "/admin/api/models", create_model, "Register a model version (admin key)",
-          request=ModelCreate, response=VersionOut),
+          request=ModelCreate, response=VersionOut, status=201, errors=(404, 409)),
     Route("GET", "/admin/api/models", list_models, "List model versions and their state (admin key)",
           response=VersionList),
     Route("POST", VERSION_PATH + "/load", load_version, "Load a version in the background (admin key)",
-          response=Accepted),
+          response=Accepted, status=202),
     Route("POST", VERSION_PATH + "/unload", unload_version, "Drain and unload a version (admin key)",
-          response=Accepted),
+          response=Accepted, status=202),
     Route("POST", DEPLOYMENTS_PATH, create_deployment, "Deploy a version with a share of the traffic",
-          request=DeploymentCreate, response=DeploymentOut),
+          request=DeploymentCreate, response=DeploymentOut, status=201, errors=(404,)),
     Route("GET", DEPLOYMENTS_PATH, list_deployments, "List deployments: with the admin key every one with its "
           "versions, health and history; with a tenant key the models it may use, in summary",
           response=DeploymentList),
@@ -294,7 +304,8 @@ ROUTES = [
           "Set a traffic split {version: percent} summing to 100", request=TrafficSplit, response=DeploymentOut),
     Route("PUT", DEPLOYMENTS_PATH + "/{model_name}/shadow", set_shadow,
           "Mirror a share of the stable version's requests to another version (outputs logged, never returned)",
-          request=ShadowSet, response=DeploymentOut),
+          request=ShadowSet, response=DeploymentOut, errors=(409,)),
     Route("POST", DEPLOYMENTS_PATH + "/{model_name}/rollback", rollback,
-          "All traffic back to the stable (or previous stable) version at once", response=DeploymentOut),
+          "All traffic back to the stable (or previous stable) version at once", response=DeploymentOut,
+          errors=(409,)),
 ]

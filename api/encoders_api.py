@@ -17,19 +17,21 @@ import struct
 import time
 from typing import Any
 
+import structlog
 from aiohttp import web
 
 from api.auth import tenant_limits
 from api.context import ROUTER
-from api.errors import InvalidRequestError, QueueFullError, json_response, rate_limited
+from api.errors import APIError, InvalidRequestError, QueueFullError, json_response, rate_limited
 from api.lifecycle import model_label, resolve_model
 from api.metrics import METRICS
-from api.native import path_model
+from api.native import named_model
 from api.native_schemas import (
     EmbeddingRequest,
     EmbeddingResponse,
     EmbedRequest,
     EmbedResponse,
+    NamedPredictRequest,
     PredictParams,
     PredictRequest,
     PredictResponse,
@@ -40,6 +42,8 @@ from api.shadow import mirror_inputs
 from api.validation import parse_body
 from scheduling.admission import Rejected
 from scheduling.encoders import EncoderBusy, ServedEncoder
+
+log = structlog.get_logger(__name__)
 
 
 async def encoder_for(request: web.Request, name: str, kind: str, user: str | None = None) -> ServedEncoder:
@@ -106,7 +110,9 @@ async def submit_inputs(request: web.Request, model: ServedEncoder, items: list[
             outputs = await future
         except Exception as exc:
             metrics.encoder_requests.labels(model.name, "error").inc()
-            raise web.HTTPInternalServerError(text=f"the {model.kind} model failed: {exc}") from exc
+            log.error("encoder failed", model=model.ref, exc_info=exc)  # the client gets no exception text
+            raise APIError(f"the {model.kind} model failed on these inputs (internal error)",
+                           code="model_failed") from exc
         used = sum(out.num_tokens for out in outputs)
         metrics.encoder_requests.labels(model.name, "ok").inc()
         return outputs
@@ -177,9 +183,9 @@ def prediction(model: ServedEncoder, logits: list[float], params: PredictParams)
 
 async def predict(request: web.Request) -> web.Response:
     started = time.monotonic()
-    body = await parse_body(request, PredictRequest)
-    name = path_model(request, body.model)
-    model = await encoder_for(request, name, "classify", body.user)
+    name = named_model(request)
+    body = await parse_body(request, PredictRequest if name is None else NamedPredictRequest)
+    model = await encoder_for(request, name or body.model, "classify", body.user)
     params = body.params or PredictParams()
     texts = [body.input] if body.input is not None else list(body.inputs)
     outputs = await run_encoder(request, model, texts, {}, wants_cache(request, cache_flag(body)))
@@ -203,5 +209,5 @@ ROUTES = [
     Route("POST", "/api/v1/predict", predict, "Classify text (native)",
           request=PredictRequest, response=PredictResponse),
     Route("POST", "/api/v1/models/{name}/predict", predict_named, "Classify text with the model in the path (native)",
-          request=PredictRequest, response=PredictResponse),
+          request=NamedPredictRequest, response=PredictResponse),
 ]

@@ -111,6 +111,12 @@ HTTP_ERROR_TYPES = {
 }
 
 
+def kept_headers(exc: web.HTTPException) -> dict[str, str]:
+    """The exception's own headers (`Allow` on a 405, as RFC 9110 requires), less those of its text body."""
+    body_headers = ("content-type", "content-length")
+    return {name: value for name, value in exc.headers.items() if name.lower() not in body_headers}
+
+
 @web.middleware
 async def error_middleware(request: web.Request, handler):
     try:
@@ -124,7 +130,7 @@ async def error_middleware(request: web.Request, handler):
             raise
         type_ = HTTP_ERROR_TYPES.get(exc.status, "server_error" if exc.status >= 500 else "invalid_request_error")
         message = exc.text if exc.text and not exc.text.startswith(f"{exc.status}:") else exc.reason
-        return json_response(error_body(message, type_), exc.status)
+        return json_response(error_body(message, type_), exc.status, kept_headers(exc))
     except Exception as exc:
         if isinstance(exc, ConnectionResetError) and client_gone(request):
             return client_closed()  # it left mid-response: a normal end, not a server error

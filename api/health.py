@@ -27,5 +27,6 @@ async def ready(request: web.Request) -> web.Response:
 
 ROUTES = [
     Route("GET", "/health", health, "Liveness", response=Health),
-    Route("GET", "/ready", ready, "Readiness: 503 until models are loaded and while draining", response=Health),
+    Route("GET", "/ready", ready, "Readiness: 503 until models are loaded and while draining", response=Health,
+          errors=(503,), error_body=Health),
 ]

@@ -35,8 +35,8 @@ from api.background import BackgroundTasks
 from api.context import ROUTER, STATE
 from api.errors import (
     ConflictError,
-    InvalidRequestError,
     ModelNotFoundError,
+    NotFoundError,
     PermissionDeniedError,
     ServiceUnavailableError,
 )
@@ -66,6 +66,7 @@ class LifecycleConfig:
 
 
 class Loader(Protocol):
+    def registration_problem(self, spec: ModelVersion) -> str | None: ...  # blocking: call from a thread
     def devices_for(self, spec: ModelVersion) -> list[str]: ...
     def estimate_bytes(self, spec: ModelVersion) -> int: ...
     def load(self, spec: ModelVersion) -> Served: ...
@@ -423,6 +424,12 @@ class ModelManager:
         if kind is not None and kind != spec.kind:  # routing treats all versions of a name alike
             raise ConflictError(f"`{spec.name}` is a `{kind}` model: its versions must all be `{kind}`.",
                                 param="kind", code="kind_mismatch")
+        if spec.ref in self.versions:
+            raise ConflictError(f"`{spec.ref}` is already registered.", param="version", code="version_exists")
+        problem = await asyncio.to_thread(self.loader.registration_problem, spec) if self.loader else None
+        if problem is not None:  # refused now, not as a 503 on every request once it fails to load; 404 as
+            # for any other named thing that is not there (the body is valid: the spec cannot know the disk)
+            raise NotFoundError(f"cannot register `{spec.ref}`: {problem}", param="source", code="model_not_loadable")
         first = not any(v.spec.name == spec.name for v in self.versions.values())
 
         def add(db) -> Deployment | None:
@@ -574,8 +581,8 @@ async def resolve_model(request: web.Request, ref: str, *, user: str | None = No
 
     Routing key: `user`, else the conversation, else the request id. An unknown model is a
     404 (503 while startup loading runs), then the tenant must be allowed it and an explicit
-    version (403), then it must be of one of `kinds` (400), then a cold version loads. Records the version for the
-    `X-Model-Version` header."""
+    version (403), then it must be of one of `kinds` (else 404: this endpoint has no such model),
+    then a cold version loads. Records the version for the `X-Model-Version` header."""
     manager = request.app[MODELS]
     name, version = parse_model_ref(ref)
     if name not in manager.router.deployments:
@@ -587,8 +594,8 @@ async def resolve_model(request: web.Request, ref: str, *, user: str | None = No
         check_version_access(request, manager.router.deployments[name], version)
     kind = manager.kind(name)
     if kind not in kinds:
-        raise InvalidRequestError(f"The model `{name}` is a `{kind}` model; this endpoint needs a "
-                                  f"`{' or '.join(kinds)}` model.", param="model", code="wrong_model_kind")
+        raise ModelNotFoundError(f"The model `{name}` is a `{kind}` model; this endpoint needs a "
+                                 f"`{' or '.join(kinds)}` model.", param="model", code="wrong_model_kind")
     served = await manager.resolve(ref, user or conversation_id or request["request_id"], pinned_version)
     request[MODEL_VERSION] = served.ref
     return served

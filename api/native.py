@@ -14,56 +14,45 @@ from aiohttp import web
 
 from api.auth import check_priority_access
 from api.context import ROUTER
-from api.errors import InvalidRequestError, json_response
+from api.errors import json_response
 from api.lifecycle import model_label, resolve_model
 from api.metrics import METRICS
-from api.native_schemas import GenerateEvent, GenerateRequest, GenerateResponse
+from api.native_schemas import GenerateEvent, GenerateRequest, GenerateResponse, NamedGenerateRequest
 from api.openai import collect, finish_reason, sampling_params, scheduled_events, submit, usage
+from api.prompts import encode_prompt
 from api.response_cache import RESPONSE_CACHE, admit_hit, cache_key, cache_scope, mark_lookup, wants_cache
 from api.routes import Route
 from api.sse import open_sse, send_event
-from api.streams import prepend
+from api.streams import params_to_json, prepend
 from api.validation import parse_body
 from scheduling.router import RequestStream, ServedModel
 
 DEFAULT_MAX_TOKENS = 128
 
 
-def path_model(request: web.Request, body_model: str | None) -> str:
-    """The model named by the path (`/api/v1/models/{name}/...`) or else by the body."""
-    name = request.match_info.get("name")
-    if name is not None and body_model is not None and body_model != name:
-        raise InvalidRequestError(f"the path names model `{name}` but the body names `{body_model}`", param="model")
-    if name is None and body_model is None:
-        raise InvalidRequestError("model: field required", param="model")
-    return name or body_model
-
-
-def prompt_token_ids(model: ServedModel, prompt: str | list[int]) -> list[int]:
-    if isinstance(prompt, str):
-        return model.tokenizer.encode(prompt)
-    if any(not 0 <= t < model.vocab_size for t in prompt):
-        raise InvalidRequestError(f"prompt token ids must be in [0, {model.vocab_size})", param="prompt")
-    return list(prompt)
+def named_model(request: web.Request) -> str | None:
+    """The model the path names (`/api/v1/models/{name}/...`): its body then has no `model`."""
+    return request.match_info.get("name")
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
     started = time.monotonic()
-    body = await parse_body(request, GenerateRequest)
-    model = await resolve_model(request, path_model(request, body.model), user=body.user)
+    name = named_model(request)
+    body = await parse_body(request, GenerateRequest if name is None else NamedGenerateRequest)
+    model = await resolve_model(request, name or body.model, user=body.user)
     check_priority_access(request, body.priority)
-    prompt_ids = prompt_token_ids(model, body.prompt)
+    prompt_ids = await encode_prompt(model, body.prompt)
     max_tokens = body.max_tokens or max(1, min(DEFAULT_MAX_TOKENS, model.max_model_len - len(prompt_ids)))
     params = sampling_params(request, body, max_tokens, len(prompt_ids), model, None)
     headers = {"X-Request-Id": request["request_id"]}  # X-Model-Version: set by the lifecycle's routing
     if body.stream:
         return await stream_generation(request, model, submit(request, model, prompt_ids, params, body.priority),
                                        headers)
-    deterministic = params.temperature == 0 or params.seed is not None
+    deterministic = params.is_greedy or params.seed is not None
     use_cache = deterministic and wants_cache(request, body.galley.cache if body.galley else None)
     cache, metrics = request.app[RESPONSE_CACHE], request.app[METRICS]
     key = cache_key(cache_scope(request), model.name, model.version, prompt_ids,
-                    {**params.__dict__, "stop": list(params.stop), "stop_token_ids": list(params.stop_token_ids)})
+                    params_to_json(params))
     result = cache.get(key) if use_cache else None
     if result is not None:
         admit_hit(request, model.name)
@@ -90,7 +79,7 @@ async def stream_generation(request: web.Request, model: ServedModel, stream: Re
         response = await open_sse(request, headers)
         async for event in prepend(first, events):
             if event.error:
-                error = {"message": event.error, "type": "internal_error", "param": None, "code": None}
+                error = {"message": event.error, "type": "internal_error", "param": None, "code": "generation_failed"}
                 await send_event(response, {"type": "error", "error": error})
                 break
             if event.text:
@@ -114,5 +103,5 @@ ROUTES = [
           request=GenerateRequest, response=GenerateResponse, stream_response=GenerateEvent),
     Route("POST", "/api/v1/models/{name}/generate", generate_named,
           "Generate text with the model in the path (native; SSE with `stream`)",
-          request=GenerateRequest, response=GenerateResponse, stream_response=GenerateEvent),
+          request=NamedGenerateRequest, response=GenerateResponse, stream_response=GenerateEvent),
 ]

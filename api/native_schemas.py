@@ -3,15 +3,24 @@ generate); the same pydantic models validate requests and write /openapi.json.""
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, ClassVar, Literal
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from api.schemas import GalleyOptions, SamplingFields, Strict
+from api.schemas import (
+    MAX_CONTEXT_TOKENS,
+    MAX_NAME_CHARS,
+    MAX_TOP_K,
+    GalleyOptions,
+    Prompt,
+    SamplingFields,
+    Strict,
+    TokenId,
+)
 
 MAX_INPUTS = 2048
 Text = Annotated[str, Field(min_length=1)]
-TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 
 
 class CacheOptions(Strict):
@@ -23,14 +32,14 @@ class CacheOptions(Strict):
 
 
 class EmbeddingRequest(Strict):
-    model: str = Field(min_length=1)
+    model: str = Field(min_length=1, max_length=MAX_NAME_CHARS)
     input: (Text | Annotated[list[Text], Field(min_length=1, max_length=MAX_INPUTS)] | TokenIds
             | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_INPUTS)]) = Field(
         description="A string, a list of strings, a list of token ids, or a list of such lists.")
     encoding_format: Literal["float", "base64"] = Field(
         "float", description="base64: each embedding is the base64 of its little-endian float32 bytes.")
-    dimensions: int | None = Field(None, ge=1, description="Only the model's own dimension is supported.")
-    user: str | None = None
+    dimensions: int | None = Field(None, ge=1, le=1 << 20, description="Only the model's own dimension is supported.")
+    user: str | None = Field(None, max_length=MAX_NAME_CHARS)
     galley: CacheOptions | None = Field(None, description="galley extensions")
 
     def inputs(self) -> list[str | list[int]]:
@@ -63,7 +72,7 @@ class EmbeddingResponse(BaseModel):
 
 
 class EmbedRequest(Strict):
-    model: str = Field(min_length=1)
+    model: str = Field(min_length=1, max_length=MAX_NAME_CHARS)
     inputs: Text | Annotated[list[Text], Field(min_length=1, max_length=MAX_INPUTS)]
     user: str | None = Field(None, max_length=256,
                              description="End-user id: the same user keeps landing on the same version of a split.")
@@ -87,13 +96,18 @@ class EmbedResponse(BaseModel):
 class PredictParams(Strict):
     function_to_apply: Literal["softmax", "sigmoid", "none"] | None = Field(
         None, description="How logits become scores; default softmax (sigmoid for multi-label models).")
-    top_k: int | None = Field(None, ge=1, description="Return only the k best-scoring labels in `scores`.")
+    top_k: int | None = Field(None, ge=1, le=MAX_TOP_K, description="Return only the k best-scoring labels in "
+                              "`scores`.")
 
 
 class PredictRequest(Strict):
-    model: str | None = Field(None, min_length=1, description="Required unless the path names the model.")
-    input: Text | None = None
-    inputs: Annotated[list[Text], Field(min_length=1, max_length=MAX_INPUTS)] | None = None
+    """Exactly one of `input` and `inputs` (each may be left out, neither may be null)."""
+
+    model_config = ConfigDict(json_schema_extra={"oneOf": [{"required": ["input"]}, {"required": ["inputs"]}]})
+
+    model: str = Field(min_length=1, max_length=MAX_NAME_CHARS)
+    input: Text = None
+    inputs: Annotated[list[Text], Field(min_length=1, max_length=MAX_INPUTS)] = None
     params: PredictParams | None = None
     user: str | None = Field(None, max_length=256,
                              description="End-user id: the same user keeps landing on the same version of a split.")
@@ -104,6 +118,12 @@ class PredictRequest(Strict):
         if (self.input is None) == (self.inputs is None):
             raise ValueError("give exactly one of `input` (a string) or `inputs` (a list of strings)")
         return self
+
+
+class NamedPredictRequest(PredictRequest):
+    """/api/v1/models/{name}/predict: the path names the model, the body does not."""
+
+    model: ClassVar[None] = None
 
 
 class PredictResponse(BaseModel):
@@ -121,11 +141,15 @@ class PredictResponse(BaseModel):
 
 
 class GenerateRequest(SamplingFields):
-    model: str | None = Field(None, min_length=1, description="Required unless the path names the model.")
-    prompt: Annotated[str, Field(min_length=1)] | Annotated[list[int], Field(min_length=1)] = Field(
-        description="A string or a list of token ids.")
-    max_tokens: int | None = Field(None, ge=1, description="Default 128.")
+    prompt: Prompt = Field(description="A string or a list of token ids (each below the model's vocabulary size).")
+    max_tokens: int | None = Field(None, ge=1, le=MAX_CONTEXT_TOKENS, description="Default 128.")
     galley: GalleyOptions | None = Field(None, description="galley extensions")
+
+
+class NamedGenerateRequest(GenerateRequest):
+    """/api/v1/models/{name}/generate: the path names the model, the body does not."""
+
+    model: ClassVar[None] = None
 
 
 class GenerateUsage(BaseModel):

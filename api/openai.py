@@ -23,6 +23,7 @@ from api.auth import check_priority_access, tenant_limits, tenant_of
 from api.chunks import ChunkFormat, StreamEvent, chat_logprobs, completion_logprobs, event_chunks, role_chunk
 from api.context import ROUTER
 from api.errors import (
+    APIError,
     ConflictError,
     InvalidRequestError,
     NotFoundError,
@@ -33,6 +34,7 @@ from api.errors import (
 )
 from api.lifecycle import MODELS, model_label, resolve_model
 from api.metrics import METRICS
+from api.prompts import check_token_ids, encode_chat, encode_prompt
 from api.routes import Route
 from api.schemas import (
     ChatCompletion,
@@ -73,21 +75,19 @@ def sampling_params(request: web.Request, body: SamplingFields, max_tokens: int 
         raise InvalidRequestError(f"max_tokens is {max_tokens}, over this API key's cap of {cap}", param="max_tokens")
     if cap is not None:
         room = min(room, cap)
-    vocab = model.vocab_size
-    if body.stop_token_ids and any(not 0 <= t < vocab for t in body.stop_token_ids):
-        raise InvalidRequestError(f"stop_token_ids must be in [0, {vocab})", param="stop_token_ids")
+    check_token_ids(model, body.stop_token_ids or [], "stop_token_ids")
     return SamplingParams(
         max_tokens=max_tokens or room,
         temperature=body.temperature,
         top_p=body.top_p,
-        top_k=body.top_k if body.top_k and body.top_k > 0 else None,
+        top_k=body.top_k,
         min_p=body.min_p,
         repetition_penalty=body.repetition_penalty,
         frequency_penalty=body.frequency_penalty,
         presence_penalty=body.presence_penalty,
         seed=body.seed,
         stop=body.stop_list(),
-        stop_token_ids=tuple(body.stop_token_ids or ()),
+        stop_token_ids=frozenset(body.stop_token_ids or ()),
         ignore_eos=body.ignore_eos,
         logprobs=logprobs,
     )
@@ -156,8 +156,22 @@ async def collect(request: web.Request, stream: RequestStream) -> tuple[str, lis
         if not stream.finished:  # client went away: the handler was cancelled
             request.app[ROUTER].abort(stream)
     if last.error:
-        raise web.HTTPInternalServerError(text=last.error)
+        raise generation_failed(last.error)
     return text, logprobs, last
+
+
+def generation_failed(message: str) -> APIError:
+    """A generation the engine ended with an error: its message is the engine's fixed text."""
+    return APIError(message, code="generation_failed")
+
+
+def failure(exc: Exception) -> APIError:
+    """An exception as what a client may see: our own errors as they are, anything else logged
+    and reduced to a fixed message (exception text can hold paths and other requests' data)."""
+    if isinstance(exc, APIError):
+        return exc
+    log.error("request failed", exc_info=exc)
+    return APIError("internal server error", code="internal_error")
 
 
 def check_n(body: SamplingFields) -> None:
@@ -216,7 +230,7 @@ async def stream_n(request: web.Request, fmt: ChunkFormat, tokenizer: Any,
             if failed and response is None:
                 if isinstance(event, Exception):
                     raise event
-                raise web.HTTPInternalServerError(text=event.error)
+                raise generation_failed(event.error)
             if response is None:
                 response = await open_sse(request, {"X-Request-Id": request["request_id"]})
                 for i in range(len(streams) if fmt.kind == "chat" else 0):
@@ -224,8 +238,9 @@ async def stream_n(request: web.Request, fmt: ChunkFormat, tokenizer: Any,
                     chunk["choices"][0]["index"] = i
                     await send_event(response, chunk)
             if failed:
-                error = str(event) if isinstance(event, Exception) else event.error
-                await send_event(response, error_chunk(StreamEvent(counts[index], "", offsets[index], error=error)))
+                error = failure(event) if isinstance(event, Exception) else generation_failed(event.error)
+                await send_event(response, error_chunk(StreamEvent(counts[index], "", offsets[index],
+                                                                   error=error.message, error_code=error.code)))
                 return response
             finish = event.finish_reason.value if event.finish_reason else None
             for chunk in event_chunks(fmt, tokenizer, StreamEvent(counts[index], event.text, offsets[index],
@@ -314,11 +329,7 @@ async def plan_chat(request: web.Request, body: ChatCompletionRequest) -> ChatPl
         history, pinned = await load_history(request, body.conversation_id, body.model)
     model = await resolve_model(request, body.model, user=body.user, conversation_id=body.conversation_id,
                                 pinned_version=pinned)
-    try:
-        rendered = model.tokenizer.apply_chat_template(history + new, add_generation_prompt=True, tokenize=False)
-    except Exception as exc:  # jinja raises on conversations the template rejects
-        raise InvalidRequestError(f"the chat template rejected these messages: {exc}", param="messages") from exc
-    prompt_ids = model.tokenizer.encode(rendered, add_special_tokens=False)
+    prompt_ids = await encode_chat(model, history + new)
     want_logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = sampling_params(request, body, body.max_completion_tokens or body.max_tokens, len(prompt_ids), model,
                              want_logprobs)
@@ -426,13 +437,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     check_n(body)
     model = await resolve_model(request, body.model, user=body.user)
     check_priority_access(request, body.priority)
-    if isinstance(body.prompt, str):
-        prompt_ids = model.tokenizer.encode(body.prompt)
-    else:
-        vocab = model.vocab_size
-        if any(not 0 <= t < vocab for t in body.prompt):
-            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", param="prompt")
-        prompt_ids = list(body.prompt)
+    prompt_ids = await encode_prompt(model, body.prompt)
     params = sampling_params(request, body, body.max_tokens or 16, len(prompt_ids), model, body.logprobs)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     if body.n > 1:
@@ -496,7 +501,8 @@ async def list_models(request: web.Request) -> web.Response:
 ROUTES = [
     Route("GET", "/v1/models", list_models, "List the served models", response=ModelList),
     Route("POST", "/v1/chat/completions", chat_completions, "Create a chat completion",
-          request=ChatCompletionRequest, response=ChatCompletion, stream_response=ChatCompletionChunk),
+          request=ChatCompletionRequest, response=ChatCompletion, stream_response=ChatCompletionChunk,
+          errors=(409,)),
     Route("POST", "/v1/completions", completions, "Create a text completion",
           request=CompletionRequest, response=Completion, stream_response=Completion),
 ]

@@ -21,3 +21,8 @@ class Route:
     response: type[BaseModel] | None = None
     stream_response: type[BaseModel] | None = None  # SSE events, when the body asks to stream
     content_type: str = "application/json"
+    status: int = 200  # the success status (201 created, 202 accepted)
+    query: type[BaseModel] | None = None  # query parameters, parsed with `api.validation.parse_params`
+    headers: type[BaseModel] | None = None  # request headers it reads (field aliases are the header names)
+    errors: tuple[int, ...] = ()  # statuses beyond those the spec derives (409 conflicts, 404 without path ids)
+    error_body: type[BaseModel] | None = None  # the body of its errors when it is not the OpenAI-shaped error

@@ -8,28 +8,42 @@ marked as such.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
+
+MAX_STOP = 4  # stop strings per request (OpenAI's limit)
+MAX_STOP_CHARS = 512  # per stop string: the detokenizer matches every stop after every token
+MAX_STOP_TOKEN_IDS = 256
+MAX_TOKEN_ID = 2**31 - 1  # no vocabulary comes near; the model's own size is checked per request
+MAX_TOP_K = 1_000_000  # beyond any vocabulary; the sampler clamps to the model's
+MAX_CONTEXT_TOKENS = 1 << 20  # bound of max_tokens: no served model has a longer context
+MAX_NAME_CHARS = 256  # model names and end-user ids
+GENERATION_MAX_BODY_BYTES = 4 * 1024 * 1024  # a generation's body: a long context's prompt with room to spare
 
 
-def check_stop(value: str | list[str] | None) -> str | list[str] | None:
-    stops = [value] if isinstance(value, str) else value or []
-    if len(stops) > 4:
-        raise ValueError("at most 4 stop sequences")
-    if any(s == "" for s in stops):
-        raise ValueError("stop sequences must not be empty")
-    return value
+def str_or_list(text: Any, items: Any) -> Any:
+    """`text | items`, told apart by the input's type, so an error names what was sent
+    (`stop.list.0: String should have at least 1 character`, not the other member's complaint)."""
+    return Annotated[Annotated[text, Tag("str")] | Annotated[items, Tag("list")],
+                     Discriminator(lambda v: "str" if isinstance(v, str) else "list")]
 
 
-Stop = Annotated[str | list[str] | None, AfterValidator(check_stop), Field(description="Up to 4 stop sequences.")]
+StopText = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+Stop = Annotated[str_or_list(StopText, Annotated[list[StopText], Field(max_length=MAX_STOP)]) | None,
+                 Field(description=f"Up to {MAX_STOP} stop sequences of at most {MAX_STOP_CHARS} characters.")]
+TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
+Prompt = str_or_list(Annotated[str, Field(min_length=1)], Annotated[list[TokenId], Field(min_length=1)])
+StopTokenIds = Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)]
 
 
 MAX_N = 16  # choices per request: each is a whole generation (its own prefill and KV blocks)
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """Unknown fields are errors, and no float may be NaN or infinite (every bound holds)."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class StreamOptions(Strict):
@@ -63,24 +77,28 @@ class GalleyOptions(Strict):
 class SamplingFields(Strict):
     """Fields shared by chat and text completions."""
 
-    model: str = Field(min_length=1)
+    max_body_bytes: ClassVar[int] = GENERATION_MAX_BODY_BYTES  # read by api.validation.parse_body
+
+    model: str = Field(min_length=1, max_length=MAX_NAME_CHARS)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    temperature: float = Field(1.0, ge=0.0, le=2.0, description="Below 1e-5: greedy (as 0).")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     n: int = Field(1, ge=1, le=MAX_N, description=f"Choices to generate (at most {MAX_N}); more than 1 not in a "
                    "conversation.")
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_CONTEXT_TOKENS)
     stop: Stop = None
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    user: str | None = None
-    top_k: int | None = Field(None, ge=-1, description="vLLM extension; -1 or 0 disables.")
+    user: str | None = Field(None, max_length=MAX_NAME_CHARS)
+    top_k: int | None = Field(None, ge=-1, le=MAX_TOP_K, description="vLLM extension; -1 or 0 disables; "
+                              "above the vocabulary: the whole vocabulary.")
     min_p: float = Field(0.0, ge=0.0, le=1.0, description="vLLM extension.")
     repetition_penalty: float = Field(1.0, gt=0.0, le=2.0, description="vLLM extension.")
     ignore_eos: bool = Field(False, description="vLLM extension: keep generating past EOS.")
-    stop_token_ids: list[int] | None = Field(None, description="vLLM extension.")
+    stop_token_ids: StopTokenIds | None = Field(None, description=f"vLLM extension; at most {MAX_STOP_TOKEN_IDS}, "
+                                                "each below the model's vocabulary size.")
     priority: Literal["high", "normal", "low"] = Field(
         "normal", description="galley extension: scheduling class, capped by the API key's tenant."
     )
@@ -93,11 +111,18 @@ class SamplingFields(Strict):
 
 
 class ChatCompletionRequest(SamplingFields):
+    model_config = ConfigDict(json_schema_extra={"allOf": [  # for the spec: `_check_logprobs`, and `n` in
+        {"if": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer"}}},  # api.openai
+         "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}},
+        {"if": {"required": ["conversation_id"], "properties": {"conversation_id": {"type": "string"}}},
+         "then": {"properties": {"n": {"const": 1}}}},
+    ]})
+
     messages: list[ChatMessage] = Field(min_length=1)
     conversation_id: str | None = Field(
         None, description="galley extension: continue a stored conversation (its history is prepended, "
         "the new messages and the answer are stored)")
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_CONTEXT_TOKENS)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
 
@@ -109,9 +134,7 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: Annotated[str, Field(min_length=1)] | Annotated[list[int], Field(min_length=1)] = Field(
-        description="A string or a list of token ids."
-    )
+    prompt: Prompt = Field(description="A string or a list of token ids (each below the model's vocabulary size).")
     logprobs: int | None = Field(None, ge=0, le=5)
     echo: Literal[False] = False
     suffix: None = None
@@ -232,4 +255,4 @@ class ErrorResponse(BaseModel):
 
 
 class Health(BaseModel):
-    status: Literal["ok", "loading", "draining"]
+    status: Literal["ok", "loading", "draining", "stalled"]

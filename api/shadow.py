@@ -34,7 +34,7 @@ from aiohttp import web
 from prometheus_client import Counter
 
 from api.background import BackgroundTasks
-from api.errors import InvalidRequestError
+from api.errors import ConflictError, InvalidRequestError
 from api.lifecycle import MODELS, SHADOW_PREFIX, ModelManager
 from api.metrics import METRICS, STATUS, Metrics
 from api.telemetry import SUCCESS
@@ -112,7 +112,8 @@ class ShadowMirror:
             raise InvalidRequestError("version: required unless percent is 0", param="version")
         vs = self.manager.get(model_name, version)  # 404 for an unknown version (of the same kind: names keep one)
         if version == deployment.stable:
-            raise InvalidRequestError(f"`{vs.ref}` is the stable version: it cannot shadow itself", param="version")
+            raise ConflictError(f"`{vs.ref}` is the stable version: it cannot shadow itself", param="version",
+                                code="shadow_is_stable")
         wanted = Shadow(model_name, version, percent)
         self.shadows[model_name] = await asyncio.wrap_future(self.db.write(lambda db: registry.set_shadow(db, wanted)))
         if vs.state != "ready":

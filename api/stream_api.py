@@ -4,14 +4,16 @@
 from __future__ import annotations
 
 from aiohttp import web
+from pydantic import BaseModel, Field
 
 from api.auth import tenant_of
 from api.chunks import StreamEvent, event_chunks, role_chunk
 from api.context import ROUTER
-from api.errors import APIError, InvalidRequestError, NotFoundError
+from api.errors import APIError, NotFoundError
 from api.routes import Route
 from api.sse import open_sse, send_event
 from api.streams import HUB, LiveStream, prepend
+from api.validation import parse_params
 
 
 class StreamError(APIError):
@@ -78,16 +80,18 @@ async def collect_live(request: web.Request, live: LiveStream) -> tuple[str, lis
         hub.detach(live)
 
 
+class ResumeQuery(BaseModel):
+    after: int = Field(-1, ge=-1, description="Replay the events after this index; -1: from the start.")
+
+
+class ResumeHeaders(BaseModel):
+    last_event_id: int = Field(None, ge=-1, alias="Last-Event-ID",
+                               description="As `after` (what EventSource sends on reconnecting); it wins over `after`.")
+
+
 def resume_point(request: web.Request) -> int:
-    raw = request.headers.get("Last-Event-ID", request.query.get("after", "-1"))
-    try:
-        after = int(raw)
-    except ValueError:
-        raise InvalidRequestError(f"Last-Event-ID / after must be an event index, not {raw!r}",
-                                  param="after") from None
-    if after < -1:
-        raise InvalidRequestError("after must be -1 or more", param="after")
-    return after
+    header = parse_params(request.headers, ResumeHeaders).last_event_id
+    return header if header is not None else parse_params(request.query, ResumeQuery).after
 
 
 async def resume_stream(request: web.Request) -> web.StreamResponse:
@@ -103,5 +107,6 @@ async def resume_stream(request: web.Request) -> web.StreamResponse:
 ROUTES = [
     Route("GET", "/api/v1/streams/{stream_id}", resume_stream,
           "Resume a stream: events after Last-Event-ID (or ?after=N), then live until done",
-          content_type="text/event-stream"),
+          content_type="text/event-stream", query=ResumeQuery, headers=ResumeHeaders,
+          errors=(503,)),
 ]

@@ -48,6 +48,33 @@ def resolve_model_path(source: str) -> Path:
         raise ModelLoadError(f"could not fetch {source!r} from the hub: {exc}") from exc
 
 
+def check_model_source(source: str) -> None:
+    """ModelLoadError unless `source` names something to load: a local folder with a config.json, or
+    a hub id in the local Hugging Face cache or on the hub (asked, 10 s at most). Nothing is downloaded,
+    so a registration can refuse a source at once instead of failing every later request."""
+    path = Path(source).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(f"model folder {source!r} has no config.json: not a Hugging Face model folder")
+        return
+    if path.exists() or source.startswith((".", "/", "~")):
+        raise ModelLoadError(f"model folder {source!r} does not exist")
+    from huggingface_hub import HfApi, try_to_load_from_cache
+    from huggingface_hub.utils import HFValidationError, RepositoryNotFoundError
+
+    try:
+        if isinstance(try_to_load_from_cache(source, "config.json"), str):
+            return
+        HfApi().model_info(source, timeout=10)
+    except HFValidationError as exc:
+        raise ModelLoadError(f"{source!r} is neither a local model folder nor a hub id: {exc}") from exc
+    except RepositoryNotFoundError as exc:
+        raise ModelLoadError(f"{source!r} is not a local folder, and the hub has no such model") from exc
+    except Exception as exc:
+        raise ModelLoadError(f"{source!r} is not a local folder nor in the Hugging Face cache, and the hub could "
+                             f"not be asked about it ({type(exc).__name__})") from exc
+
+
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -110,6 +137,13 @@ def eos_token_ids(path: Path, hf_config, tokenizer: PreTrainedTokenizerBase) -> 
         elif value:
             ids.update(value)
     return frozenset(ids)
+
+
+def max_token_chars(tokenizer: PreTrainedTokenizerBase) -> int:
+    """The longest token's spelling: no token covers more characters of input text, so a prompt of
+    more than `max_model_len * max_token_chars` characters cannot fit the context (checked before
+    tokenizing it). Byte-level and byte-fallback spellings are at least as long as the text they stand for."""
+    return max((len(token) for token in tokenizer.get_vocab()), default=1)
 
 
 def load_model(source: str, device: str = "cpu", dtype: str = "auto") -> LoadedModel:

@@ -268,7 +268,7 @@ async def test_openapi_lists_the_admin_routes(api):
     assert "delete" in paths["/admin/api/keys/{prefix}"]
     create = spec["components"]["schemas"]["TenantCreate"]
     assert create["additionalProperties"] is False
-    assert create["properties"]["weight"]["exclusiveMinimum"] == 0
+    assert create["properties"]["weight"]["minimum"] == 0.001
     body = paths["/admin/api/tenants"]["post"]["requestBody"]["content"]["application/json"]
     assert body["schema"]["$ref"].endswith("/TenantCreate")
 

@@ -122,6 +122,14 @@ async def make_stack(aiohttp_server, db):
             worker.stop()
 
 
+def not_a_model(tmp_path):
+    """A folder that registers (it has a config.json) but does not load."""
+    folder = tmp_path / "not-a-model"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    return folder
+
+
 async def register(stack: Stack, name: str, version: str, source: str, **options) -> dict:
     status, body = await stack.client.admin("POST", "/models", json={"name": name, "version": version,
                                                                       "source": source, "options": options})
@@ -184,12 +192,12 @@ async def test_registry_and_deployment_api_with_admin_key(make_stack, versions, 
 
 async def test_a_version_that_fails_to_load_is_reported_and_gets_no_traffic(make_stack, versions, tmp_path):
     stack = await make_stack([ModelVersion("tiny", "1", versions["1"])])
-    await register(stack, "tiny", "2", str(tmp_path / "missing"))
+    await register(stack, "tiny", "2", str(not_a_model(tmp_path)))
     status, _ = await stack.client.call("POST", DEPLOYMENTS, ADMIN,
                                         json={"model_name": "tiny", "version": "2", "traffic_percent": 50})
     assert status == 201
     await stack.wait_state("tiny@2", "failed")
-    assert "does not exist" in stack.manager.versions["tiny@2"].error
+    assert "not-a-model" in stack.manager.versions["tiny@2"].error
     results = await asyncio.gather(*(stack.complete("tiny", user=f"u{i}") for i in range(20)))
     assert {(status, version) for status, version, _ in results} == {(200, "tiny@1")}
     status, _, body = await stack.complete("tiny@2")

@@ -69,7 +69,8 @@ async def make_stack(aiohttp_server, db):
 
 
 async def test_config_encoders_are_registry_versions_and_bad_registrations_change_nothing(make_stack,
-                                                                                            encoder_versions, db):
+                                                                                            encoder_versions, db,
+                                                                                            tmp_path):
     stack = await make_stack([ModelVersion("emb", "1", encoder_versions["emb1"], "embed", {"max_batch": 8}),
                               ModelVersion("clf", "1", encoder_versions["clf"], "classify")])
     assert {ref: vs.state for ref, vs in stack.manager.versions.items()} == {"emb@1": "ready", "clf@1": "ready"}
@@ -89,16 +90,21 @@ async def test_config_encoders_are_registry_versions_and_bad_registrations_chang
     assert_error(*await stack.register("emb", "2", encoder_versions["clf"], kind="classify"), 409, "conflict_error")
     assert_error(*await stack.register("emb", "2", encoder_versions["emb2"], max_batch=0), 400,
                  "invalid_request_error")
-    status, _, body = await stack.embed("clf")  # a classifier on /v1/embeddings
-    assert_error(status, body, 400, "invalid_request_error")
+    status, _, body = await stack.embed("clf")  # a classifier on /v1/embeddings: no embed model of that name
+    assert_error(status, body, 404, "invalid_request_error")
     status, _, body = await stack.predict("emb")
-    assert assert_error(status, body, 400, "invalid_request_error")["code"] == "wrong_model_kind"
+    assert assert_error(status, body, 404, "invalid_request_error")["code"] == "wrong_model_kind"
     async with stack.client.session.post("/v1/completions", json={"model": "emb", "prompt": "hi"},
                                          headers={"Authorization": f"Bearer {stack.key}"}) as resp:
-        assert_error(resp.status, await resp.json(), 400, "invalid_request_error")
+        assert_error(resp.status, await resp.json(), 404, "invalid_request_error")
     assert set(stack.manager.versions) == {"emb@1", "clf@1"}
 
-    status, made = await stack.register("emb", "3", "/nowhere/at/all")
+    status, _ = await stack.register("emb", "3", "/nowhere/at/all")
+    assert status == 404  # refused at once (tests/test_model_registration.py)
+    broken = tmp_path / "nowhere"  # found, so it registers, but it does not load
+    broken.mkdir()
+    (broken / "config.json").write_text("{}")
+    status, made = await stack.register("emb", "3", str(broken))
     assert status == 201 and made["kind"] == "embed"
     status, _ = await stack.client.call("POST", DEPLOYMENTS, ADMIN,
                                         json={"model_name": "emb", "version": "3", "traffic_percent": 50})

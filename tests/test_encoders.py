@@ -195,7 +195,7 @@ async def test_cache_hits_on_repeat_and_is_bypassable(http, encoders):
 
 @pytest.mark.parametrize(("path", "body", "status", "needle"), [
     ("/v1/embeddings", {"model": "nope", "input": "x"}, 404, "nope"),
-    ("/v1/embeddings", {"model": "clf", "input": "x"}, 400, "classify"),
+    ("/v1/embeddings", {"model": "clf", "input": "x"}, 404, "classify"),  # no embed model of that name
     ("/v1/embeddings", {"model": "minilm", "input": "x", "dimensions": 128}, 400, "dimensions"),
     ("/v1/embeddings", {"model": "minilm", "input": ""}, 400, "input"),
     ("/v1/embeddings", {"model": "minilm", "input": [[1, 2, 999999]]}, 400, "token ids"),
@@ -203,8 +203,8 @@ async def test_cache_hits_on_repeat_and_is_bypassable(http, encoders):
     ("/api/v1/embed", {"model": "minilm", "inputs": []}, 400, "inputs"),
     ("/api/v1/predict", {"model": "clf"}, 400, "exactly one"),
     ("/api/v1/predict", {"model": "clf", "input": "a", "inputs": ["b"]}, 400, "exactly one"),
-    ("/api/v1/predict", {"model": "minilm", "input": "a"}, 400, "embed"),
-    ("/api/v1/models/clf/predict", {"model": "minilm", "input": "a"}, 400, "path names"),
+    ("/api/v1/predict", {"model": "minilm", "input": "a"}, 404, "embed"),
+    ("/api/v1/models/clf/predict", {"model": "minilm", "input": "a"}, 400, "model: Extra inputs"),  # path names it
     ("/api/v1/predict", {"input": "a"}, 400, "model"),
 ])
 async def test_bad_requests_get_openai_shaped_errors(http, path, body, status, needle):

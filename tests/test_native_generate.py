@@ -91,7 +91,7 @@ async def test_generate_errors(served):
     cases = [
         ({"prompt": "x"}, "/api/v1/generate", 400, "model"),
         ({"model": "nope", "prompt": "x"}, "/api/v1/generate", 404, "nope"),
-        ({"model": "other", "prompt": "x"}, "/api/v1/models/tiny/generate", 400, "path names"),
+        ({"model": "other", "prompt": "x"}, "/api/v1/models/tiny/generate", 400, "model: Extra inputs"),
         ({"model": "tiny", "prompt": "x", "max_tokens": 10_000}, "/api/v1/generate", 400, "maximum context length"),
         ({"model": "tiny", "prompt": [10**6]}, "/api/v1/generate", 400, "token ids"),
         ({"model": "tiny", "prompt": "x", "temperature": 5}, "/api/v1/generate", 400, "temperature"),

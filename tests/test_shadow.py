@@ -13,7 +13,7 @@ from storage import registry
 from storage.registry import ModelVersion
 from tests import test_deployments
 from tests.test_auth import ADMIN, assert_error
-from tests.test_deployments import DEPLOYMENTS, Stack, register
+from tests.test_deployments import DEPLOYMENTS, Stack, not_a_model, register
 
 make_stack, versions = test_deployments.make_stack, test_deployments.versions  # fixtures shared with rollouts
 UNCACHED = {"galley": {"cache": False}}  # greedy answers would come from the response cache, never mirrored
@@ -82,7 +82,7 @@ async def test_shadow_copies_are_compared_logged_and_counted_never_returned(make
 
 async def test_a_shadow_version_that_cannot_run_drops_its_copies(make_stack, versions, tmp_path):
     stack = await make_stack([ModelVersion("tiny", "1", versions["1"])])
-    await register(stack, "tiny", "2", str(tmp_path / "missing"))
+    await register(stack, "tiny", "2", str(not_a_model(tmp_path)))
     await set_shadow(stack, {"version": "2", "percent": 100})
     await stack.wait_state("tiny@2", "failed")
     for i in range(3):
@@ -118,7 +118,7 @@ async def test_bad_shadow_settings_are_refused_and_change_nothing(make_stack, ve
         (SHADOW, {"version": "9", "percent": 10}, 404, "model_not_found"),
         (f"{DEPLOYMENTS}/nope/shadow", {"version": "2", "percent": 10}, 404, "model_not_found"),
         (f"{DEPLOYMENTS}/nope/shadow", {"percent": 0}, 404, "model_not_found"),
-        (SHADOW, {"version": "1", "percent": 10}, 400, None),  # the stable version
+        (SHADOW, {"version": "1", "percent": 10}, 409, "shadow_is_stable"),
         (SHADOW, {"version": "2", "percent": 101}, 400, None),
         (SHADOW, {"version": "2", "percent": -1}, 400, None),
         (SHADOW, {"version": "2", "percent": "10"}, 400, None),
@@ -127,7 +127,8 @@ async def test_bad_shadow_settings_are_refused_and_change_nothing(make_stack, ve
         (SHADOW, {"version": "2", "percent": 10, "color": "red"}, 400, None),
     ]
     for path, body, status, code in cases:
-        error = assert_error(*await client.call("PUT", path, ADMIN, json=body), status, "invalid_request_error")
+        type_ = "conflict_error" if status == 409 else "invalid_request_error"
+        error = assert_error(*await client.call("PUT", path, ADMIN, json=body), status, type_)
         assert code is None or error["code"] == code, error
     assert_error(*await client.call("PUT", SHADOW, stack.key, json={"version": "2", "percent": 10}),
                  403, "permission_error")
