@@ -16,7 +16,7 @@ from engine.encoders import resolve_encoder_path, start_encoder
 from engine.engine import LLMEngine
 from engine.faults import FaultyEncoderHandle, FaultyRunner
 from engine.kv_cache import KVCacheManager
-from engine.loader import LoadedModel, ModelLoadError, check_model_source, load_model
+from engine.loader import LoadedModel, ModelLoadError, check_model_source, load_model, max_token_chars
 from engine.model_runner import GIB, CacheConfig, ModelRunner, num_kv_blocks
 from engine.worker import DeviceWorker, Emit
 from scheduling.encoders import ServedEncoder
@@ -37,6 +37,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     seed: int = 0
+    worker_stall_seconds: float = 60.0  # a device worker busy this long on one round of steps: /ready says 503
     policy: str = "fair"  # fair (priority classes + per-tenant fair share) | fifo
     fair_share: FairShareConfig = FairShareConfig()
     cache: CacheConfig = CacheConfig()
@@ -153,7 +154,7 @@ class EngineLoader:
         return ServedModel(
             name=spec.name, tokenizer=loaded.tokenizer, max_model_len=engine.max_model_len,
             max_in_flight_per_replica=self.cfg.max_num_seqs + self.max_waiting, replicas=replicas,
-            vocab_size=max(loaded.model.shape.vocab_size, len(loaded.tokenizer)),
+            vocab_size=loaded.model.shape.vocab_size, max_token_chars=max_token_chars(loaded.tokenizer),
             version=spec.version, created=int(time.time()),
         )
 
@@ -174,7 +175,7 @@ class EngineLoader:
 
 
 def start_workers(cfg: EngineConfig, emit: Emit) -> list[DeviceWorker]:
-    workers = [DeviceWorker(f"{device}#{i}", emit) for i, device in enumerate(cfg.devices)]
+    workers = [DeviceWorker(f"{device}#{i}", emit, cfg.worker_stall_seconds) for i, device in enumerate(cfg.devices)]
     for worker in workers:
         worker.start()
     return workers

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from api.context import STATE
+from api.context import ROUTER, STATE
 from api.errors import json_response
 from api.routes import Route
 from api.schemas import Health
+from scheduling.router import Router
 
 
 async def health(request: web.Request) -> web.Response:
@@ -22,11 +23,21 @@ async def ready(request: web.Request) -> web.Response:
         return json_response({"status": "draining"}, status=503)
     if not state.ready:
         return json_response({"status": "loading"}, status=503)
+    if stalled_devices(request.app[ROUTER]):
+        return json_response({"status": "stalled"}, status=503)
     return json_response({"status": "ok"})
+
+
+def stalled_devices(router: Router) -> list[str]:
+    """Devices whose worker thread (serving a loaded model) died or is stuck in one round of steps:
+    its streams make no progress, so this replica must take no more traffic."""
+    workers = {id(r.worker): r.worker for m in router.served_models() for r in m.replicas}
+    workers |= {id(w): w for m in router.served_encoders() if (w := getattr(m.handle, "worker", None)) is not None}
+    return sorted(w.device for w in workers.values() if not w.is_responsive())
 
 
 ROUTES = [
     Route("GET", "/health", health, "Liveness", response=Health),
-    Route("GET", "/ready", ready, "Readiness: 503 until models are loaded and while draining", response=Health,
-          errors=(503,), error_body=Health),
+    Route("GET", "/ready", ready, "Readiness: 503 until models are loaded, while draining, and while a device "
+          "worker is stuck", response=Health, errors=(503,), error_body=Health),
 ]

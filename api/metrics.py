@@ -60,6 +60,8 @@ class EngineCollector:
             "num_preemptions": counter("galley_preemptions", "Sequences preempted for KV space"),
             "num_steps": counter("galley_engine_steps", "Engine steps run"),
             "num_batched_tokens": counter("galley_batched_tokens", "Tokens run through the model"),
+            "num_step_errors": counter("galley_engine_step_errors", "Engine steps in which something raised "
+                                       "(only the requests it hit ended with an error)"),
         }
         batch = HistogramMetricFamily("galley_batch_tokens", "Tokens per engine step", labels=labels)
         devices: dict[str, EngineStats] = {}

@@ -106,7 +106,7 @@ def replayed(record: streams.StreamRecord) -> list[StreamEvent]:
 
 
 def params_to_json(params: SamplingParams) -> dict:
-    return {**params.__dict__, "stop": list(params.stop), "stop_token_ids": list(params.stop_token_ids)}
+    return {**params.__dict__, "stop": list(params.stop), "stop_token_ids": sorted(params.stop_token_ids)}
 
 
 def params_from_json(data: dict) -> SamplingParams:
@@ -207,7 +207,7 @@ class StreamHub:
         live.append(StreamEvent(
             index=len(live.events), text=event.text, text_offset=live.text_length, logprobs=event.logprobs,
             finish_reason=event.finish_reason.value if event.finish_reason else None, usage=usage,
-            error=event.error,
+            error=event.error, error_code="generation_failed" if event.error else None,
         ))
 
     def _finish(self, live: LiveStream, token_ids: list[int], texts: list[str], status: str,

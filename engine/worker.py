@@ -15,6 +15,7 @@ too), so a model version loads and unloads without stopping the others.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import queue
 import threading
@@ -28,7 +29,7 @@ import structlog
 from engine.batcher import BatcherStats, DynamicBatcher, Pending
 from engine.engine import LLMEngine
 from engine.profiler import StepProfiler
-from engine.types import EngineStats, GenerationRequest, TokenEvent
+from engine.types import GENERATION_FAILED, EngineStats, FinishReason, GenerationRequest, TokenEvent
 
 log = structlog.get_logger(__name__)
 
@@ -90,9 +91,12 @@ Command = _Attach | _Detach | _AttachEncoder | _DetachEncoder | _Profile
 
 
 class DeviceWorker:
-    def __init__(self, device: str, emit: Emit) -> None:
+    def __init__(self, device: str, emit: Emit, stall_after_s: float = 60.0) -> None:
         self.device = device
         self.emit = emit
+        self.stall_after_s = stall_after_s  # a round of steps longer than this: not responsive (/ready 503)
+        self.num_restarts = 0  # rounds of the loop that raised outside the engines' guards
+        self._busy_since_s: float | None = None
         self.engines: dict[str, LLMEngine] = {}
         self.encoders: dict[str, DynamicBatcher] = {}
         self._encode_credit_s = 0.0  # see _run_encoders
@@ -157,14 +161,28 @@ class DeviceWorker:
 
     def _run(self) -> None:
         while True:
-            if not self._drain():
-                self.profiler.stop()
-                for batcher in self.encoders.values():
-                    batcher.fail_all(RuntimeError(f"worker {self.device} stopped"))
-                return
-            stepped_s = 0.0
-            for engine_id, engine in self.engines.items():
-                events = None
+            self._busy_since_s = None  # idle while it waits for work
+            try:
+                if not self._drain():
+                    self.profiler.stop()
+                    for batcher in self.encoders.values():
+                        batcher.fail_all(RuntimeError(f"worker {self.device} stopped"))
+                    return
+                self._busy_since_s = time.monotonic()
+                stepped_s = self._step_engines()
+                self._run_encoders(stepped_s)
+                self.profiler.tick()
+            except Exception:  # a bug outside the guarded parts: log it and go on with the next round
+                self.num_restarts += 1
+                log.exception("worker loop failed; continuing", device=self.device)
+
+    def _step_engines(self) -> float:
+        """One step of every engine with work; returns the seconds the steps took. A step that
+        raises past the engine's own guards fails that engine's requests only."""
+        stepped_s = 0.0
+        for engine_id, engine in list(self.engines.items()):
+            events = None
+            try:
                 if engine.has_work():
                     started = time.perf_counter()
                     with self.profiler.label(f"step {engine_id}"):
@@ -173,8 +191,30 @@ class DeviceWorker:
                 engine.refresh_stats()  # before emitting: a client that saw its last token sees its blocks freed
                 if events:
                     self.emit(events)
-            self._run_encoders(stepped_s)
-            self.profiler.tick()
+            except Exception:
+                log.exception("engine step failed; failing its requests", device=self.device, engine=engine_id)
+                self._fail_engine(engine, events)
+        return stepped_s
+
+    def _fail_engine(self, engine: LLMEngine, undelivered: list[TokenEvent] | None) -> None:
+        """End every request of `engine` with an error, and those whose last events may not have
+        gone out (they were finished in the step, so the engine no longer holds them)."""
+        events = engine.fail_all()
+        ended = {event.request_id for event in events}
+        events += [dataclasses.replace(event, text="", token_ids=[], logprobs=None, error=GENERATION_FAILED,
+                                       finish_reason=FinishReason.ERROR)
+                   for event in undelivered or [] if event.finished and event.request_id not in ended]
+        try:
+            engine.refresh_stats()
+            self.emit(events)
+        except Exception:
+            log.exception("could not deliver the failed requests' errors", device=self.device)
+
+    def is_responsive(self) -> bool:
+        """False if the thread died or one round of steps has run for `stall_after_s` (stuck)."""
+        busy_since = self._busy_since_s
+        stuck = busy_since is not None and time.monotonic() - busy_since > self.stall_after_s
+        return self._thread.is_alive() and not stuck
 
     def _run_encoders(self, stepped_s: float) -> None:
         """At most one batch per encoder between steps. While engines generate, encoders get about
@@ -223,7 +263,7 @@ class DeviceWorker:
     def _apply(self, item: _Add | _Abort | _Encode | Command) -> None:
         try:
             if isinstance(item, _Add):
-                self.engines[item.engine_id].add_request(item.request)
+                self._add(item)
             elif isinstance(item, _Abort):
                 self.engines[item.engine_id].abort(item.request_id)
             elif isinstance(item, _Encode):
@@ -244,6 +284,20 @@ class DeviceWorker:
             log.exception("worker command failed", device=self.device)
             if isinstance(item, Command) and not item.done.done():
                 item.done.set_exception(exc)
+
+    def _add(self, item: _Add) -> None:
+        """Hand a request to its engine; one that cannot be added ends at once with an error event
+        (its client must not wait forever for a request the worker dropped)."""
+        try:
+            self.engines[item.engine_id].add_request(item.request)
+        except Exception:
+            log.exception("could not add a request", device=self.device, engine=item.engine_id,
+                          request_id=item.request.request_id)
+            engine = self.engines.get(item.engine_id)
+            if engine is not None:
+                engine.abort(item.request.request_id)
+            self.emit([TokenEvent(item.request.request_id, "", [], len(item.request.prompt_token_ids), 0,
+                                  finish_reason=FinishReason.ERROR, error=GENERATION_FAILED)])
 
     def _encode(self, item: _Encode) -> None:
         batcher = self.encoders.get(item.encoder_id)

@@ -43,6 +43,7 @@ class ModelUnavailable(Exception):
 
 class WorkerHandle(Protocol):
     def submit(self, engine_id: str, request: GenerationRequest) -> None: ...
+    def is_responsive(self) -> bool: ...
     def abort(self, engine_id: str, request_id: str) -> None: ...
     def stats(self, engine_id: str) -> EngineStats: ...
 
@@ -64,7 +65,8 @@ class ServedModel:
     max_model_len: int
     max_in_flight_per_replica: int
     replicas: list[Replica]
-    vocab_size: int = 0  # the model's (may exceed the tokenizer's: padded embeddings)
+    vocab_size: int = 0  # the model's embedding rows: valid token ids are below it, whatever the tokenizer says
+    max_token_chars: int = 64  # the longest token's spelling (bounds a prompt's characters before tokenizing)
     version: str = "1"  # conversations pin it
     created: int = 0
     draining: bool = False  # being unloaded: in-flight requests finish, new ones go elsewhere
@@ -228,17 +230,24 @@ class Router:
         if self.on_encoder_finish is not None:
             self.on_encoder_finish(model, ok, latency_s)
 
-    def abort(self, stream: RequestStream) -> None:
+    def abort(self, stream: RequestStream, error: str | None = None) -> None:
         """Cancel a request nobody wants any more; its blocks free before the next step.
 
-        Whoever still iterates the stream gets a final `abort` event."""
+        Whoever still iterates the stream gets a final `abort` event (an `error` one with `error`)."""
         if self._close(stream):
             stream.replica.worker.abort(stream.replica.engine_id, stream.request_id)
             num_prompt = len(stream.request.prompt_token_ids)
             stream.events.put_nowait(TokenEvent(
                 request_id=stream.request_id, text="", token_ids=[], num_prompt_tokens=num_prompt,
-                num_output_tokens=stream.num_tokens_used - num_prompt, finish_reason=FinishReason.ABORT,
+                num_output_tokens=stream.num_tokens_used - num_prompt,
+                finish_reason=FinishReason.ABORT if error is None else FinishReason.ERROR, error=error,
             ))
+
+    def fail_all(self, error: str) -> None:
+        """At the end of a drain: every request still in flight ends with an `error` event (its
+        reader gives its client a final error) and frees its blocks."""
+        for stream in list(self.streams.values()):
+            self.abort(stream, error)
 
     def dispatch(self, events: list[TokenEvent]) -> None:
         for event in events:

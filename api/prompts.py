@@ -1,0 +1,89 @@
+"""Prompt text -> token ids for the generation routes, bounded before any work and off the event loop.
+
+A prompt longer in characters than the model's context could hold (`max_model_len` tokens of at
+most `max_token_chars` characters each) is refused before it is tokenized or templated; what is
+left is tokenized (and a long chat templated) on a small thread pool, never on the loop (the
+tokenizers library releases the GIL, so the loop keeps answering). Token ids, sent or produced by
+the tokenizer, must be rows of the model's embedding (a tokenizer may know more tokens than the
+model has: an id past the embedding fails the forward, and on CUDA every later step).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+from jinja2 import TemplateError
+
+from api.errors import InvalidRequestError
+from scheduling.router import ServedModel
+
+INLINE_CHARS = 8192  # shorter texts are tokenized on the loop: under a millisecond, less than a thread hop
+_POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="galley-tokenize")
+T = TypeVar("T")
+
+
+def max_prompt_chars(model: ServedModel) -> int:
+    return model.max_model_len * model.max_token_chars
+
+
+def check_prompt_chars(model: ServedModel, num_chars: int, param: str) -> None:
+    """400 for a prompt too long in characters to fit the context, before tokenizing it."""
+    if num_chars > max_prompt_chars(model):
+        raise InvalidRequestError(
+            f"This model's maximum context length is {model.max_model_len} tokens; a prompt of {num_chars} "
+            f"characters cannot fit it (at most {max_prompt_chars(model)} characters)",
+            param=param, code="context_length_exceeded")
+
+
+def check_token_ids(model: ServedModel, token_ids: list[int], param: str) -> None:
+    if token_ids and not 0 <= min(token_ids) <= max(token_ids) < model.vocab_size:
+        raise InvalidRequestError(f"{param}: token ids must be in [0, {model.vocab_size}): this model has "
+                                  f"{model.vocab_size} token embeddings", param=param)
+
+
+async def off_loop(num_chars: int, work: Callable[[], T]) -> T:
+    """`work()` inline if the input is small, else on the tokenizer pool."""
+    if num_chars <= INLINE_CHARS:
+        return work()
+    return await asyncio.get_running_loop().run_in_executor(_POOL, work)
+
+
+async def encode_text(model: ServedModel, text: str, param: str = "prompt") -> list[int]:
+    """A completion prompt's token ids (the tokenizer's special tokens added)."""
+    check_prompt_chars(model, len(text), param)
+    token_ids = await off_loop(len(text), lambda: model.tokenizer.encode(text))
+    check_token_ids(model, token_ids, param)
+    return token_ids
+
+
+async def encode_prompt(model: ServedModel, prompt: str | list[int], param: str = "prompt") -> list[int]:
+    """A prompt given as text or as token ids."""
+    if isinstance(prompt, str):
+        return await encode_text(model, prompt, param)
+    check_token_ids(model, prompt, param)
+    return list(prompt)
+
+
+def _render(model: ServedModel, messages: list[dict[str, Any]], param: str) -> str:
+    try:
+        rendered = model.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    except TemplateError as exc:  # the template refuses this conversation; its message is written for users
+        raise InvalidRequestError(f"the chat template rejected these messages: {exc}", param=param) from exc
+    check_prompt_chars(model, len(rendered), param)
+    return rendered
+
+
+async def encode_chat(model: ServedModel, messages: list[dict[str, Any]], param: str = "messages") -> list[int]:
+    """A conversation through the model's chat template, then its token ids."""
+    num_chars = sum(len(m["content"]) for m in messages)
+    check_prompt_chars(model, num_chars, param)
+
+    def work() -> list[int]:
+        return model.tokenizer.encode(_render(model, messages, param), add_special_tokens=False)
+
+    token_ids = await off_loop(num_chars + 64 * len(messages), work)  # each message adds template text
+    check_token_ids(model, token_ids, param)
+    return token_ids
