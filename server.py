@@ -2,7 +2,8 @@
 
 Parses flags, loads the config, starts the HTTP server (so /health answers while models
 load), loads models on their device workers, then serves until SIGTERM/SIGINT, when it
-drains: /ready turns 503 and in-flight requests finish (up to drain_seconds), exit 0.
+drains: /ready turns 503, new work gets 503, idle WebSockets close, in-flight requests finish
+(up to drain_seconds; what is left then is interrupted and checkpointed for a restart), exit 0.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import orjson
 import structlog
 from aiohttp import web
 
-from api.app import create_app
+from api.app import begin_drain, create_app, interrupt
 from api.auth import is_loopback, resolve_admin_key
 from api.batch import BATCH
 from api.context import ServerState
@@ -36,6 +37,8 @@ from storage.db import Database
 from storage.registry import ModelVersion
 
 log = structlog.get_logger("galley")
+
+SHUTDOWN_GRACE_S = 5.0  # after the drain, how long handlers get to send their last bytes before aiohttp cancels
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -133,7 +136,7 @@ async def serve(cfg: GalleyConfig, db: Database, admin_key_hash: str) -> int:
                      response_cache=cfg.response_cache, observability=observability, tracing=cfg.tracing,
                      alerts=cfg.alerts, loader=loader, lifecycle_config=cfg.lifecycle,
                      deployments_config=cfg.deployments, bind_host=cfg.server.host)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S)
     await runner.setup()
     site = web.TCPSite(runner, cfg.server.host, cfg.server.port)
     await site.start()
@@ -164,15 +167,24 @@ async def serve(cfg: GalleyConfig, db: Database, admin_key_hash: str) -> int:
     log.info("ready")
 
     await stop.wait()
-    state.draining = True
-    deadline = time.monotonic() + cfg.server.drain_seconds
-    log.info("draining", in_flight=router.num_in_flight, drain_seconds=cfg.server.drain_seconds)
-    while router.num_in_flight and time.monotonic() < deadline:
-        await asyncio.sleep(0.05)
+    await drain(app, router, cfg.server.drain_seconds)
     await runner.cleanup()
     stop_workers(workers)
-    log.info("stopped", unfinished=router.num_in_flight)
+    log.info("stopped")
     return 0
+
+
+async def drain(app: web.Application, router: Router, drain_seconds: float) -> None:
+    """Refuse new work, let in-flight requests finish for up to `drain_seconds`, then interrupt
+    the rest (a final error to each client; streams and batch items checkpointed for a restart)."""
+    begin_drain(app)
+    deadline = time.monotonic() + drain_seconds
+    log.info("draining", in_flight=router.num_in_flight, drain_seconds=drain_seconds)
+    while router.num_in_flight and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    if router.num_in_flight:
+        log.warning("drain time is up: interrupting what is left", in_flight=router.num_in_flight)
+        await interrupt(app)
 
 
 def stop_workers(workers) -> None:

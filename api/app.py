@@ -69,6 +69,21 @@ def log_request(request: web.Request, started: float, status: int) -> None:
              duration_s=round(time.monotonic() - started, 4))
 
 
+def begin_drain(app: web.Application) -> None:
+    """SIGTERM: /ready turns 503, new work is refused (503 + Retry-After, `lifecycle.refuse_if_draining`),
+    idle WebSockets close; in-flight requests go on."""
+    app[STATE].draining = True
+    ws.close_idle_sockets(app)
+
+
+async def interrupt(app: web.Application) -> None:
+    """The drain's time is up: end what is left, each client with a final error. Batch items and
+    streams are left unfinished in SQLite (checkpointed), so a restart resumes them."""
+    await app[batch.BATCH].close()
+    await app[HUB].close()  # producers checkpoint; followers send `server_shutting_down` and end
+    app[ROUTER].fail_all("the server shut down before this request finished; retry it")
+
+
 def all_routes() -> list[Route]:
     return [*health.ROUTES, *openai.ROUTES, *stream_api.ROUTES, *admin.ROUTES, *conversations.ROUTES,
             *ws.ROUTES, *batch.ROUTES, *native.ROUTES, *encoders_api.ROUTES, *deployments_api.ROUTES,

@@ -55,6 +55,7 @@ GIB = 1024**3
 WARMUP_PREFIX = "warmup-"
 SHADOW_PREFIX = "shadow-"  # mirrored copies (api/shadow.py): they keep a version warm but judge nothing
 CANARY_CHECK_INTERVAL_S = 0.1
+DRAINING_RETRY_AFTER_S = 5  # a draining server's Retry-After: about a restart's time
 MODEL_VERSION = "model_version"  # request[MODEL_VERSION]: name@version that served it (X-Model-Version)
 
 
@@ -583,6 +584,7 @@ async def resolve_model(request: web.Request, ref: str, *, user: str | None = No
     404 (503 while startup loading runs), then the tenant must be allowed it and an explicit
     version (403), then it must be of one of `kinds` (else 404: this endpoint has no such model),
     then a cold version loads. Records the version for the `X-Model-Version` header."""
+    refuse_if_draining(request)
     manager = request.app[MODELS]
     name, version = parse_model_ref(ref)
     if name not in manager.router.deployments:
@@ -597,8 +599,17 @@ async def resolve_model(request: web.Request, ref: str, *, user: str | None = No
         raise ModelNotFoundError(f"The model `{name}` is a `{kind}` model; this endpoint needs a "
                                  f"`{' or '.join(kinds)}` model.", param="model", code="wrong_model_kind")
     served = await manager.resolve(ref, user or conversation_id or request["request_id"], pinned_version)
+    refuse_if_draining(request)  # the drain may have begun while a cold version loaded
     request[MODEL_VERSION] = served.ref
     return served
+
+
+def refuse_if_draining(request: web.Request) -> None:
+    """503 for new work once SIGTERM came (every generation, encoder input, batch job and
+    conversation resolves its model here): in-flight requests finish, new ones go elsewhere."""
+    if request.app[STATE].draining:
+        raise ServiceUnavailableError("the server is shutting down; retry shortly (or on another replica)",
+                                      code="server_draining", headers={"Retry-After": str(DRAINING_RETRY_AFTER_S)})
 
 
 def check_version_access(request: web.Request, deployment: ModelDeployment, version: str) -> None:
@@ -641,4 +652,3 @@ def setup(app: web.Application, db: Database, metrics_registry: CollectorRegistr
     app[MODELS] = ModelManager(app[ROUTER], db, metrics_registry, loader, lifecycle, deployments)
     app.on_response_prepare.append(add_version_header)
     app.cleanup_ctx.append(run_lifecycle)
-

@@ -32,6 +32,10 @@ from storage.db import Database
 log = structlog.get_logger(__name__)
 
 
+SHUTDOWN_ERROR = ("the server shut down before this stream ended; it resumes when the server is back: "
+                  "reconnect with GET /api/v1/streams/{id} and Last-Event-ID")
+
+
 @dataclass(frozen=True)
 class StreamsConfig:
     stream_retention_seconds: float = 3600.0  # finished streams stay replayable this long
@@ -188,6 +192,9 @@ class StreamHub:
                                         error="internal error while streaming"))
         except asyncio.CancelledError:  # server shutting down: leave it running, to resume on restart
             self._checkpoint(live.id, token_ids, texts)
+            live.append(StreamEvent(len(live.events), "", live.text_length, finish_reason="error", error_status=503,
+                                    error_code="server_shutting_down", error=SHUTDOWN_ERROR))
+            live.close("interrupted")  # its followers send that error and end; SQLite still says running
             raise
         try:  # stored before followers see the end, so a next turn reads this answer
             await asyncio.wrap_future(self._finish(live, token_ids, texts, status, finish))
