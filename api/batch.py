@@ -22,7 +22,16 @@ from api.errors import InvalidRequestError, NotFoundError, json_response, rate_l
 from api.lifecycle import resolve_model
 from api.quotas import count_creation
 from api.routes import Route
-from api.schemas import ChatMessage, Stop, Strict, Usage
+from api.schemas import (
+    MAX_CONTEXT_TOKENS,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TOP_K,
+    ChatMessage,
+    Stop,
+    StopTokenIds,
+    Strict,
+    Usage,
+)
 from api.validation import parse_body
 from api.webhooks import CallbackRefused
 from scheduling.encoders import ServedEncoder
@@ -39,11 +48,12 @@ MAX_INPUTS = 100_000  # the schema's bound; [batch] max_inputs is the configured
 class BatchParams(Strict):
     """Sampling parameters applied to every input, as in /v1/completions."""
 
-    max_tokens: int | None = Field(None, ge=1, description="Default: 16 for prompts, the rest of the context for "
-                                   "chat messages.")
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_CONTEXT_TOKENS, description="Default: 16 for prompts, the "
+                                   "rest of the context for chat messages.")
+    temperature: float = Field(1.0, ge=0.0, le=2.0, description="Below 1e-5: greedy (as 0).")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1)
+    top_k: int | None = Field(None, ge=-1, le=MAX_TOP_K, description="-1 or 0 disables; above the vocabulary: the "
+                              "whole vocabulary.")
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
     stop: Stop = None
@@ -51,7 +61,8 @@ class BatchParams(Strict):
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: StopTokenIds | None = Field(None, description=f"At most {MAX_STOP_TOKEN_IDS}, each below the "
+                                                "model's vocabulary size.")
 
 
 BatchInput = Annotated[str, Field(min_length=1)] | Annotated[list[ChatMessage], Field(min_length=1)]

@@ -32,8 +32,10 @@ from prometheus_client import Counter
 from api.background import BackgroundTasks
 from api.context import ServerState
 from api.encoders_api import prediction
+from api.errors import InvalidRequestError
 from api.metrics import Metrics
 from api.native_schemas import PredictParams
+from api.prompts import encode_chat, encode_text
 from api.webhooks import CallbackPolicy, CallbackRefused, WebhookClient, new_secret
 from engine.types import FinishReason, GenerationRequest, Priority, SamplingParams
 from scheduling.admission import Rejected, TenantLimits
@@ -301,16 +303,13 @@ class BatchRunner:
             if stored:
                 self.items_total.labels(result.status).inc()
 
-    def prepare(self, job: BatchJob, model: ServedModel, value: Any) -> tuple[list[int], SamplingParams]:
-        """An input's prompt ids and sampling params; ItemError when it cannot run."""
-        if isinstance(value, str):
-            prompt_ids = model.tokenizer.encode(value)
-        else:
-            try:
-                rendered = model.tokenizer.apply_chat_template(value, add_generation_prompt=True, tokenize=False)
-            except Exception as exc:  # jinja raises on conversations the template rejects
-                raise ItemError(f"the chat template rejected these messages: {exc}") from exc
-            prompt_ids = model.tokenizer.encode(rendered, add_special_tokens=False)
+    async def prepare(self, job: BatchJob, model: ServedModel, value: Any) -> tuple[list[int], SamplingParams]:
+        """An input's prompt ids and sampling params; ItemError when it cannot run. Tokenized as
+        the generation routes do (`api.prompts`: bounded first, long inputs off the event loop)."""
+        try:
+            prompt_ids = await (encode_text(model, value) if isinstance(value, str) else encode_chat(model, value))
+        except InvalidRequestError as exc:
+            raise ItemError(exc.message) from exc
         room = model.max_model_len - len(prompt_ids)
         max_tokens = job.params.get("max_tokens") or (DEFAULT_COMPLETION_TOKENS if isinstance(value, str) else room)
         if room <= 0 or max_tokens > room:
@@ -365,7 +364,7 @@ class BatchRunner:
                 return ItemResult(ItemStatus.FAILED.value, error=f"the model {run.job.model!r} is not served")
             if prepared is None or prepared[0] is not model:  # another version may tokenize differently
                 try:
-                    prepared = (model, *self.prepare(run.job, model, item.input))
+                    prepared = (model, *await self.prepare(run.job, model, item.input))
                 except ItemError as exc:
                     return ItemResult(ItemStatus.FAILED.value, error=str(exc))
             stream, delay_s = self._try_submit(run, item, tenant, *prepared)
@@ -445,7 +444,9 @@ class BatchRunner:
                 outputs = await future
                 used = sum(out.num_tokens for out in outputs)
             except Exception as exc:
-                return [ItemResult(ItemStatus.FAILED.value, error=f"the {model.kind} model failed: {exc}")] * len(texts)
+                log.error("batch encoder items failed", batch_id=run.job.id, exc_info=exc)  # no exception text out
+                return [ItemResult(ItemStatus.FAILED.value, error=f"the {model.kind} model failed (internal error)")
+                        ] * len(texts)
             finally:
                 self.router.admission.release(ticket, used)
             return [encoder_result(model, out) for out in outputs]

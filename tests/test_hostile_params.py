@@ -112,6 +112,17 @@ async def test_hostile_values_are_a_400_naming_the_parameter(stack):
         assert answer["error"]["type"] == "invalid_request_error"
 
 
+async def test_batch_job_params_are_bounded_too(stack):
+    """A batch item ran the same sampler: its parameters get the same bounds at submission."""
+    for fields, param in [({"top_k": 9223372036854775808}, "params.top_k"),
+                          ({"max_tokens": 2**63}, "params.max_tokens"),
+                          ({"stop_token_ids": list(range(5000))}, "params.stop_token_ids"),
+                          ({"temperature": float("nan")}, "params.temperature")]:
+        body = json.dumps({"model": "tiny", "inputs": ["hi"], "params": fields}).encode()
+        status, answer = await stack.post("mallory", "/api/v1/batch", body)
+        assert status == 400 and answer["error"]["param"] == param, (fields, answer)
+
+
 async def test_a_top_k_past_int64_spares_the_other_tenants_stream(stack):
     """The issue's repro: before, the overflow failed the step and every stream in it."""
     alone = await stack.stream_text("alice", GREEDY)
