@@ -20,7 +20,7 @@ from api.auth import AUTH, DATABASE, Auth, TenantDirectory, auth_middleware
 from api.batch_runner import BatchConfig, BatchRunner
 from api.context import ROUTER, STATE, ServerState
 from api.errors import CLIENT_CLOSED, client_gone, error_middleware, json_response
-from api.metrics import METRICS, METRICS_ACCESS, Metrics, MetricsAccess, metrics_endpoint
+from api.metrics import METRICS, METRICS_ACCESS, Metrics, MetricsAccess, StorageCollector, metrics_endpoint
 from api.openapi import build_spec
 from api.response_cache import RESPONSE_CACHE, ResponseCache, ResponseCacheConfig, add_cache_header
 from api.routes import Route
@@ -134,12 +134,13 @@ def create_app(router: Router, state: ServerState | None = None, *, db: Database
     observability = observability or ObservabilityConfig()
     app[METRICS] = Metrics(router)
     app[METRICS_ACCESS] = MetricsAccess.for_bind(auth_enabled, bind_host, observability.metrics_token)
+    app[METRICS].registry.register(StorageCollector(app[DATABASE]))
     dashboard.setup(app, observability, tracing or TracingConfig(), alerts, span_exporter)
     app[RESPONSE_CACHE] = ResponseCache(response_cache or ResponseCacheConfig())
     app.on_response_prepare.append(add_cache_header)
     lifecycle.setup(app, app[DATABASE], app[METRICS].registry, loader, lifecycle_config, deployments_config)
     shadow_traffic.setup(app, app[DATABASE])
-    app[HUB] = StreamHub(router, app[DATABASE], app[METRICS], streams_config or StreamsConfig())
+    app[HUB] = StreamHub(router, app[DATABASE], app[METRICS], streams_config or StreamsConfig(), app[AUTH])
     app.cleanup_ctx.append(run_stream_sweeper)
     tenants = lambda name: app[AUTH].directory.tenants.get(name)  # noqa: E731
     # batch items route like requests (by the job id): a cold or unloaded version loads again

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from aiohttp import web
 
+from api.auth import DATABASE
 from api.context import ROUTER, STATE
 from api.errors import json_response
 from api.routes import Route
 from api.schemas import Health
 from scheduling.router import Router
+
+STORAGE_ERROR_HOLD_S = 30.0  # after SQLite refused a write, not ready this long (checkpoints may be failing)
 
 
 async def health(request: web.Request) -> web.Response:
@@ -25,6 +28,8 @@ async def ready(request: web.Request) -> web.Response:
         return json_response({"status": "loading"}, status=503)
     if stalled_devices(request.app[ROUTER]):
         return json_response({"status": "stalled"}, status=503)
+    if request.app[DATABASE].failed_within(STORAGE_ERROR_HOLD_S):
+        return json_response({"status": "storage_failing"}, status=503)
     return json_response({"status": "ok"})
 
 
@@ -38,6 +43,7 @@ def stalled_devices(router: Router) -> list[str]:
 
 ROUTES = [
     Route("GET", "/health", health, "Liveness", response=Health),
-    Route("GET", "/ready", ready, "Readiness: 503 until models are loaded, while draining, and while a device "
-          "worker is stuck", response=Health, errors=(503,), error_body=Health),
+    Route("GET", "/ready", ready, "Readiness: 503 until models are loaded, while draining, while a device "
+          "worker is stuck, and for 30 s after the database refused a write", response=Health, errors=(503,),
+          error_body=Health),
 ]

@@ -356,7 +356,9 @@ class ModelManager:
     def _set_state(self, vs: VersionState, state: str, error: str | None = None) -> None:
         vs.state, vs.error = state, error
         name, version = vs.spec.name, vs.spec.version
-        self.db.write(lambda db: registry.set_state(db, name, version, state, error))
+        write = self.db.write(lambda db: registry.set_state(db, name, version, state, error))
+        write.add_done_callback(lambda f: f.exception() and log.error(  # memory (authoritative) is right
+            "could not store a model version's state", model=vs.ref, state=state, error=repr(f.exception())))
 
     # ---- health and idleness ------------------------------------------------------------
 
@@ -652,3 +654,4 @@ def setup(app: web.Application, db: Database, metrics_registry: CollectorRegistr
     app[MODELS] = ModelManager(app[ROUTER], db, metrics_registry, loader, lifecycle, deployments)
     app.on_response_prepare.append(add_version_header)
     app.cleanup_ctx.append(run_lifecycle)
+

@@ -125,6 +125,19 @@ def device_memory(devices: dict[str, EngineStats]):
     yield total
 
 
+class StorageCollector:
+    """Database writes SQLite refused, counted by the writer thread (so none goes unseen)."""
+
+    def __init__(self, db) -> None:  # storage.db.Database
+        self.db = db
+
+    def collect(self):
+        errors = CounterMetricFamily("galley_storage_write_errors", "Database writes SQLite refused "
+                                     "(disk full, database locked, I/O error)")
+        errors.add_metric([], self.db.num_write_errors)
+        yield errors
+
+
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 

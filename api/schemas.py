@@ -255,4 +255,4 @@ class ErrorResponse(BaseModel):
 
 
 class Health(BaseModel):
-    status: Literal["ok", "loading", "draining", "stalled"]
+    status: Literal["ok", "loading", "draining", "stalled", "storage_failing"]

@@ -3,6 +3,9 @@
 Every write runs on the writer thread, in its own transaction, in submission order; the
 caller gets a `concurrent.futures.Future` (asyncio code awaits `asyncio.wrap_future(...)`,
 so the event loop never blocks on a write). Reads use a second connection behind a lock.
+A write that SQLite refuses (disk full, `database is locked`, I/O error) is also counted
+here, so no failure goes unseen even where a caller does not wait: readiness and metrics
+read `num_write_errors` and `last_write_error_s`.
 Must not import anything but the standard library and sqlite_utils.
 """
 
@@ -11,6 +14,7 @@ from __future__ import annotations
 import queue
 import sqlite3
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from datetime import UTC, datetime
@@ -35,6 +39,8 @@ MIGRATIONS: tuple[Migration, ...] = (
     registry.create_shadow_table,
     conversations.add_conversation_activity,
     batches.add_batch_job_retention,
+    tenants.add_tenant_ids,
+    streams.add_stream_tenant_id,
 )
 
 
@@ -80,6 +86,8 @@ class Database:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._state_lock = threading.Lock()
         self._closed = False
+        self.num_write_errors = 0  # writes SQLite refused; domain errors raised by a write do not count
+        self.last_write_error_s: float | None = None  # time.monotonic() of the latest
         self._thread = threading.Thread(target=self._run, name="galley-db-writer", daemon=True)
         self._thread.start()
         try:
@@ -123,6 +131,20 @@ class Database:
                 with self._writer.atomic():
                     result = fn(self._writer)
             except Exception as exc:
+                if is_storage_error(exc):
+                    self.num_write_errors += 1
+                    self.last_write_error_s = time.monotonic()
                 future.set_exception(exc)
             else:
                 future.set_result(result)
+
+    def failed_within(self, seconds: float) -> bool:
+        """A write failed in SQLite within the last `seconds`."""
+        last = self.last_write_error_s
+        return last is not None and time.monotonic() - last < seconds
+
+
+def is_storage_error(exc: BaseException) -> bool:
+    """SQLite itself failed (full, locked, I/O, corrupt), as opposed to a constraint the caller
+    turns into a domain error (a duplicate name) or a domain error raised by the write itself."""
+    return isinstance(exc, sqlite3.Error) and not isinstance(exc, sqlite3.IntegrityError)

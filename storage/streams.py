@@ -69,6 +69,7 @@ class StreamRecord:
     finish_reason: str | None = None
     created_at: str = ""  # ISO 8601 UTC; filled by insert_stream when empty
     updated_at: str = ""
+    tenant_id: str | None = None  # the owner's stable id (None: stored before tenants had ids)
 
     def __post_init__(self) -> None:
         check_status(self.status)
@@ -102,6 +103,11 @@ def create_stream_tables(db: sqlite_utils.Database) -> None:
             updated_at TEXT NOT NULL
         )""")
     db.execute("CREATE INDEX streams_status ON streams(status, updated_at)")
+
+
+def add_stream_tenant_id(db: sqlite_utils.Database) -> None:
+    """Migration: the owning tenant's stable id beside its name."""
+    db.execute("ALTER TABLE streams ADD COLUMN tenant_id TEXT")
 
 
 def dumps(value: Any) -> str:

@@ -48,6 +48,10 @@ def utc_now() -> str:
     return datetime.now(UTC).isoformat(timespec="milliseconds")
 
 
+def new_tenant_id() -> str:
+    return secrets.token_hex(8)
+
+
 @dataclass(frozen=True)
 class Tenant:
     """Who a request belongs to. Invariant: weight > 0, max_priority in PRIORITIES, limits None or >= 1."""
@@ -61,6 +65,7 @@ class Tenant:
     tokens_per_minute: int | None = None  # prompt + completion
     max_tokens: int | None = None  # cap per request
     created_at: str = field(default_factory=utc_now)
+    id: str = field(default_factory=new_tenant_id)  # stable; a tenant re-created under the same name gets a new one
 
     def __post_init__(self) -> None:
         if self.allowed_models is not None and not isinstance(self.allowed_models, tuple):
@@ -133,7 +138,17 @@ def create_tenant_tables(db: sqlite_utils.Database) -> None:
         )""")
     db.execute("CREATE INDEX api_keys_tenant ON api_keys(tenant)")
     db.execute("CREATE TABLE settings (name TEXT PRIMARY KEY, value TEXT NOT NULL)")
-    db.table("tenants").insert(to_row(Tenant(DEFAULT_TENANT)))
+    default = to_row(Tenant(DEFAULT_TENANT))
+    del default["id"]  # the schema of this migration has no id yet: add_tenant_ids gives it one
+    db.table("tenants").insert(default)
+
+
+def add_tenant_ids(db: sqlite_utils.Database) -> None:
+    """Migration: a stable id per tenant, so what a tenant owned (streams) is never taken for a later
+    tenant of the same name."""
+    db.execute("ALTER TABLE tenants ADD COLUMN id TEXT")
+    db.execute("UPDATE tenants SET id = lower(hex(randomblob(8)))")
+    db.execute("CREATE UNIQUE INDEX tenants_id ON tenants(id)")
 
 
 def to_row(tenant: Tenant) -> dict[str, Any]:
@@ -174,7 +189,7 @@ def list_tenants(db: sqlite_utils.Database) -> list[Tenant]:
 
 def update_tenant(db: sqlite_utils.Database, name: str, changes: Mapping[str, Any]) -> Tenant:
     """Applies `changes` (field -> new value; None clears a limit) and returns the new tenant."""
-    frozen = {"name", "created_at"} & set(changes)
+    frozen = {"name", "created_at", "id"} & set(changes)
     if frozen:
         raise ValueError(f"cannot change {sorted(frozen)}")
     current = get_tenant(db, name)
