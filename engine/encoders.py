@@ -22,7 +22,7 @@ from transformers import AutoConfig, AutoModel, AutoModelForSequenceClassificati
 
 from engine.batcher import DynamicBatcher
 from engine.length_groups import GroupCost, length_groups
-from engine.loader import ModelLoadError, resolve_dtype, resolve_model_path
+from engine.loader import ModelLoadError, max_token_chars, resolve_dtype, resolve_model_path
 from engine.models.bert import PackedBatch, PackedBert, supports_packed
 from engine.worker import DeviceWorker, EncoderClient
 
@@ -129,6 +129,9 @@ def pool_packed(h: torch.Tensor, batch: PackedBatch, mode: str) -> torch.Tensor:
     return summed / (counts.sqrt() if mode == "mean_sqrt_len" else counts)
 
 
+UNKNOWN_WORD_CHARS = 100  # WordPiece's max_input_chars_per_word: a longer word is one [UNK]
+
+
 class Encoder:
     """A loaded encoder: tokenizer, model, and how its outputs become vectors or scores."""
 
@@ -150,6 +153,9 @@ class Encoder:
                               self.tokenizer.model_max_length) if n]
         self.max_seq_len = min(limits) if limits else 512
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        # no token covers more input than its spelling, or a whole unknown word (WordPiece's 100 characters);
+        # twice that leaves room for whitespace between tokens
+        self.max_input_chars = self.max_seq_len * 2 * max(max_token_chars(self.tokenizer), UNKNOWN_WORD_CHARS)
         self.packed = PackedBert(self.model) if supports_packed(self.config) else None
         self.group_cost = self._group_cost()  # the padded path's
 
@@ -177,8 +183,11 @@ class Encoder:
         return getattr(self.config, "problem_type", None) == "multi_label_classification"
 
     def token_ids(self, inputs: list[str | list[int]]) -> list[list[int]]:
-        """Strings are tokenized (special tokens, truncated to max_seq_len); id lists are taken as given."""
-        texts = [i for i in inputs if isinstance(i, str)]
+        """Strings are tokenized (special tokens, truncated to max_seq_len); id lists are taken as given.
+        A string is cut to `max_input_chars` first: truncation keeps only its start anyway, and
+        tokenizing all of a megabyte input would hold this device's worker (and every stream on it)
+        for seconds."""
+        texts = [i[: self.max_input_chars] for i in inputs if isinstance(i, str)]
         encoded = iter(self.tokenizer(texts, truncation=True, max_length=self.max_seq_len)["input_ids"]
                        if texts else [])
         return [next(encoded) if isinstance(i, str) else list(i) for i in inputs]

@@ -320,3 +320,34 @@ async def test_token_ids_past_the_embedding_are_refused(aiohttp_server, db, shor
         await stack.session.close()
         for worker in workers:
             worker.stop()
+
+
+# ---- item 5, encoders: a huge input must not hold the device worker -------------------------------
+
+
+async def test_a_huge_embedding_input_is_cut_before_tokenizing(aiohttp_server):
+    """Embeddings truncate to the model's length, but the whole input used to be tokenized first, on
+    the device's worker thread: 6 MB took ~7 s there, every stream on that device stalled."""
+    from launch import load_encoder, unload_encoder
+    from storage.registry import ModelVersion
+    from tests.test_encoders import MINILM
+
+    minilm = load_encoder(ModelVersion("minilm", "1", MINILM, "embed", {}), "cpu", "auto")
+    try:
+        router = Router()
+        router.add_model(minilm)
+        server = await aiohttp_server(make_app(None, router, auth_enabled=False))
+        huge = "the quick brown fox jumps over the lazy dog " * (6_000_000 // 44)
+        async with aiohttp.ClientSession(base_url=server.make_url("/")) as session:
+
+            async def embed(text: str) -> tuple[list[float], float]:
+                started = time.monotonic()
+                async with session.post("/v1/embeddings", json={"model": "minilm", "input": text}) as resp:
+                    assert resp.status == 200, await resp.text()
+                    return (await resp.json())["data"][0]["embedding"], time.monotonic() - started
+
+            vector, took_s = await embed(huge)
+            assert vector == (await embed(huge[:20_000]))[0]  # 256 tokens: the same start, the same vector
+            assert took_s < 3.0, f"a 6 MB input took {took_s:.1f}s"
+    finally:
+        await asyncio.get_running_loop().run_in_executor(None, unload_encoder, minilm)
