@@ -191,7 +191,6 @@ async def hostile_request(stack: Stack, path: str, params: dict, neighbour: asyn
                 return  # leaving aborts the rest
 
 
-@pytest.mark.slow
 async def test_random_parameters_never_hurt_another_tenants_stream(stack):
     alone = await stack.stream_text("alice", GREEDY)
     loop = asyncio.get_running_loop()
