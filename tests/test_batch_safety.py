@@ -92,9 +92,9 @@ async def test_an_item_waiting_out_a_refusal_follows_its_model_through_an_unload
 
 
 async def test_an_item_without_a_first_token_in_time_fails_instead_of_waiting_forever(make_batch_stack):
-    client, router, key = await make_batch_stack(BatchConfig(first_token_timeout_seconds=0.3), max_num_seqs=1)
+    client, router, key = await make_batch_stack(BatchConfig(first_token_timeout_seconds=0.2), max_num_seqs=1)
     headers = {"Authorization": f"Bearer {key}"}
-    # the one running sequence is an interactive stream; the low-priority item queues behind it
+    # the one running sequence is an interactive stream (~1 s of decoding); the low-priority item queues behind it
     async with client.session.post("/v1/completions", headers=headers, json={
             "model": "tiny", "prompt": "Busy", "stream": True, **LONG}) as interactive:
         await interactive.content.readline()
