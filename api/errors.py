@@ -117,10 +117,21 @@ def kept_headers(exc: web.HTTPException) -> dict[str, str]:
     return {name: value for name, value in exc.headers.items() if name.lower() not in body_headers}
 
 
+class StreamEnded(Exception):
+    """A streamed response the server ended early and already finished on the wire (a final
+    error event, then the end of the body): the handler unwinds, the response stands."""
+
+    def __init__(self, response: web.StreamResponse, reason: str) -> None:
+        super().__init__(reason)
+        self.response = response
+
+
 @web.middleware
 async def error_middleware(request: web.Request, handler):
     try:
         return await handler(request)
+    except StreamEnded as exc:
+        return exc.response
     except APIError as exc:
         return error_response(exc)
     except ValidationError as exc:

@@ -1,9 +1,18 @@
-"""Server-sent events: open a stream response and write `data:` events (with `id:` to resume)."""
+"""Server-sent events: open a stream response and write `data:` events (with `id:` to resume).
+
+A stream is a long-lived connection: its key is re-checked before every event, so revoking the
+key or deleting the tenant ends it at once (as it closes a WebSocket with 1008).
+"""
 
 from __future__ import annotations
 
 import orjson
 from aiohttp import web
+
+from api.auth import TENANT, current_tenant
+from api.errors import StreamEnded, error_body
+
+REQUEST = "galley_sse_request"  # response[REQUEST]: the request the stream answers
 
 
 async def open_sse(request: web.Request, headers: dict[str, str] | None = None) -> web.StreamResponse:
@@ -15,11 +24,20 @@ async def open_sse(request: web.Request, headers: dict[str, str] | None = None) 
             **(headers or {}),
         }
     )
+    response[REQUEST] = request
     await response.prepare(request)
     return response
 
 
 async def send_event(response: web.StreamResponse, data: dict | str, event_id: int | None = None) -> None:
+    request = response.get(REQUEST)
+    if request is not None and TENANT in request and current_tenant(request) is None:
+        # a final error event and the end of the body; the handler unwinds as if the client had
+        # left, so the generation follows its disconnect policy
+        await response.write(sse_frame(error_body("The API key was revoked.", "authentication_error",
+                                                  code="invalid_api_key")))
+        await response.write_eof()
+        raise StreamEnded(response, "the stream's API key was revoked")
     await response.write(sse_frame(data, event_id))
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import time
 
 import aiohttp
@@ -82,6 +83,32 @@ async def test_deleting_the_tenant_closes_its_sockets_and_a_streaming_one_too(st
         for ws in (idle, busy):
             got, code = await closed_by_server(ws)
             assert got[-1]["code"] == "invalid_api_key" and code == aiohttp.WSCloseCode.POLICY_VIOLATION
+
+
+async def test_revoking_the_key_ends_its_http_streams_at_once(stack):
+    """An SSE stream is a long-lived connection too: the key is re-checked before every event."""
+    client, _, _ = stack
+    key, kept = await client.new_key("bob"), await client.new_key("bob")
+    body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 400, "stream": True, "ignore_eos": True,
+            "temperature": 0, "galley": {"on_disconnect": "cancel"}}
+
+    async def read(key: str, revoke_after: int | None) -> list[dict | str]:
+        events: list = []
+        async with client.session.post("/v1/completions", json=body,
+                                       headers={"Authorization": f"Bearer {key}"}) as resp:
+            assert resp.status == 200
+            async for line in resp.content:
+                if line.startswith(b"data: "):
+                    data = line[6:].strip().decode()
+                    events.append(data if data == "[DONE]" else json.loads(data))
+                    if len(events) == revoke_after:
+                        assert (await client.admin("DELETE", f"/keys/{key.split('_')[1]}"))[0] == 200
+        return events
+
+    revoked, untouched = await asyncio.gather(read(key, revoke_after=3), read(kept, revoke_after=None))
+    assert revoked[-1]["error"]["code"] == "invalid_api_key" and len(revoked) < 20, revoked[-3:]
+    assert untouched[-1] == "[DONE]"  # the tenant's other key is unaffected
+    assert untouched[-2]["choices"][0]["finish_reason"] == "length"
 
 
 # ---- limits are read at admission time, buckets keep their level ------------------------
