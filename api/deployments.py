@@ -288,7 +288,7 @@ DEPLOYMENTS_PATH = "/api/v1/deployments"
 
 ROUTES = [
     Route("POST", "/admin/api/models", create_model, "Register a model version (admin key)",
-          request=ModelCreate, response=VersionOut, status=201, errors=(404, 409)),
+          request=ModelCreate, response=VersionOut, status=201, errors=(409,)),
     Route("GET", "/admin/api/models", list_models, "List model versions and their state (admin key)",
           response=VersionList),
     Route("POST", VERSION_PATH + "/load", load_version, "Load a version in the background (admin key)",

@@ -35,8 +35,8 @@ from api.background import BackgroundTasks
 from api.context import ROUTER, STATE
 from api.errors import (
     ConflictError,
+    InvalidRequestError,
     ModelNotFoundError,
-    NotFoundError,
     PermissionDeniedError,
     ServiceUnavailableError,
 )
@@ -430,9 +430,9 @@ class ModelManager:
         if spec.ref in self.versions:
             raise ConflictError(f"`{spec.ref}` is already registered.", param="version", code="version_exists")
         problem = await asyncio.to_thread(self.loader.registration_problem, spec) if self.loader else None
-        if problem is not None:  # refused now, not as a 503 on every request once it fails to load; 404 as
-            # for any other named thing that is not there (the body is valid: the spec cannot know the disk)
-            raise NotFoundError(f"cannot register `{spec.ref}`: {problem}", param="source", code="model_not_loadable")
+        if problem is not None:  # refused now, not as a 503 on every request once it fails to load
+            raise InvalidRequestError(f"cannot register `{spec.ref}`: {problem}", param="source",
+                                      code="model_not_loadable")
         first = not any(v.spec.name == spec.name for v in self.versions.values())
 
         def add(db) -> Deployment | None:

@@ -36,7 +36,7 @@ async def test_a_source_that_cannot_load_is_refused_at_registration(stack, tmp_p
     ]
     for i, (source, options, words) in enumerate(cases):
         body = {"name": f"bad{i}", "source": source, "options": options}
-        error = assert_error(*await stack.client.admin("POST", "/models", json=body), 404, "not_found_error")
+        error = assert_error(*await stack.client.admin("POST", "/models", json=body), 400, "invalid_request_error")
         assert (error["param"], error["code"]) == ("source", "model_not_loadable") and words in error["message"]
     status, made = await stack.client.admin("POST", "/models", json={"name": "good", "source": str(llama_path)})
     assert status == 201, made

@@ -93,7 +93,7 @@ def test_operations_declare_their_parameters_statuses_and_keys(servers):
     assert {"201", "400", "409"} <= set(paths["/admin/api/tenants"]["post"]["responses"])
     assert "404" in paths["/admin/api/tenants/{name}"]["patch"]["responses"]
     assert "202" in paths["/admin/api/models/{name}/versions/{version}/load"]["post"]["responses"]
-    assert {"201", "404", "409"} <= set(paths["/admin/api/models"]["post"]["responses"])
+    assert {"201", "400", "409"} <= set(paths["/admin/api/models"]["post"]["responses"])
     assert {"401", "403", "404", "429"} <= set(paths["/v1/completions"]["post"]["responses"])
     assert [p["name"] for p in paths["/admin/api/requests"]["get"]["parameters"]] == ["limit", "tenant", "status"]
     off = spec_of(servers["off"])["paths"]
