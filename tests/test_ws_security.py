@@ -15,10 +15,10 @@ import pytest
 from scheduling.admission import Admission, Rejected, TenantLimits
 from scheduling.deployments import pick_version
 from storage.registry import ModelVersion
-from tests.test_auth import ADMIN, Client, assert_error
+from tests.test_auth import ADMIN, assert_error
 from tests.test_deployments import make_stack, register, versions  # noqa: F401 (fixtures)
 from tests.test_streams import auth_stack
-from tests.test_ws import receive, start, until_end
+from tests.test_ws import connect, receive, start, until_end
 
 QUICK = {"max_tokens": 2, "temperature": 0, "ignore_eos": True}
 
@@ -27,10 +27,6 @@ QUICK = {"max_tokens": 2, "temperature": 0, "ignore_eos": True}
 async def stack(aiohttp_server, llama_path, db):
     async with auth_stack(aiohttp_server, llama_path, db) as (_, client, app, key):
         yield client, key, app
-
-
-def connect(client: Client, key: str):
-    return client.session.ws_connect("/ws/chat", headers={"Authorization": f"Bearer {key}"})
 
 
 async def closed_by_server(ws: aiohttp.ClientWebSocketResponse, timeout_s: float = 15.0) -> tuple[list[dict], int]:
