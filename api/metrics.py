@@ -315,7 +315,7 @@ class MetricsAccess:
             return True
         scheme, _, presented = request.headers.get("Authorization", "").partition(" ")
         return bool(self.token) and scheme.lower() == "bearer" and hmac.compare_digest(
-            presented.strip().encode(), self.token.encode())
+            presented.strip().encode("utf-8", "surrogatepass"), self.token.encode())  # undecodable bytes: surrogates
 
 
 METRICS_ACCESS = web.AppKey("metrics_access", MetricsAccess)

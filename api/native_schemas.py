@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Annotated, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
 from api.schemas import (
     MAX_CONTEXT_TOKENS,
@@ -31,10 +31,28 @@ class CacheOptions(Strict):
 # ---- /v1/embeddings (OpenAI) -------------------------------------------------------------
 
 
+def input_shape(value: object) -> str:
+    """Which of the four shapes an embeddings `input` is, from its first item: the union is then
+    validated against that one member, so an error names it (`input.list.3`), and a huge list
+    is not validated four times over with an error per item (seconds holding the GIL)."""
+    if not isinstance(value, list):
+        return "str"
+    first = value[0] if value else None
+    if isinstance(first, list):
+        return "lists"
+    return "ids" if isinstance(first, int) and not isinstance(first, bool) else "list"
+
+
+EmbeddingInput = Annotated[
+    Annotated[Text, Tag("str")] | Annotated[list[Text], Field(min_length=1, max_length=MAX_INPUTS), Tag("list")]
+    | Annotated[TokenIds, Tag("ids")]
+    | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_INPUTS), Tag("lists")],
+    Discriminator(input_shape)]
+
+
 class EmbeddingRequest(Strict):
     model: str = Field(min_length=1, max_length=MAX_NAME_CHARS)
-    input: (Text | Annotated[list[Text], Field(min_length=1, max_length=MAX_INPUTS)] | TokenIds
-            | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_INPUTS)]) = Field(
+    input: EmbeddingInput = Field(
         description="A string, a list of strings, a list of token ids, or a list of such lists.")
     encoding_format: Literal["float", "base64"] = Field(
         "float", description="base64: each embedding is the base64 of its little-endian float32 bytes.")

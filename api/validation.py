@@ -19,6 +19,7 @@ B = TypeVar("B", bound=BaseModel)
 
 
 OFF_LOOP_BYTES = 256 * 1024  # larger bodies are parsed and validated on a thread, not on the event loop
+MAX_DEPTH = 32  # no schema nests near this; deeper bodies would only exhaust the recursion limit
 
 
 async def parse_body(request: web.Request, schema: type[B]) -> B:
@@ -59,19 +60,31 @@ def non_finite_json(raw: bytes, schema: type[BaseModel], error: orjson.JSONDecod
     if schema.model_config.get("allow_inf_nan", True):
         raise InvalidRequestError(f"request body is not valid JSON: {error}") from error
     try:
-        return json.loads(raw)
+        data = json.loads(raw)
+    except RecursionError:
+        raise InvalidRequestError(f"request body nests deeper than {MAX_DEPTH} levels") from None
     except ValueError:
         raise InvalidRequestError(f"request body is not valid JSON: {error}") from error
+    try:  # Python's parser also takes lone surrogates ("\\ud800"), which orjson refused and no tokenizer encodes
+        json.dumps(data, ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        raise InvalidRequestError("request body is not valid JSON: a string holds a lone surrogate") from None
+    except RecursionError:
+        raise InvalidRequestError(f"request body nests deeper than {MAX_DEPTH} levels") from None
+    return data
 
 
-def json_integers(value: Any) -> Any:
-    """Integral floats as ints, all the way down: JSON Schema's `integer` includes 3.0."""
+def json_integers(value: Any, depth: int = 0) -> Any:
+    """Integral floats as ints, all the way down: JSON Schema's `integer` includes 3.0. A body
+    nested deeper than MAX_DEPTH is a 400 (orjson reads 1024 levels; Python recurses fewer)."""
     if isinstance(value, float) and value.is_integer():
         return int(value)
+    if isinstance(value, (dict, list)) and depth >= MAX_DEPTH:
+        raise InvalidRequestError(f"request body nests deeper than {MAX_DEPTH} levels")
     if isinstance(value, dict):
-        return {key: json_integers(item) for key, item in value.items()}
+        return {key: json_integers(item, depth + 1) for key, item in value.items()}
     if isinstance(value, list):
-        return [json_integers(item) for item in value]
+        return [json_integers(item, depth + 1) for item in value]
     return value
 
 

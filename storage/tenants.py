@@ -103,7 +103,7 @@ class ApiKey:
 
 
 def hash_key(key: str) -> str:
-    return hashlib.sha256(key.encode()).hexdigest()
+    return hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()  # undecodable header bytes are surrogates
 
 
 def key_prefix(key: str) -> str | None:

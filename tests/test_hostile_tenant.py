@@ -1,0 +1,126 @@
+"""A hostile tenant against the real server, beyond the sampling parameters (issue 11's classes):
+request bodies that are JSON only to Python's lenient parser (lone surrogates, nesting past any
+schema), an Authorization header that is not UTF-8, and a body whose validation cost grew with
+every member of a union. Each is a clean 4xx naming what is wrong, never a 500 or a stalled loop,
+and another tenant's stream runs on untouched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import aiohttp
+import pytest
+from yarl import URL
+
+from tests.helpers import start_tiny_engines
+from tests.test_api import wait_blocks_free
+from tests.test_auth import ADMIN, Client, make_app
+from tests.test_hostile_params import GREEDY, Stack
+
+CHAT = {"model": "tiny", "max_tokens": 4, "temperature": 0}
+
+
+@pytest.fixture
+async def server(aiohttp_server, llama_path, db):
+    router, workers = await start_tiny_engines(llama_path, max_num_seqs=8)
+    server = await aiohttp_server(make_app(db, router))
+    server.router, server.workers = router, workers
+    yield server
+    await wait_blocks_free(router, timeout_s=30)
+    for worker in workers:
+        worker.stop()
+
+
+@pytest.fixture
+async def stack(server):
+    async with aiohttp.ClientSession(base_url=server.make_url("/")) as session:
+        keys = {tenant: await Client(session).new_key(tenant) for tenant in ("alice", "mallory")}
+        yield Stack(session, server.router, keys)
+
+
+def assert_400(status: int, answer: dict, param: str | None) -> None:
+    assert status == 400, answer
+    assert answer["error"]["type"] == "invalid_request_error", answer
+    assert answer["error"]["param"] == param, answer
+
+
+async def test_bodies_only_pythons_json_accepts_are_a_400_and_spare_the_other_tenant(stack):
+    """Lone surrogates (orjson refuses them; the NaN-tolerant fallback did not, and the
+    tokenizer then raised: a 500) and nesting past the parsers' depth (RecursionError: a 500)."""
+    other = asyncio.create_task(stack.stream_text("alice", GREEDY))
+    surrogate = (b'{"model":"tiny","max_tokens":4,"messages":[{"role":"user","content":"a\\ud800b"}]}',
+                 b'{"model":"tiny","max_tokens":4,"temperature":NaN,"messages":[{"role":"user","content":"\\udfff"}]}')
+    for body in surrogate:
+        status, answer = await stack.post("mallory", "/v1/chat/completions", body)
+        assert_400(status, answer, None)
+        assert "surrogate" in answer["error"]["message"], answer
+    deep = [b'{"model":"tiny","prompt":' + b"[" * 1020 + b"1" + b"]" * 1020 + b"}",  # orjson reads it
+            b'{"model":"tiny","prompt":"x","galley":' + b"[" * 3000 + b"]" * 3000 + b"}",  # orjson does not
+            b'{"model":"tiny","prompt":"x","top_p":NaN,"galley":' + b"[" * 3000 + b"]" * 3000 + b"}"]
+    for body in deep:
+        status, answer = await stack.post("mallory", "/v1/completions", body)
+        assert status == 400 and answer["error"]["type"] == "invalid_request_error", answer
+        assert "nest" in answer["error"]["message"] or "depth" in answer["error"]["message"], answer
+    status, answer = await stack.post("mallory", "/v1/chat/completions",
+                                      json.dumps({**CHAT, "messages": [{"role": "user", "content": "hi"}]}).encode())
+    assert status == 200, answer  # the NaN-free, surrogate-free request still works
+    assert await other == await stack.stream_text("alice", GREEDY)
+
+
+async def raw_get(url: URL, path: str, authorization: bytes) -> tuple[int, bytes]:
+    """A GET with header bytes no HTTP client library would send: status and body."""
+    reader, writer = await asyncio.open_connection(url.host, url.port)
+    writer.write(f"GET {path} HTTP/1.1\r\nHost: {url.host}\r\nConnection: close\r\n".encode()
+                 + b"Authorization: Bearer " + authorization + b"\r\n\r\n")
+    await writer.drain()
+    response = await asyncio.wait_for(reader.read(), timeout=30)
+    writer.close()
+    head, _, body = response.partition(b"\r\n\r\n")
+    return int(head.split()[1]), body
+
+
+async def test_an_authorization_header_that_is_not_utf8_is_a_401(server, stack):
+    """aiohttp hands undecodable header bytes over as surrogate escapes; hashing the key raised
+    UnicodeEncodeError: a 500 on admin routes, and on tenant routes when the key's prefix exists."""
+    prefix = stack.keys["mallory"].split("_")[1]
+    url = server.make_url("/")
+    for path, token in [("/admin/api/tenants", b"\xff\xfe"), ("/v1/models", f"gk_{prefix}_".encode() + b"\xff"),
+                        ("/api/v1/deployments", ADMIN.encode() + b"\xed\xa0\x80")]:
+        status, body = await raw_get(url, path, token)
+        assert status == 401, (path, body)
+        assert b"invalid_api_key" in body, (path, body)
+    status, _ = await raw_get(url, "/metrics", b"\xff")  # open on a loopback bind; the header must not break it
+    assert status == 200
+
+
+async def test_too_many_embedding_inputs_are_named_at_once_without_stalling_the_loop(stack):
+    """`input` was a plain union of four shapes: an oversized list was validated against every
+    member, with an error per element (seconds holding the GIL, /health stalled behind it), and
+    the 400 named the wrong member (`input.constrained-str`)."""
+    stalls: list[float] = []
+    done = asyncio.Event()
+
+    async def watch_health() -> None:
+        while not done.is_set():
+            started = time.monotonic()
+            async with stack.session.get("/health") as resp:
+                assert resp.status == 200
+            stalls.append(time.monotonic() - started)
+            await asyncio.sleep(0.02)
+
+    watcher = asyncio.create_task(watch_health())
+    body = json.dumps({"model": "minilm", "input": ["ab"] * 1_300_000}).encode()
+    status, answer = await stack.post("mallory", "/v1/embeddings", body)
+    done.set()
+    await watcher
+    assert_400(status, answer, "input.list")
+    assert "at most 2048" in answer["error"]["message"], answer
+    assert max(stalls) < 3.0, max(stalls)  # ~7 s before, on a 2-core machine
+    for value, param in [([[1, 2], "a"], "input.lists.1"), (["a", [1]], "input.list.1"),
+                         ([1, "a"], "input.ids.1"), ([], "input.list"), ([[]], "input.lists.0")]:
+        status, answer = await stack.post("mallory", "/v1/embeddings",
+                                          json.dumps({"model": "minilm", "input": value}).encode())
+        assert_400(status, answer, param)
