@@ -100,7 +100,7 @@ async def test_config_encoders_are_registry_versions_and_bad_registrations_chang
     assert set(stack.manager.versions) == {"emb@1", "clf@1"}
 
     status, _ = await stack.register("emb", "3", "/nowhere/at/all")
-    assert status == 404  # refused at once (tests/test_model_registration.py)
+    assert status == 400  # refused at once (tests/test_model_registration.py)
     broken = tmp_path / "nowhere"  # found, so it registers, but it does not load
     broken.mkdir()
     (broken / "config.json").write_text("{}")
