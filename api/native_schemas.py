@@ -160,6 +160,7 @@ class PredictResponse(BaseModel):
 
 class GenerateRequest(SamplingFields):
     prompt: Prompt = Field(description="A string or a list of token ids (each below the model's vocabulary size).")
+    n: Literal[1] = Field(1, description="One generation per request (several choices: /v1/completions).")
     max_tokens: int | None = Field(None, ge=1, le=MAX_CONTEXT_TOKENS, description="Default 128.")
     galley: GalleyOptions | None = Field(None, description="galley extensions")
 

@@ -124,3 +124,11 @@ async def test_too_many_embedding_inputs_are_named_at_once_without_stalling_the_
         status, answer = await stack.post("mallory", "/v1/embeddings",
                                           json.dumps({"model": "minilm", "input": value}).encode())
         assert_400(status, answer, param)
+
+
+async def test_native_generate_refuses_n_it_would_ignore(stack):
+    """/api/v1/generate answers one text; it took `n` from the shared sampling fields (the spec
+    promised up to 16 choices) and silently returned one."""
+    for path, body in [("/api/v1/generate", {"model": "tiny"}), ("/api/v1/models/tiny/generate", {})]:
+        status, answer = await stack.post("mallory", path, json.dumps({**body, "prompt": "hi", "n": 2}).encode())
+        assert_400(status, answer, "n")
