@@ -24,6 +24,7 @@ from api.quotas import count_creation
 from api.routes import Route
 from api.schemas import (
     MAX_CONTEXT_TOKENS,
+    MAX_NAME_CHARS,
     MAX_STOP_TOKEN_IDS,
     MAX_TOP_K,
     ChatMessage,
@@ -69,7 +70,7 @@ BatchInput = Annotated[str, Field(min_length=1)] | Annotated[list[ChatMessage], 
 
 
 class BatchCreate(Strict):
-    model: str = Field(min_length=1)
+    model: str = Field(min_length=1, max_length=MAX_NAME_CHARS)
     inputs: list[BatchInput] = Field(min_length=1, max_length=MAX_INPUTS,
                                      description="Prompts (strings) or chat conversations (lists of messages); "
                                      "texts (strings) for embed and classify models.")

@@ -23,7 +23,7 @@ from api.errors import NotFoundError, json_response
 from api.lifecycle import resolve_model
 from api.quotas import count_creation
 from api.routes import Route
-from api.schemas import Strict
+from api.schemas import MAX_NAME_CHARS, Strict
 from api.validation import parse_body
 from storage import conversations
 from storage.conversations import Conversation, Message
@@ -37,7 +37,8 @@ Role = Literal["system", "developer", "user", "assistant", "tool"]
 
 
 class ConversationCreate(Strict):
-    model: str = Field(min_length=1, description="A served model; the conversation is pinned to its version.")
+    model: str = Field(min_length=1, max_length=MAX_NAME_CHARS,
+                       description="A served model; the conversation is pinned to its version.")
     title: str | None = Field(None, max_length=256)
 
 

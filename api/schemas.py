@@ -120,8 +120,8 @@ class ChatCompletionRequest(SamplingFields):
 
     messages: list[ChatMessage] = Field(min_length=1)
     conversation_id: str | None = Field(
-        None, description="galley extension: continue a stored conversation (its history is prepended, "
-        "the new messages and the answer are stored)")
+        None, max_length=MAX_NAME_CHARS, description="galley extension: continue a stored conversation (its history "
+        "is prepended, the new messages and the answer are stored)")
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_CONTEXT_TOKENS)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)

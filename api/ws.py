@@ -36,7 +36,7 @@ from api.errors import APIError, InvalidRequestError, NotFoundError, RateLimitEr
 from api.lifecycle import resolve_model
 from api.openai import start_chat, start_live_chat
 from api.routes import Route
-from api.schemas import ChatCompletionRequest, Strict
+from api.schemas import MAX_NAME_CHARS, ChatCompletionRequest, Strict
 from api.streams import HUB, LiveStream
 from storage import conversations
 
@@ -69,13 +69,13 @@ class ChatIn(Strict):
 
 class ResumeIn(Strict):
     type: Literal["resume"]
-    stream_id: str
+    stream_id: str = Field(max_length=MAX_NAME_CHARS)
     after: int = Field(-1, ge=-1)
 
 
 class CancelIn(Strict):
     type: Literal["cancel"]
-    stream_id: str
+    stream_id: str = Field(max_length=MAX_NAME_CHARS)
 
 
 ClientMessage = TypeAdapter(Annotated[ChatIn | ResumeIn | CancelIn, Field(discriminator="type")])

@@ -132,3 +132,22 @@ async def test_native_generate_refuses_n_it_would_ignore(stack):
     for path, body in [("/api/v1/generate", {"model": "tiny"}), ("/api/v1/models/tiny/generate", {})]:
         status, answer = await stack.post("mallory", path, json.dumps({**body, "prompt": "hi", "n": 2}).encode())
         assert_400(status, answer, "n")
+
+
+async def test_names_and_ids_are_bounded_on_every_route(stack):
+    """`model` and `user` are at most 256 characters on the generation routes; batch jobs,
+    conversations, a chat's `conversation_id` and WebSocket stream ids took any length (and
+    echoed it back in their 404s)."""
+    long = "m" * 300
+    for path, body, param in [("/api/v1/batch", {"model": long, "inputs": ["x"]}, "model"),
+                              ("/api/v1/conversations", {"model": long}, "model"),
+                              ("/v1/chat/completions", {**CHAT, "conversation_id": long,
+                                                        "messages": [{"role": "user", "content": "hi"}]},
+                               "conversation_id")]:
+        status, answer = await stack.post("mallory", path, json.dumps(body).encode())
+        assert_400(status, answer, param)
+    async with stack.session.ws_connect("/ws/chat", headers=stack.headers("mallory")) as ws:
+        for kind in ("resume", "cancel"):
+            await ws.send_json({"type": kind, "stream_id": long})
+            answer = await ws.receive_json(timeout=30)
+            assert answer["code"] == "invalid_message" and "stream_id" in answer["message"], answer
