@@ -19,7 +19,7 @@ from api.alerts import DEFAULT_ALERTS, AlertRule
 from api.auth import AUTH, DATABASE, Auth, TenantDirectory, auth_middleware
 from api.batch_runner import BatchConfig, BatchRunner
 from api.context import ROUTER, STATE, ServerState
-from api.errors import CLIENT_CLOSED, client_gone, error_middleware, json_response
+from api.errors import CLIENT_CLOSED, SHUTTING_DOWN, client_gone, error_middleware, json_response
 from api.metrics import METRICS, METRICS_ACCESS, Metrics, MetricsAccess, StorageCollector, metrics_endpoint
 from api.openapi import build_spec
 from api.response_cache import RESPONSE_CACHE, ResponseCache, ResponseCacheConfig, add_cache_header
@@ -81,7 +81,7 @@ async def interrupt(app: web.Application) -> None:
     streams are left unfinished in SQLite (checkpointed), so a restart resumes them."""
     await app[batch.BATCH].close()
     await app[HUB].close()  # producers checkpoint; followers send `server_shutting_down` and end
-    app[ROUTER].fail_all("the server shut down before this request finished; retry it")
+    app[ROUTER].fail_all("the server shut down before this request finished; retry it", SHUTTING_DOWN)
 
 
 def all_routes() -> list[Route]:

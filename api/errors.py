@@ -149,6 +149,8 @@ async def error_middleware(request: web.Request, handler):
         return json_response(error_body("internal server error", "internal_error"), 500)
 
 
+SHUTTING_DOWN = "server_shutting_down"  # the code of what the end of a drain interrupts: 503, retry elsewhere or later
+
 CLIENT_CLOSED = 499  # nginx's "client closed request": logged, never sent
 
 

@@ -14,11 +14,11 @@ from aiohttp import web
 
 from api.auth import check_priority_access
 from api.context import ROUTER
-from api.errors import json_response
+from api.errors import error_body, json_response
 from api.lifecycle import model_label, resolve_model
 from api.metrics import METRICS
 from api.native_schemas import GenerateEvent, GenerateRequest, GenerateResponse, NamedGenerateRequest
-from api.openai import collect, finish_reason, sampling_params, scheduled_events, submit, usage
+from api.openai import collect, finish_reason, generation_failed, sampling_params, scheduled_events, submit, usage
 from api.prompts import encode_prompt
 from api.response_cache import RESPONSE_CACHE, admit_hit, cache_key, cache_scope, mark_lookup, wants_cache
 from api.routes import Route
@@ -76,11 +76,14 @@ async def stream_generation(request: web.Request, model: ServedModel, stream: Re
     try:
         events = scheduled_events(request, stream)
         first = await anext(events)
+        if first.error:
+            raise generation_failed(first)
         response = await open_sse(request, headers)
         async for event in prepend(first, events):
             if event.error:
-                error = {"message": event.error, "type": "internal_error", "param": None, "code": "generation_failed"}
-                await send_event(response, {"type": "error", "error": error})
+                failed = generation_failed(event)
+                body = error_body(failed.message, failed.type, code=failed.code)
+                await send_event(response, {"type": "error", **body})
                 break
             if event.text:
                 await send_event(response, {"token": event.text})

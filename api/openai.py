@@ -23,6 +23,7 @@ from api.auth import check_priority_access, tenant_limits, tenant_of
 from api.chunks import ChunkFormat, StreamEvent, chat_logprobs, completion_logprobs, event_chunks, role_chunk
 from api.context import ROUTER
 from api.errors import (
+    SHUTTING_DOWN,
     APIError,
     ConflictError,
     InvalidRequestError,
@@ -32,7 +33,7 @@ from api.errors import (
     json_response,
     rate_limited,
 )
-from api.lifecycle import MODELS, model_label, resolve_model
+from api.lifecycle import DRAINING_RETRY_AFTER_S, MODELS, model_label, resolve_model
 from api.metrics import METRICS
 from api.prompts import check_token_ids, encode_chat, encode_prompt
 from api.routes import Route
@@ -156,13 +157,17 @@ async def collect(request: web.Request, stream: RequestStream) -> tuple[str, lis
         if not stream.finished:  # client went away: the handler was cancelled
             request.app[ROUTER].abort(stream)
     if last.error:
-        raise generation_failed(last.error)
+        raise generation_failed(last)
     return text, logprobs, last
 
 
-def generation_failed(message: str) -> APIError:
-    """A generation the engine ended with an error: its message is the engine's fixed text."""
-    return APIError(message, code="generation_failed")
+def generation_failed(event: TokenEvent) -> APIError:
+    """A generation that ended with an error: the engine's fixed text, or the end of a drain
+    (503 to retry, not a server error)."""
+    if event.error_code == SHUTTING_DOWN:
+        return ServiceUnavailableError(event.error, code=SHUTTING_DOWN,
+                                       headers={"Retry-After": str(DRAINING_RETRY_AFTER_S)})
+    return APIError(event.error, code="generation_failed")
 
 
 def failure(exc: Exception) -> APIError:
@@ -230,7 +235,7 @@ async def stream_n(request: web.Request, fmt: ChunkFormat, tokenizer: Any,
             if failed and response is None:
                 if isinstance(event, Exception):
                     raise event
-                raise generation_failed(event.error)
+                raise generation_failed(event)
             if response is None:
                 response = await open_sse(request, {"X-Request-Id": request["request_id"]})
                 for i in range(len(streams) if fmt.kind == "chat" else 0):
@@ -238,7 +243,7 @@ async def stream_n(request: web.Request, fmt: ChunkFormat, tokenizer: Any,
                     chunk["choices"][0]["index"] = i
                     await send_event(response, chunk)
             if failed:
-                error = failure(event) if isinstance(event, Exception) else generation_failed(event.error)
+                error = failure(event) if isinstance(event, Exception) else generation_failed(event)
                 await send_event(response, error_chunk(StreamEvent(counts[index], "", offsets[index],
                                                                    error=error.message, error_code=error.code)))
                 return response

@@ -187,6 +187,7 @@ class TokenEvent:
     logprobs: list[TokenLogprob] | None = None
     finish_reason: FinishReason | None = None
     error: str | None = None
+    error_code: str | None = None  # with `error`: a stable code for clients when the cause is known (a shutdown)
     scheduled_s: float | None = None  # monotonic time the sequence first ran: arrival -> here is queue wait
     num_preemptions: int = 0
 

@@ -230,10 +230,11 @@ class Router:
         if self.on_encoder_finish is not None:
             self.on_encoder_finish(model, ok, latency_s)
 
-    def abort(self, stream: RequestStream, error: str | None = None) -> None:
+    def abort(self, stream: RequestStream, error: str | None = None, error_code: str | None = None) -> None:
         """Cancel a request nobody wants any more; its blocks free before the next step.
 
-        Whoever still iterates the stream gets a final `abort` event (an `error` one with `error`)."""
+        Whoever still iterates the stream gets a final `abort` event (an `error` one with `error`
+        and `error_code`)."""
         if self._close(stream):
             stream.replica.worker.abort(stream.replica.engine_id, stream.request_id)
             num_prompt = len(stream.request.prompt_token_ids)
@@ -241,13 +242,14 @@ class Router:
                 request_id=stream.request_id, text="", token_ids=[], num_prompt_tokens=num_prompt,
                 num_output_tokens=stream.num_tokens_used - num_prompt,
                 finish_reason=FinishReason.ABORT if error is None else FinishReason.ERROR, error=error,
+                error_code=error_code,
             ))
 
-    def fail_all(self, error: str) -> None:
+    def fail_all(self, error: str, error_code: str) -> None:
         """At the end of a drain: every request still in flight ends with an `error` event (its
-        reader gives its client a final error) and frees its blocks."""
+        reader gives its client a final error with `error_code`) and frees its blocks."""
         for stream in list(self.streams.values()):
-            self.abort(stream, error)
+            self.abort(stream, error, error_code)
 
     def dispatch(self, events: list[TokenEvent]) -> None:
         for event in events:
