@@ -1,6 +1,7 @@
-"""What a tenant creates (batch jobs, conversations) counts against its limits like a request does.
+"""What a tenant creates (batch jobs, conversations) or replays (a stream resumed over HTTP or a
+WebSocket) counts against its limits like a request does.
 
-Creating runs no generation and holds no slot, so it takes one from the tenant's
+Creating or replaying runs no generation and holds no slot, so it takes one from the tenant's
 `requests_per_minute` only (its concurrency is for running requests); over it, the same 429
 with Retry-After as any refused request. It runs before any work the creation would cause
 (loading a cold model, storing megabytes of inputs).

@@ -10,6 +10,7 @@ from api.auth import tenant_of
 from api.chunks import StreamEvent, event_chunks, role_chunk
 from api.context import ROUTER
 from api.errors import APIError, NotFoundError
+from api.quotas import count_creation
 from api.routes import Route
 from api.sse import open_sse, send_event
 from api.streams import HUB, LiveStream, prepend
@@ -97,6 +98,7 @@ def resume_point(request: web.Request) -> int:
 async def resume_stream(request: web.Request) -> web.StreamResponse:
     """Replay a stream's events after N (from memory while live, else SQLite), then follow it live."""
     after = resume_point(request)
+    count_creation(request)  # a replay is work: it counts as a request
     stream_id = request.match_info["stream_id"]
     live = await request.app[HUB].find(stream_id, tenant_of(request).name)
     if live is None:
@@ -108,5 +110,5 @@ ROUTES = [
     Route("GET", "/api/v1/streams/{stream_id}", resume_stream,
           "Resume a stream: events after Last-Event-ID (or ?after=N), then live until done",
           content_type="text/event-stream", query=ResumeQuery, headers=ResumeHeaders,
-          errors=(503,)),
+          errors=(429, 503)),
 ]

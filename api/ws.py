@@ -35,6 +35,7 @@ from api.context import ROUTER, STATE
 from api.errors import APIError, InvalidRequestError, NotFoundError, RateLimitError, validation_error
 from api.lifecycle import resolve_model
 from api.openai import start_chat, start_live_chat
+from api.quotas import count_creation
 from api.routes import Route
 from api.schemas import MAX_NAME_CHARS, ChatCompletionRequest, Strict
 from api.streams import HUB, LiveStream
@@ -172,6 +173,7 @@ class ChatSocket:
             if isinstance(message, ChatIn):
                 await self.chat(message)
             elif isinstance(message, ResumeIn):
+                count_creation(self.request)  # a replay is work: it counts as a request
                 await self.follow(await self.find(message.stream_id), message.after)
             else:
                 self.cancel(await self.find(message.stream_id))

@@ -151,3 +151,30 @@ async def test_names_and_ids_are_bounded_on_every_route(stack):
             await ws.send_json({"type": kind, "stream_id": long})
             answer = await ws.receive_json(timeout=30)
             assert answer["code"] == "invalid_message" and "stream_id" in answer["message"], answer
+
+
+async def finished_stream(stack: Stack, tenant: str, max_tokens: int) -> str:
+    async with stack.session.post("/v1/completions", headers=stack.headers(tenant),
+                                  json={**GREEDY, "max_tokens": max_tokens, "stream": True}) as resp:
+        assert resp.status == 200
+        await resp.read()
+        return resp.headers["X-Stream-Id"]
+
+
+async def test_resuming_a_stream_counts_against_requests_per_minute(stack):
+    """A replay is work (up to a whole stream, 64 at once per socket, any number of sockets): a
+    tenant held to one request a minute replayed one stream half a million times in seconds."""
+    key = await Client(stack.session).new_key("slow", requests_per_minute=2)
+    stack.keys["slow"] = key
+    stream_id = await finished_stream(stack, "slow", 4)  # request 1
+    async with stack.session.get(f"/api/v1/streams/{stream_id}", headers=stack.headers("slow")) as resp:
+        assert resp.status == 200  # request 2
+        await resp.read()
+    async with stack.session.get(f"/api/v1/streams/{stream_id}", headers=stack.headers("slow")) as resp:
+        assert resp.status == 429 and resp.headers["Retry-After"], await resp.text()
+        assert (await resp.json())["error"]["code"] == "requests_per_minute"
+    async with stack.session.ws_connect("/ws/chat", headers=stack.headers("slow")) as ws:
+        await ws.send_json({"type": "resume", "stream_id": stream_id})
+        answer = await ws.receive_json(timeout=30)
+        assert answer["type"] == "error" and answer["code"] == "requests_per_minute", answer
+
