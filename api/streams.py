@@ -56,6 +56,8 @@ def raise_if_failed(write: Future | None) -> None:
 SHUTDOWN_ERROR = ("the server shut down before this stream ended; it resumes when the server is back: "
                   "reconnect with GET /api/v1/streams/{id} and Last-Event-ID")
 
+REPLAY_BATCH = 16  # events a follower catching up sends before letting others run
+
 
 @dataclass(frozen=True)
 class StreamsConfig:
@@ -105,12 +107,16 @@ class LiveStream:
         self._changed = asyncio.Event()
 
     async def follow(self, after: int = -1) -> AsyncIterator[StreamEvent]:
-        """Events with index > `after`, live until the stream is done."""
+        """Events with index > `after`, live until the stream is done. A backlog yields to the
+        event loop every REPLAY_BATCH events: a socket's send rarely waits, so many followers
+        catching up would otherwise each hold the loop for their whole replay."""
         index = after + 1
         while True:
             while index < len(self.events):
                 yield self.events[index]
                 index += 1
+                if index % REPLAY_BATCH == 0:
+                    await asyncio.sleep(0)
             if self.done:
                 return
             await self._changed.wait()
