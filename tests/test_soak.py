@@ -18,7 +18,7 @@ import pytest
 from tests.test_drain import admitted, wait_for
 from tests.test_server_process import ServerProcess
 
-DRAIN_S = 2.0
+DRAIN_S = 1.0
 LONG = {"model": "demo", "max_tokens": 480, "temperature": 0, "ignore_eos": True}
 CHAT = [{"role": "user", "content": "Good morrow"}]
 PLAIN = [  # non-streamed: interrupted, the client gets a plain HTTP error
@@ -64,10 +64,15 @@ async def test_requests_the_drain_interrupts_get_503_server_shutting_down_not_50
             server.proc.send_signal(signal.SIGTERM)
             sigterm_s = time.monotonic()
             ends = await asyncio.wait_for(asyncio.gather(*pending), 60)
+            interrupted = 0
             for (path, body), (status, retry_after, error) in zip(calls, ends, strict=True):
+                if status == 200 and not error:
+                    continue  # a fast machine may finish one within the drain: that is what it is for
+                interrupted += 1
                 assert error.get("code") == "server_shutting_down", (path, body, status, error)
                 if status != 200:  # ended before its first event: a plain 503 to retry
                     assert status == 503 and int(retry_after) >= 1, (path, status, retry_after)
+            assert interrupted >= len(calls) - 2, ends
             assert server.proc.wait(timeout=30) == 0
             assert time.monotonic() - sigterm_s < DRAIN_S + 10
     finally:
