@@ -214,6 +214,15 @@ def current_tenant(request: web.Request) -> Tenant | None:
     return request.app[AUTH].directory.current(request[TENANT].name, request[KEY_PREFIX])
 
 
+def request_priority(request: web.Request, asked: str | None) -> str:
+    """The class a request runs at: what it asked for (checked by `check_priority_access`), else
+    `normal`, or the tenant's ceiling when that is lower (a tenant capped at `low` need not say so)."""
+    if asked is not None:
+        return asked
+    tenant = tenant_of(request)
+    return "normal" if tenant.allows_priority("normal") else tenant.max_priority
+
+
 def tenant_of(request: web.Request) -> Tenant:
     """The caller's tenant as it is now (limits, models, priority); 401 once its key is revoked."""
     tenant = current_tenant(request)
@@ -242,10 +251,10 @@ def check_model_access(request: web.Request, model_name: str) -> None:
                                     param="model", code="model_not_allowed")
 
 
-def check_priority_access(request: web.Request, priority: str) -> None:
-    """403 unless the caller's tenant may ask for `priority` (high/normal/low)."""
+def check_priority_access(request: web.Request, priority: str | None) -> None:
+    """403 unless the caller's tenant may ask for `priority` (high/normal/low; None: the default)."""
     tenant = tenant_of(request)
-    if not tenant.allows_priority(priority):
+    if priority is not None and not tenant.allows_priority(priority):
         raise PermissionDeniedError(
             f"Tenant `{tenant.name}` may use priority `{tenant.max_priority}` at most, not `{priority}`.",
             param="priority", code="priority_not_allowed")

@@ -42,8 +42,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
     model = await resolve_model(request, name or body.model, user=body.user)
     check_priority_access(request, body.priority)
     prompt_ids = await encode_prompt(model, body.prompt)
-    max_tokens = body.max_tokens or max(1, min(DEFAULT_MAX_TOKENS, model.max_model_len - len(prompt_ids)))
-    params = sampling_params(request, body, max_tokens, len(prompt_ids), model, None)
+    default = max(1, min(DEFAULT_MAX_TOKENS, model.max_model_len - len(prompt_ids)))
+    params = sampling_params(request, body, body.max_tokens, len(prompt_ids), model, None, default_max_tokens=default)
     headers = {"X-Request-Id": request["request_id"]}  # X-Model-Version: set by the lifecycle's routing
     if body.stream:
         return await stream_generation(request, model, submit(request, model, prompt_ids, params, body.priority),

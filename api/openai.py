@@ -19,7 +19,7 @@ import structlog
 from aiohttp import web
 
 from api import completion_cache
-from api.auth import check_priority_access, tenant_limits, tenant_of
+from api.auth import check_priority_access, request_priority, tenant_limits, tenant_of
 from api.chunks import ChunkFormat, StreamEvent, chat_logprobs, completion_logprobs, event_chunks, role_chunk
 from api.context import ROUTER
 from api.errors import (
@@ -61,7 +61,14 @@ log = structlog.get_logger(__name__)
 
 
 def sampling_params(request: web.Request, body: SamplingFields, max_tokens: int | None, prompt_len: int,
-                    model: ServedModel, logprobs: int | None) -> SamplingParams:
+                    model: ServedModel, logprobs: int | None, default_max_tokens: int | None = None) -> SamplingParams:
+    """`max_tokens` as asked (over the API key's cap: 400); when not asked, `default_max_tokens`
+    within the cap, else the rest of the context within the cap."""
+    cap = tenant_of(request).max_tokens
+    if cap is not None and max_tokens is not None and max_tokens > cap:
+        raise InvalidRequestError(f"max_tokens is {max_tokens}, over this API key's cap of {cap}", param="max_tokens")
+    if max_tokens is None and default_max_tokens is not None:
+        max_tokens = default_max_tokens if cap is None else min(default_max_tokens, cap)
     room = model.max_model_len - prompt_len
     if room <= 0 or (max_tokens is not None and max_tokens > room):
         asked = f"{prompt_len} in the prompt" + (f" and {max_tokens} for the completion" if max_tokens else "")
@@ -71,9 +78,6 @@ def sampling_params(request: web.Request, body: SamplingFields, max_tokens: int 
             param="messages" if isinstance(body, ChatCompletionRequest) else "prompt",
             code="context_length_exceeded",
         )
-    cap = tenant_of(request).max_tokens
-    if cap is not None and max_tokens is not None and max_tokens > cap:
-        raise InvalidRequestError(f"max_tokens is {max_tokens}, over this API key's cap of {cap}", param="max_tokens")
     if cap is not None:
         room = min(room, cap)
     check_token_ids(model, body.stop_token_ids or [], "stop_token_ids")
@@ -95,7 +99,8 @@ def sampling_params(request: web.Request, body: SamplingFields, max_tokens: int 
 
 
 def submit(request: web.Request, model: ServedModel, prompt_ids: list[int], params: SamplingParams,
-           priority: str) -> RequestStream:
+           priority: str | None) -> RequestStream:
+    priority = request_priority(request, priority)
     limits, weight = tenant_limits(request)
     generation = GenerationRequest(uuid.uuid4().hex, prompt_ids, params, tenant=limits.name,
                                    priority=Priority[priority.upper()], weight=weight)
@@ -186,7 +191,7 @@ def check_n(body: SamplingFields) -> None:
 
 
 def submit_n(request: web.Request, model: ServedModel, prompt_ids: list[int], params: SamplingParams,
-             priority: str, n: int) -> list[RequestStream]:
+             priority: str | None, n: int) -> list[RequestStream]:
     """`n` generations of one prompt, side by side (seeded: seed, seed + 1, ..., so the choices
     differ yet repeat); all or nothing: if one is refused, the others are aborted."""
     streams: list[RequestStream] = []
@@ -443,7 +448,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     model = await resolve_model(request, body.model, user=body.user)
     check_priority_access(request, body.priority)
     prompt_ids = await encode_prompt(model, body.prompt)
-    params = sampling_params(request, body, body.max_tokens or 16, len(prompt_ids), model, body.logprobs)
+    params = sampling_params(request, body, body.max_tokens, len(prompt_ids), model, body.logprobs,
+                             default_max_tokens=16)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     if body.n > 1:
         streams = submit_n(request, model, prompt_ids, params, body.priority, body.n)

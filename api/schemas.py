@@ -99,8 +99,9 @@ class SamplingFields(Strict):
     ignore_eos: bool = Field(False, description="vLLM extension: keep generating past EOS.")
     stop_token_ids: StopTokenIds | None = Field(None, description=f"vLLM extension; at most {MAX_STOP_TOKEN_IDS}, "
                                                 "each below the model's vocabulary size.")
-    priority: Literal["high", "normal", "low"] = Field(
-        "normal", description="galley extension: scheduling class, capped by the API key's tenant."
+    priority: Literal["high", "normal", "low"] | None = Field(
+        None, description="galley extension: scheduling class. Default `normal`, or the tenant's `max_priority` "
+        "when that is lower; above the tenant's `max_priority`: 403."
     )
     galley: GalleyOptions | None = Field(None, description="galley extensions")
 

@@ -54,6 +54,23 @@ async def test_max_tokens_cap(stack):
     assert chat.usage.completion_tokens == 5 and chat.choices[0].finish_reason == "length"
 
 
+async def test_defaults_fit_the_tenant_a_request_that_says_nothing_is_served(stack):
+    """A tenant capped at `low` and at 5 tokens need not say so: the default priority is its
+    ceiling and the default max_tokens (16 for completions, 128 native) its cap."""
+    server, client, _ = stack
+    key = await client.new_key("modest", max_priority="low", max_tokens=5)
+    out = await sdk(server, key).completions.create(model="tiny", prompt="hi", extra_body={"ignore_eos": True})
+    assert out.usage.completion_tokens == 5
+    chat = await sdk(server, key).chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], extra_body={"ignore_eos": True})
+    assert chat.usage.completion_tokens == 5
+    status, body = await client.call("POST", "/api/v1/generate", key,
+                                     json={"model": "tiny", "prompt": "hi", "ignore_eos": True})
+    assert status == 200 and body["usage"]["completion_tokens"] == 5, body
+    with pytest.raises(openai.PermissionDeniedError, match="priority"):  # asking above the ceiling still fails
+        await sdk(server, key).completions.create(model="tiny", prompt="hi", extra_body={"priority": "normal"})
+
+
 async def test_tokens_per_minute_gives_429_then_recovers(stack):
     server, client, _ = stack
     key = await client.new_key("metered", tokens_per_minute=120)  # refills 2 tokens a second
