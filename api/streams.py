@@ -30,6 +30,7 @@ from aiohttp import web
 from api.auth import Auth
 from api.background import BackgroundTasks
 from api.chunks import ChunkFormat, StreamEvent
+from api.errors import SHUTTING_DOWN
 from api.metrics import Metrics
 from engine.types import FinishReason, GenerationRequest, Priority, SamplingParams, TokenEvent
 from scheduling.admission import TenantLimits
@@ -238,7 +239,7 @@ class StreamHub:
         except asyncio.CancelledError:  # server shutting down: leave it running, to resume on restart
             self._checkpoint(live.id, token_ids, texts)
             live.append(StreamEvent(len(live.events), "", live.text_length, finish_reason="error", error_status=503,
-                                    error_code="server_shutting_down", error=SHUTDOWN_ERROR))
+                                    error_code=SHUTTING_DOWN, error=SHUTDOWN_ERROR))
             live.close("interrupted")  # its followers send that error and end; SQLite still says running
             raise
         await self._end(live, token_ids, texts, status, finish, last, stored)
