@@ -19,7 +19,7 @@ from tests.helpers import start_tiny_engines
 from tests.test_api import wait_blocks_free
 from tests.test_auth import ADMIN, Client, make_app
 from tests.test_hostile_params import GREEDY, Stack
-from tests.test_server_process import ServerProcess
+from tests.test_server_process import demo_server  # noqa: F401, F811 (a fixture)
 
 CHAT = {"model": "tiny", "max_tokens": 4, "temperature": 0}
 
@@ -181,15 +181,7 @@ async def test_resuming_a_stream_counts_against_requests_per_minute(stack):
 
 
 
-@pytest.fixture
-def demo_server(tmp_path):
-    server = ServerProcess(data_dir=tmp_path)
-    server.wait_ready()
-    yield server
-    server.stop()
-
-
-async def test_many_followers_catching_up_do_not_stall_the_event_loop(demo_server):
+async def test_many_followers_catching_up_do_not_stall_the_event_loop(demo_server):  # noqa: F811
     """A follower catching up on a finished stream wrote its whole backlog without yielding (a
     socket's send rarely waits): 20 sockets x 64 resumes of one 400-token stream held a real
     server's loop for 7 s at a time. (A separate process: in-process, the client's own reading
