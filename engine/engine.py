@@ -158,11 +158,18 @@ class LLMEngine:
                            logits: torch.Tensor) -> list[TokenEvent]:
         """Sample the batch in one go; if that raises, row by row, so only the rows that fail do."""
         try:
-            sampled = list(zip(*self.sampler.sample(logits, sample_seqs)))
+            tokens, logprobs = self.sampler.sample(logits, sample_seqs)
         except Exception:
-            self.num_step_errors += 1
-            log.exception("batched sampling failed; sampling row by row", num_seqs=len(sample_seqs))
-            sampled = [self._sample_row(logits[row : row + 1], seq) for row, seq in enumerate(sample_seqs)]
+            return self._sample_rows(batch, sample_seqs, logits)
+        for item in batch.seqs:
+            item.seq.num_computed_tokens += item.num_new_tokens
+        return [self._append_or_fail(seq, t, lp) for seq, t, lp in zip(sample_seqs, tokens, logprobs)]
+
+    def _sample_rows(self, batch: ScheduledBatch, sample_seqs: list[Sequence],
+                     logits: torch.Tensor) -> list[TokenEvent]:
+        self.num_step_errors += 1
+        log.exception("batched sampling failed; sampling row by row", num_seqs=len(sample_seqs))
+        sampled = [self._sample_row(logits[row : row + 1], seq) for row, seq in enumerate(sample_seqs)]
         failed = {seq.request_id for seq, result in zip(sample_seqs, sampled) if result is None}
         events = [self._fail(item.seq, "sampling failed") for item in batch.seqs if item.seq.request_id in failed]
         for item in batch.seqs:

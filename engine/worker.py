@@ -95,7 +95,6 @@ class DeviceWorker:
         self.device = device
         self.emit = emit
         self.stall_after_s = stall_after_s  # a round of steps longer than this: not responsive (/ready 503)
-        self.num_restarts = 0  # rounds of the loop that raised outside the engines' guards
         self._busy_since_s: float | None = None
         self.engines: dict[str, LLMEngine] = {}
         self.encoders: dict[str, DynamicBatcher] = {}
@@ -173,7 +172,6 @@ class DeviceWorker:
                 self._run_encoders(stepped_s)
                 self.profiler.tick()
             except Exception:  # a bug outside the guarded parts: log it and go on with the next round
-                self.num_restarts += 1
                 log.exception("worker loop failed; continuing", device=self.device)
 
     def _step_engines(self) -> float:
@@ -294,8 +292,11 @@ class DeviceWorker:
             log.exception("could not add a request", device=self.device, engine=item.engine_id,
                           request_id=item.request.request_id)
             engine = self.engines.get(item.engine_id)
-            if engine is not None:
-                engine.abort(item.request.request_id)
+            try:
+                if engine is not None:
+                    engine.abort(item.request.request_id)
+            except Exception:  # half-added: release what can be; the error event below must go out
+                log.exception("could not release a request that failed to add", request_id=item.request.request_id)
             self.emit([TokenEvent(item.request.request_id, "", [], len(item.request.prompt_token_ids), 0,
                                   finish_reason=FinishReason.ERROR, error=GENERATION_FAILED)])
 

@@ -49,10 +49,9 @@ class FairQueue:
         self._line(seq).append(seq)
         self._len += 1
 
-    def push_front(self, seq: Sequence, restart_wait: bool = False) -> None:
-        """A preempted sequence: first in its tenant's line, keeping its place in time unless
-        `restart_wait` (preempted to admit another: it must not age past that one at once)."""
-        seq.enqueued_s = self.clock() if restart_wait else min(seq.enqueued_s, self.clock())
+    def push_front(self, seq: Sequence) -> None:
+        """A preempted sequence: first in its tenant's line, keeping its place in time."""
+        seq.enqueued_s = min(seq.enqueued_s, self.clock())
         self._line(seq).appendleft(seq)
         self._len += 1
 
@@ -116,7 +115,11 @@ class FairQueue:
             )
 
         candidates = [seq for seq in running if eligible(seq)]
-        return max(candidates, key=self._victim_key) if candidates else None
+        if not candidates:
+            return None
+        victim = max(candidates, key=self._victim_key)
+        victim.enqueued_s = self.clock()  # its wait starts over when it is requeued (push_front keeps it)
+        return victim
 
     def effective_priority(self, seq: Sequence) -> Priority:
         """One class up after waiting `aging_seconds`, so low never starves forever."""

@@ -105,13 +105,11 @@ class Scheduler:
             victim = self.waiting.preempt_for(seq, self.running)
             if victim is None:
                 return False
-            self._preempt(victim, batch, restart_wait=True)
+            self._preempt(victim, batch)
         return True
 
-    def _preempt(self, seq: Sequence, batch: ScheduledBatch, restart_wait: bool = False) -> int:
-        """Free `seq` and requeue it at the front; returns the budget it held in this batch.
-        `restart_wait`: it made room for another request, so its wait (and aging) starts over
-        and it cannot outrank the request it was preempted for."""
+    def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> int:
+        """Free `seq` and requeue it at the front; returns the budget it held in this batch."""
         returned = 0
         for item in batch.seqs:
             if item.seq is seq:
@@ -123,7 +121,7 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.push_front(seq, restart_wait)
+        self.waiting.push_front(seq)
         batch.preempted.append(seq)
         return returned
 
