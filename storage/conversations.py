@@ -99,6 +99,7 @@ def add_conversation_activity(db: sqlite_utils.Database) -> None:
     db.execute("ALTER TABLE conversations ADD COLUMN activity INTEGER NOT NULL DEFAULT 0")
     db.execute("UPDATE conversations SET activity = rowid")
     db.execute("CREATE INDEX conversations_activity ON conversations(tenant, activity)")
+    db.execute("CREATE INDEX conversations_latest ON conversations(activity)")  # MAX(activity) without a scan
 
 
 NEXT_ACTIVITY = "(SELECT COALESCE(MAX(activity), 0) + 1 FROM conversations)"
