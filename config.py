@@ -13,16 +13,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from api.alerts import DEFAULT_ALERTS, AlertRule
-from api.batch_runner import BatchConfig
-from api.lifecycle import LifecycleConfig
-from api.response_cache import ResponseCacheConfig
-from api.streams import StreamsConfig
-from api.telemetry import ObservabilityConfig, TracingConfig
 from engine.model_runner import CacheConfig
 from launch import EngineConfig
 from scheduling.deployments import DeploymentsConfig
 from scheduling.fair_queue import FairShareConfig
+from services.batch.runner import BatchConfig
+from services.cache.responses import ResponseCacheConfig
+from services.deployments.manager import LifecycleConfig
+from services.observability.alerts import DEFAULT_ALERTS, AlertRule
+from services.observability.telemetry import ObservabilityConfig, TracingConfig
+from services.streams.hub import StreamsConfig
 
 ROOT = Path(__file__).resolve().parent
 

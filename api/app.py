@@ -12,22 +12,36 @@ from pathlib import Path
 import structlog
 from aiohttp import web
 
-from api import admin, batch, conversations, dashboard, encoders_api, health, lifecycle, native, openai, stream_api, ws
-from api import deployments as deployments_api
-from api import shadow as shadow_traffic
-from api.alerts import DEFAULT_ALERTS, AlertRule
+from api import batch, conversations, health, ws
+from api import streams as stream_api
+from api.admin import dashboard
+from api.admin import deployments as deployments_api
+from api.admin import tenants as admin
 from api.auth import AUTH, DATABASE, Auth, TenantDirectory, auth_middleware
-from api.batch_runner import BatchConfig, BatchRunner
 from api.context import ROUTER, STATE, ServerState
 from api.errors import CLIENT_CLOSED, SHUTTING_DOWN, client_gone, error_middleware, json_response
-from api.metrics import METRICS, METRICS_ACCESS, Metrics, MetricsAccess, StorageCollector, metrics_endpoint
+from api.native import encoders as encoders_api
+from api.native import generate as native
+from api.openai import chat as openai
 from api.openapi import build_spec
-from api.response_cache import RESPONSE_CACHE, ResponseCache, ResponseCacheConfig, add_cache_header
 from api.routes import Route
-from api.streams import HUB, StreamHub, StreamsConfig
-from api.telemetry import ObservabilityConfig, TracingConfig
 from scheduling.deployments import DeploymentsConfig
 from scheduling.router import Router
+from services.batch.runner import BatchConfig, BatchRunner
+from services.cache.responses import RESPONSE_CACHE, ResponseCache, ResponseCacheConfig, add_cache_header
+from services.deployments import manager as lifecycle
+from services.deployments import shadow as shadow_traffic
+from services.observability.alerts import DEFAULT_ALERTS, AlertRule
+from services.observability.metrics import (
+    METRICS,
+    METRICS_ACCESS,
+    Metrics,
+    MetricsAccess,
+    StorageCollector,
+    metrics_endpoint,
+)
+from services.observability.telemetry import ObservabilityConfig, TracingConfig
+from services.streams.hub import HUB, StreamHub, StreamsConfig
 from storage.db import Database
 
 log = structlog.get_logger(__name__)

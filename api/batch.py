@@ -3,7 +3,7 @@
 Every handler is scoped to the caller's tenant: another tenant's job answers 404 exactly as
 a missing one does. Creating a job counts as one of the tenant's requests, and the tenant's
 unfinished jobs and stored input bytes are capped (429 with Retry-After). The work itself
-happens in `api.batch_runner.BatchRunner`; these handlers validate, store and read.
+happens in `services.batch.runner.BatchRunner`; these handlers validate, store and read.
 """
 
 from __future__ import annotations
@@ -17,12 +17,8 @@ from aiohttp import web
 from pydantic import BaseModel, Field, field_validator
 
 from api.auth import tenant_of
-from api.batch_runner import BatchRunner, job_summary
 from api.errors import InvalidRequestError, NotFoundError, json_response, rate_limited
-from api.lifecycle import resolve_model
-from api.quotas import count_creation
-from api.routes import Route
-from api.schemas import (
+from api.openai.schemas import (
     MAX_CONTEXT_TOKENS,
     MAX_NAME_CHARS,
     MAX_STOP_TOKEN_IDS,
@@ -33,9 +29,13 @@ from api.schemas import (
     Strict,
     Usage,
 )
+from api.quotas import count_creation
+from api.routes import Route
 from api.validation import parse_body
-from api.webhooks import CallbackRefused
 from scheduling.encoders import ServedEncoder
+from services.batch.runner import BatchRunner, job_summary
+from services.batch.webhooks import CallbackRefused
+from services.deployments.manager import resolve_model
 from storage import batches, registry
 from storage.batches import BatchItem, BatchJob, QuotaExceeded
 

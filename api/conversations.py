@@ -20,11 +20,11 @@ from pydantic import BaseModel, Field
 
 from api.auth import DATABASE, tenant_of
 from api.errors import NotFoundError, json_response
-from api.lifecycle import resolve_model
+from api.openai.schemas import MAX_NAME_CHARS, Strict
 from api.quotas import count_creation
 from api.routes import Route
-from api.schemas import MAX_NAME_CHARS, Strict
 from api.validation import parse_body
+from services.deployments.manager import resolve_model
 from storage import conversations
 from storage.conversations import Conversation, Message
 

@@ -7,8 +7,8 @@ from aiohttp import web
 from api.auth import DATABASE
 from api.context import ROUTER, STATE
 from api.errors import json_response
+from api.openai.schemas import Health
 from api.routes import Route
-from api.schemas import Health
 from scheduling.router import Router
 
 STORAGE_ERROR_HOLD_S = 30.0  # after SQLite refused a write, not ready this long (checkpoints may be failing)

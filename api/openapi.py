@@ -16,8 +16,8 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from api.auth import ADMIN_PATH, DEPLOYMENTS_PATH, TENANT_PATHS, WS_PATH
+from api.openai.schemas import ErrorResponse
 from api.routes import Route
-from api.schemas import ErrorResponse
 
 REF = "#/components/schemas/{model}"
 STATUS_TEXT = {

@@ -1,410 +1,114 @@
-"""Resumable streams: each generation's event log, its followers, and its checkpoints.
-
-A `LiveStream` owns one generation on the event loop: a producer task appends its token
-events, any number of followers (the original SSE response, a reconnect with
-Last-Event-ID, a WebSocket) read from any index. Emitted tokens and their text deltas are
-checkpointed to SQLite every `checkpoint_tokens` tokens or `checkpoint_seconds`, and at the
-end, so a finished stream can be replayed after it left memory and an unfinished one can
-be resumed after a crash (re-prefill prompt + emitted tokens; every sampled request has a
-seed from admission, so the tokens regenerated since the last checkpoint are those sent).
-When the last follower leaves, the stream continues or is cancelled, by its `on_disconnect` policy.
-
-Nothing is lost silently: no event is sent before the stream's record is stored, a failed
-checkpoint stops the generation with a `storage_error` event, and the final event is sent
-only once the end (and a conversation's answer) is stored, else a `storage_error` in its place.
-Recovery resumes a stream only for its owner as it is now: the same tenant (by id, not just
-name), still holding a key, still allowed the model, under its current limits.
-"""
+"""Resumable streams over HTTP: serve a live stream as SSE from any event, and
+`GET /api/v1/streams/{stream_id}` to reconnect (Last-Event-ID or ?after=N)."""
 
 from __future__ import annotations
 
-import asyncio
-import time
-from collections.abc import AsyncIterator
-from concurrent.futures import Future
-from dataclasses import dataclass, field
-
-import structlog
 from aiohttp import web
+from pydantic import BaseModel, Field
 
-from api.auth import Auth
-from api.background import BackgroundTasks
-from api.chunks import ChunkFormat, StreamEvent
-from api.errors import SHUTTING_DOWN
-from api.metrics import Metrics
-from engine.types import FinishReason, GenerationRequest, Priority, SamplingParams, TokenEvent
-from scheduling.admission import TenantLimits
-from scheduling.deployments import parse_model_ref
-from scheduling.router import RequestStream, Router
-from storage import conversations, streams
-from storage.db import Database
-from storage.tenants import Tenant
-
-log = structlog.get_logger(__name__)
-
-STORAGE_ERROR = "the stream could not be stored (storage error), so it would not survive a restart; retry later"
+from api.auth import tenant_of
+from api.context import ROUTER
+from api.errors import APIError, NotFoundError
+from api.openai.chunks import StreamEvent, event_chunks, role_chunk
+from api.quotas import count_creation
+from api.routes import Route
+from api.sse import open_sse, send_event
+from api.validation import parse_params
+from services.streams.hub import HUB, LiveStream, prepend
 
 
-class StorageFailed(Exception):
-    """A write of this stream failed; `__cause__` is SQLite's error."""
+class StreamError(APIError):
+    """The generation failed before its first token: a plain HTTP error, not an SSE event."""
+
+    def __init__(self, event: StreamEvent) -> None:
+        super().__init__(event.error or "generation failed", code=event.error_code)
+        self.status = event.error_status
+        self.type = "service_unavailable" if event.error_status == 503 else "internal_error"
+        if event.error_status == 503:
+            self.headers = {"Retry-After": "5"}
 
 
-def raise_if_failed(write: Future | None) -> None:
-    if write is not None and write.done() and write.exception() is not None:
-        raise StorageFailed from write.exception()
+def error_chunk(event: StreamEvent) -> dict:
+    return {"error": {"message": event.error, "type": "internal_error", "param": None, "code": event.error_code}}
 
 
-SHUTDOWN_ERROR = ("the server shut down before this stream ended; it resumes when the server is back: "
-                  "reconnect with GET /api/v1/streams/{id} and Last-Event-ID")
+async def serve_live(request: web.Request, live: LiveStream, after: int = -1) -> web.StreamResponse:
+    """Stream `live` as SSE from event `after + 1`, `id:` lines carrying event indexes.
 
-REPLAY_BATCH = 16  # events a follower catching up sends before letting others run
-
-
-@dataclass(frozen=True)
-class StreamsConfig:
-    stream_retention_seconds: float = 3600.0  # finished streams stay replayable this long
-    checkpoint_tokens: int = 16
-    checkpoint_seconds: float = 0.25
-    on_disconnect_conversation: str = "continue"  # continue | cancel
-    on_disconnect_plain: str = "cancel"
-    memory_seconds: float = 60.0  # finished streams stay in memory this long, then replay from SQLite
-
-
-class LiveStream:
-    """Invariant: `events[i].index == i`; once `done`, no event is appended."""
-
-    def __init__(self, record: streams.StreamRecord, fmt: ChunkFormat, on_disconnect: str) -> None:
-        self.record = record
-        self.fmt = fmt
-        self.on_disconnect = on_disconnect
-        self.events: list[StreamEvent] = []
-        self.done = False
-        self.status = "running"
-        self.followers = 0
-        self.request_stream: RequestStream | None = None
-        self.finished_s: float | None = None
-        self._changed = asyncio.Event()
-
-    @property
-    def id(self) -> str:
-        return self.record.id
-
-    @property
-    def text_length(self) -> int:
-        last = self.events[-1] if self.events else None
-        return last.text_offset + len(last.text) if last else 0
-
-    def append(self, event: StreamEvent) -> None:
-        assert not self.done and event.index == len(self.events)
-        self.events.append(event)
-        self._notify()
-
-    def close(self, status: str) -> None:
-        self.done, self.status, self.finished_s = True, status, time.monotonic()
-        self._notify()
-
-    def _notify(self) -> None:
-        self._changed.set()
-        self._changed = asyncio.Event()
-
-    async def follow(self, after: int = -1) -> AsyncIterator[StreamEvent]:
-        """Events with index > `after`, live until the stream is done. A backlog yields to the
-        event loop every REPLAY_BATCH events: a socket's send rarely waits, so many followers
-        catching up would otherwise each hold the loop for their whole replay."""
-        index = after + 1
-        while True:
-            while index < len(self.events):
-                yield self.events[index]
-                index += 1
-                if index % REPLAY_BATCH == 0:
-                    await asyncio.sleep(0)
-            if self.done:
-                return
-            await self._changed.wait()
-
-
-def replayed(record: streams.StreamRecord) -> list[StreamEvent]:
-    """Events rebuilt from a stored record (usage and finish on the last one when finished)."""
-    events, offset = [], 0
-    for index, text in enumerate(record.texts):
-        events.append(StreamEvent(index, text, offset))
-        offset += len(text)
-    if events and record.status != "running":
-        events[-1].finish_reason = record.finish_reason
-        prompt, completion = len(record.prompt_token_ids), len(record.token_ids)
-        events[-1].usage = {"prompt_tokens": prompt, "completion_tokens": completion,
-                            "total_tokens": prompt + completion}
-    return events
-
-
-def params_to_json(params: SamplingParams) -> dict:
-    return {**params.__dict__, "stop": list(params.stop), "stop_token_ids": sorted(params.stop_token_ids)}
-
-
-def params_from_json(data: dict) -> SamplingParams:
-    return SamplingParams(**{**data, "stop": tuple(data["stop"]), "stop_token_ids": tuple(data["stop_token_ids"])})
-
-
-@dataclass
-class StreamHub:
-    router: Router
-    db: Database
-    metrics: Metrics
-    config: StreamsConfig = StreamsConfig()
-    auth: Auth | None = None  # the tenant directory: owners' ids, and their state at recovery
-    live: dict[str, LiveStream] = field(default_factory=dict)
-    _background: BackgroundTasks = field(default_factory=BackgroundTasks)
-
-    def tenant(self, name: str) -> Tenant | None:
-        return self.auth.directory.tenants.get(name) if self.auth is not None else None
-
-    def start(self, request_stream: RequestStream, fmt: ChunkFormat, *, kind: str, conversation_id: str | None,
-              on_disconnect: str, resumed: streams.StreamRecord | None = None) -> LiveStream:
-        """Register a submitted generation and start recording it."""
-        gen = request_stream.request
-        owner = self.tenant(gen.tenant)
-        record = resumed or streams.StreamRecord(
-            id=fmt.id, tenant=gen.tenant, conversation_id=conversation_id, kind=kind, model=fmt.model,
-            request={"format": fmt.to_dict(), "params": params_to_json(gen.params), "on_disconnect": on_disconnect,
-                     "priority": gen.priority.name.lower()},
-            prompt_token_ids=list(gen.prompt_token_ids), token_ids=[], texts=[],
-            tenant_id=owner.id if owner is not None else None,
-        )
-        live = LiveStream(record, fmt, on_disconnect)
-        live.request_stream = request_stream
-        inserted = None
-        if resumed is not None:
-            for event in replayed(resumed):
-                live.append(event)
-        else:
-            inserted = self.db.write(lambda db: streams.insert_stream(db, record))
-        self.live[live.id] = live
-        self._background.spawn(self._produce(live, request_stream, inserted))
-        return live
-
-    def attach(self, live: LiveStream) -> None:
-        live.followers += 1
-
-    def detach(self, live: LiveStream) -> None:
-        """A follower left; with nobody left and the cancel policy, the generation stops."""
-        live.followers -= 1
-        if live.followers == 0 and not live.done and live.on_disconnect == "cancel":
-            if live.request_stream is not None:
-                self.router.abort(live.request_stream)
-
-    async def _produce(self, live: LiveStream, rs: RequestStream, inserted: Future | None) -> None:
-        token_ids = list(live.record.token_ids)
-        texts = list(live.record.texts)
-        checkpointed, checkpoint_s = len(texts), time.monotonic()
-        status, finish, last, stored = "failed", None, None, True
-        write = None  # the latest checkpoint, checked before each event is sent
-        events = self.metrics.observe(rs, self.router.queue_timeout_s)
-        try:
-            if inserted is not None:
-                await self._stored(inserted)  # nothing is sent of a stream that is not stored
-            first = await anext(events)
+    The response starts with the first event, so a request that fails before its first
+    token (queue timeout, engine error) still gets a plain HTTP error.
+    """
+    hub = request.app[HUB]
+    hub.attach(live)
+    try:
+        events = live.follow(after)
+        first = await anext(events, None)
+        if first is not None and first.error and first.index == after + 1 and after == -1:
+            raise StreamError(first)
+        response = await open_sse(request, {"X-Stream-Id": live.id, "X-Request-Id": request["request_id"]})
+        if after == -1 and live.fmt.kind == "chat":
+            await send_event(response, role_chunk(live.fmt))
+        served = request.app[ROUTER].find(live.fmt.model)
+        tokenizer = served.tokenizer if served is not None else None
+        if first is not None:
             async for event in prepend(first, events):
-                token_ids.extend(event.token_ids)
-                texts.extend([event.text] if event.token_ids else [])
-                raise_if_failed(write)
-                if event.finished:  # sent once the end is stored (below)
-                    status = {FinishReason.ABORT: "cancelled", FinishReason.ERROR: "failed"}.get(
-                        event.finish_reason, "finished")
-                    finish, last = event.finish_reason.value, event
-                    break
-                self._append(live, event)
-                if (len(texts) - checkpointed >= self.config.checkpoint_tokens
-                        or time.monotonic() - checkpoint_s >= self.config.checkpoint_seconds):
-                    write = self._checkpoint(live.id, token_ids, texts)
-                    checkpointed, checkpoint_s = len(texts), time.monotonic()
-        except StorageFailed as exc:
-            log.error("stream storage failed: generation stopped", stream_id=live.id, error=repr(exc.__cause__))
-            self.router.abort(rs)
-            live.append(StreamEvent(len(live.events), "", live.text_length, finish_reason="error",
-                                    error_status=503, error_code="storage_error", error=STORAGE_ERROR))
-            stored = inserted is None or not inserted.exception()
-        except TimeoutError:
-            self.router.abort(rs)
-            live.append(StreamEvent(
-                len(live.events), "", live.text_length, finish_reason="error", error_status=503,
-                error_code="queue_timeout",
-                error=f"the request waited {self.router.queue_timeout_s:g}s without being scheduled "
-                      "(queue_timeout_seconds); the server is overloaded, retry later",
-            ))
-        except Exception:
-            log.exception("stream producer failed", stream_id=live.id)
-            if not live.events or live.events[-1].finish_reason is None:
-                live.append(StreamEvent(len(live.events), "", live.text_length, finish_reason="error",
-                                        error="internal error while streaming"))
-        except asyncio.CancelledError:  # server shutting down: leave it running, to resume on restart
-            self._checkpoint(live.id, token_ids, texts)
-            live.append(StreamEvent(len(live.events), "", live.text_length, finish_reason="error", error_status=503,
-                                    error_code=SHUTTING_DOWN, error=SHUTDOWN_ERROR))
-            live.close("interrupted")  # its followers send that error and end; SQLite still says running
-            raise
-        await self._end(live, token_ids, texts, status, finish, last, stored)
-
-    async def _end(self, live: LiveStream, token_ids: list[int], texts: list[str], status: str,
-                   finish: str | None, last: TokenEvent | None, stored: bool) -> None:
-        """Store the end, then let followers see it: a next turn reads this answer, and a client
-        never gets a normal end for an answer that was not stored."""
-        try:
-            if stored:
-                await self._stored(self._finish(live, token_ids, texts, status, finish))
-        except StorageFailed as exc:
-            log.error("could not store the end of a stream", stream_id=live.id, error=repr(exc.__cause__))
-            if last is not None:
-                status, last = "failed", None
-                live.append(StreamEvent(len(live.events), "", live.text_length, finish_reason="error",
-                                        error_status=503, error_code="storage_error", error=STORAGE_ERROR))
-        if last is not None:
-            self._append(live, last)
-        live.close(status)
-
-    @staticmethod
-    async def _stored(write: Future) -> None:
-        try:
-            await asyncio.wrap_future(write)
-        except Exception as exc:
-            raise StorageFailed from exc
-
-    def _checkpoint(self, stream_id: str, token_ids: list[int], texts: list[str]) -> Future:
-        ids, txt = list(token_ids), list(texts)  # copies: the writer thread reads them later
-        return self.db.write(lambda db: streams.checkpoint_stream(db, stream_id, ids, txt))
-
-    def _append(self, live: LiveStream, event: TokenEvent) -> None:
-        usage = None
-        if event.finished:
-            usage = {"prompt_tokens": event.num_prompt_tokens, "completion_tokens": event.num_output_tokens,
-                     "total_tokens": event.num_prompt_tokens + event.num_output_tokens}
-        live.append(StreamEvent(
-            index=len(live.events), text=event.text, text_offset=live.text_length, logprobs=event.logprobs,
-            finish_reason=event.finish_reason.value if event.finish_reason else None, usage=usage,
-            error=event.error, error_code="generation_failed" if event.error else None,
-        ))
-
-    def _finish(self, live: LiveStream, token_ids: list[int], texts: list[str], status: str,
-                finish: str | None) -> Future:
-        record = live.record
-
-        def persist(db) -> None:
-            streams.finish_stream(db, record.id, token_ids, texts, status, finish)
-            if record.conversation_id and status == "finished":
-                try:
-                    conversations.add_message(db, record.conversation_id, "assistant", "".join(texts),
-                                              prompt_tokens=len(record.prompt_token_ids),
-                                              completion_tokens=len(token_ids), stream_id=record.id)
-                except conversations.ConversationNotFoundError:
-                    pass  # deleted while the answer was generated: the stream record still finishes
-
-        return self.db.write(persist)
-
-    async def find(self, stream_id: str, tenant: str) -> LiveStream | None:
-        """The stream, live or rebuilt from SQLite; None if unknown, expired or another tenant's."""
-        live = self.live.get(stream_id)
-        if live is None:
-            record = await asyncio.to_thread(self.db.read, lambda db: streams.get_stream(db, stream_id))
-            if record is None or record.status == "running":
-                return None  # running but not live: recovery has not picked it up (yet)
-            live = LiveStream(record, ChunkFormat.from_dict(record.request["format"]),
-                              record.request.get("on_disconnect", "cancel"))
-            for event in replayed(record):
-                live.append(event)
-            live.close(record.status)
-        return live if self.owns(tenant, live.record) else None
-
-    def owns(self, tenant: str, record: streams.StreamRecord) -> bool:
-        """`tenant` (a name) is the record's owner: same name, and the same tenant, not a later one
-        created under that name (records from before tenant ids go by name)."""
-        if record.tenant != tenant:
-            return False
-        current = self.tenant(tenant)
-        return record.tenant_id is None or (current is not None and current.id == record.tenant_id)
-
-    def resume_request(self, record: streams.StreamRecord, owner: Tenant | None) -> GenerationRequest:
-        """The generation that continues `record`, under its owner's current weight and priority cap."""
-        priority = record.request.get("priority", "normal")
-        if owner is not None and not owner.allows_priority(priority):
-            priority = owner.max_priority
-        return GenerationRequest(record.id.split("-", 1)[-1], list(record.prompt_token_ids),
-                                 params_from_json(record.request["params"]), tenant=record.tenant,
-                                 priority=Priority[priority.upper()], weight=owner.weight if owner else 1.0,
-                                 resume_token_ids=list(record.token_ids))
-
-    def not_resumable(self, record: streams.StreamRecord) -> tuple[str, str] | None:
-        """(final status, why) when `record` must not resume: its model is gone, or its owner is no
-        longer who started it (deleted, or its name re-created), holds no key, or may not use the model."""
-        if self.router.find(record.model) is None:
-            return "failed", "model gone"
-        if self.auth is None:
-            return None
-        owner = self.tenant(record.tenant)
-        if owner is None or not self.owns(record.tenant, record):
-            return "cancelled", "its tenant was deleted"
-        if self.auth.enabled and all(entry[1] != owner.name for entry in self.auth.directory.keys.values()):
-            return "cancelled", "its tenant's keys are revoked"
-        if not owner.allows_model(parse_model_ref(record.model)[0]):
-            return "cancelled", "its tenant may no longer use the model"
-        return None
-
-    async def _give_up(self, record: streams.StreamRecord, status: str, reason: str) -> None:
-        log.warning("not resuming stream", stream_id=record.id, model=record.model, tenant=record.tenant,
-                    reason=reason)
-        try:
-            await self._stored(self.db.write(lambda db: streams.finish_stream(
-                db, record.id, record.token_ids, record.texts, status, None)))
-        except StorageFailed as exc:  # it stays running: the next start judges it again
-            log.error("could not store a stream's end", stream_id=record.id, error=repr(exc.__cause__))
-
-    async def recover(self) -> int:
-        """Resume the streams a crash left running, for their owners as they are now; returns how many."""
-        records = await asyncio.to_thread(self.db.read, lambda db: streams.list_streams(db, "running"))
-        resumed = 0
-        for record in records:
-            refused = self.not_resumable(record)
-            if refused is not None:
-                await self._give_up(record, *refused)
-                continue
-            owner = self.tenant(record.tenant)
-            limits = TenantLimits(owner.name, owner.max_concurrent, owner.requests_per_minute,
-                                  owner.tokens_per_minute) if owner is not None else None
-            try:
-                rs = self.router.submit(self.router.find(record.model), self.resume_request(record, owner), limits)
-            except Exception as exc:  # e.g. the queue is full: it stays running for the next start
-                log.warning("cannot resume stream now", stream_id=record.id, error=str(exc))
-                continue
-            self.start(rs, ChunkFormat.from_dict(record.request["format"]), kind=record.kind,
-                       conversation_id=record.conversation_id, on_disconnect="continue", resumed=record)
-            resumed += 1
-        if resumed:
-            log.info("resumed streams after restart", count=resumed)
-        return resumed
-
-    async def sweep(self) -> None:
-        """Drop finished streams from memory after a while, and from SQLite after the retention."""
-        now = time.monotonic()
-        for stream_id, live in list(self.live.items()):
-            if live.done and live.followers == 0 and now - live.finished_s >= self.config.memory_seconds:
-                del self.live[stream_id]
-        cutoff = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() - self.config.stream_retention_seconds))
-        await asyncio.wrap_future(self.db.write(lambda db: streams.delete_streams_finished_before(db, cutoff)))
-
-    async def run_sweeper(self, interval_s: float = 30.0) -> None:
-        while True:
-            await asyncio.sleep(interval_s)
-            try:
-                await self.sweep()
-            except Exception:
-                log.exception("stream sweep failed")
-
-    async def close(self) -> None:
-        await self._background.cancel_all()
+                if event.error:
+                    await send_event(response, error_chunk(event), event.index)
+                    return response
+                for chunk in event_chunks(live.fmt, tokenizer, event):
+                    await send_event(response, chunk, event.index)
+        if live.status != "cancelled":
+            await send_event(response, "[DONE]")
+        return response
+    finally:
+        hub.detach(live)
 
 
-async def prepend(first, rest):
-    yield first
-    async for item in rest:
-        yield item
+async def collect_live(request: web.Request, live: LiveStream) -> tuple[str, list, StreamEvent]:
+    """Follow a live stream to its end: (text, logprobs, last event)."""
+    hub = request.app[HUB]
+    hub.attach(live)
+    try:
+        text, logprobs, last = "", [], None
+        async for event in live.follow():
+            if event.error:
+                raise StreamError(event)
+            text += event.text
+            logprobs.extend(event.logprobs or [])
+            last = event
+        return text, logprobs, last
+    finally:
+        hub.detach(live)
 
 
-HUB = web.AppKey("stream_hub", StreamHub)
+class ResumeQuery(BaseModel):
+    after: int = Field(-1, ge=-1, description="Replay the events after this index; -1: from the start.")
+
+
+class ResumeHeaders(BaseModel):
+    last_event_id: int = Field(None, ge=-1, alias="Last-Event-ID",
+                               description="As `after` (what EventSource sends on reconnecting); it wins over `after`.")
+
+
+def resume_point(request: web.Request) -> int:
+    header = parse_params(request.headers, ResumeHeaders).last_event_id
+    return header if header is not None else parse_params(request.query, ResumeQuery).after
+
+
+async def resume_stream(request: web.Request) -> web.StreamResponse:
+    """Replay a stream's events after N (from memory while live, else SQLite), then follow it live."""
+    after = resume_point(request)
+    count_creation(request)  # a replay is work: it counts as a request
+    stream_id = request.match_info["stream_id"]
+    live = await request.app[HUB].find(stream_id, tenant_of(request).name)
+    if live is None:
+        raise NotFoundError(f"no stream {stream_id!r} (unknown, expired, or not yours)", param="stream_id")
+    return await serve_live(request, live, after)
+
+
+ROUTES = [
+    Route("GET", "/api/v1/streams/{stream_id}", resume_stream,
+          "Resume a stream: events after Last-Event-ID (or ?after=N), then live until done",
+          content_type="text/event-stream", query=ResumeQuery, headers=ResumeHeaders,
+          errors=(429, 503)),
+]

@@ -33,12 +33,12 @@ from pydantic import Field, TypeAdapter, ValidationError, model_validator
 from api.auth import AUTH, check_priority_access, current_tenant, tenant_of
 from api.context import ROUTER, STATE
 from api.errors import APIError, InvalidRequestError, NotFoundError, RateLimitError, validation_error
-from api.lifecycle import resolve_model
-from api.openai import start_chat, start_live_chat
+from api.openai.chat import start_chat, start_live_chat
+from api.openai.schemas import MAX_NAME_CHARS, ChatCompletionRequest, Strict
 from api.quotas import count_creation
 from api.routes import Route
-from api.schemas import MAX_NAME_CHARS, ChatCompletionRequest, Strict
-from api.streams import HUB, LiveStream
+from services.deployments.manager import resolve_model
+from services.streams.hub import HUB, LiveStream
 from storage import conversations
 
 log = structlog.get_logger(__name__)

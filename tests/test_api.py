@@ -11,8 +11,8 @@ import pytest
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from transformers import AutoTokenizer
 
-from api import schemas
 from api.app import create_app
+from api.openai.chat import schemas
 from scheduling.router import Router
 from tests.helpers import metric, start_tiny_engines
 from tests.test_reference import hf_greedy, prompts

@@ -10,10 +10,10 @@ import pytest
 from aiohttp import web
 
 from api.app import create_app
-from api.batch_runner import BatchConfig
 from engine.model_runner import CacheConfig
 from launch import EngineConfig, start_models, unload_encoder
 from scheduling.router import Router
+from services.batch.runner import BatchConfig
 from storage.tenants import hash_key
 from tests.encoder_models import save_tiny_classifier
 from tests.helpers import metric

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from api.batch_runner import BatchConfig
+from services.batch.runner import BatchConfig
 from tests import test_batch
 from tests.test_batch import GREEDY, wait_for
 

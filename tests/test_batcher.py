@@ -8,9 +8,9 @@ import time
 
 import pytest
 
-from api.response_cache import ResponseCache, ResponseCacheConfig, cache_key
 from engine.batcher import DynamicBatcher, Pending
 from engine.worker import DeviceWorker, EncoderClient
+from services.cache.responses import ResponseCache, ResponseCacheConfig, cache_key
 
 
 class Recorder:

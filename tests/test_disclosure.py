@@ -11,8 +11,8 @@ import aiohttp
 import pytest
 
 from api.app import create_app
-from api.telemetry import ObservabilityConfig
 from scheduling.router import Router
+from services.observability.telemetry import ObservabilityConfig
 from storage.registry import ModelVersion
 from storage.tenants import hash_key
 from tests import test_deployments

@@ -12,7 +12,7 @@ import aiohttp
 import pytest
 
 from api.app import create_app
-from api.streams import StreamsConfig
+from services.streams.hub import StreamsConfig
 from tests.helpers import metric, start_tiny_engines
 from tests.test_api import wait_blocks_free
 from tests.test_streams import read_events, text_of

@@ -13,9 +13,9 @@ from pathlib import Path
 import openai
 import pytest
 
-from api.lifecycle import GIB, LifecycleConfig
 from launch import checkpoint_bytes
 from scheduling.deployments import DeploymentsConfig
+from services.deployments.manager import GIB, LifecycleConfig
 from storage import registry
 from storage.registry import ModelVersion
 from tests.encoder_models import save_tiny_classifier, save_tiny_embedder

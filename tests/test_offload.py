@@ -2,7 +2,7 @@ import threading
 
 import pytest
 
-from api.offload import in_fresh_thread
+from services.deployments.offload import in_fresh_thread
 
 
 async def test_runs_on_a_thread_that_then_exits_and_passes_errors_back():

@@ -13,8 +13,8 @@ import time
 import pytest
 from aiohttp import web
 
-from api.batch_runner import BatchConfig
-from api.webhooks import CallbackPolicy, is_public, parse_ip
+from services.batch.runner import BatchConfig
+from services.batch.webhooks import CallbackPolicy, is_public, parse_ip
 from tests import test_batch
 from tests.test_batch import GREEDY, wait_for
 

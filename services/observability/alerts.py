@@ -19,7 +19,7 @@ from typing import Any
 import structlog
 from prometheus_client import CollectorRegistry
 
-from api.telemetry import FAILURE
+from services.observability.telemetry import FAILURE
 
 log = structlog.get_logger("galley.alerts")
 

@@ -15,17 +15,17 @@ from aiohttp import web
 from api.auth import check_priority_access
 from api.context import ROUTER
 from api.errors import error_body, json_response
-from api.lifecycle import model_label, resolve_model
-from api.metrics import METRICS
-from api.native_schemas import GenerateEvent, GenerateRequest, GenerateResponse, NamedGenerateRequest
-from api.openai import collect, finish_reason, generation_failed, sampling_params, scheduled_events, submit, usage
-from api.prompts import encode_prompt
-from api.response_cache import RESPONSE_CACHE, admit_hit, cache_key, cache_scope, mark_lookup, wants_cache
+from api.native.schemas import GenerateEvent, GenerateRequest, GenerateResponse, NamedGenerateRequest
+from api.openai.chat import collect, finish_reason, generation_failed, sampling_params, scheduled_events, submit, usage
 from api.routes import Route
 from api.sse import open_sse, send_event
-from api.streams import params_to_json, prepend
 from api.validation import parse_body
 from scheduling.router import RequestStream, ServedModel
+from services.cache.responses import RESPONSE_CACHE, admit_hit, cache_key, cache_scope, mark_lookup, wants_cache
+from services.deployments.manager import model_label, resolve_model
+from services.inference.prompts import encode_prompt
+from services.observability.metrics import METRICS
+from services.streams.hub import params_to_json, prepend
 
 DEFAULT_MAX_TOKENS = 128
 

@@ -19,9 +19,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from api.auth import AUTH, is_loopback, presents_admin_key, unauthorized
-from api.telemetry import SUCCESS, RequestRecord
 from engine.types import BATCH_TOKEN_BOUNDS, EngineStats, FinishReason, TokenEvent
 from scheduling.router import RequestStream, Router, ServedModel
+from services.observability.telemetry import SUCCESS, RequestRecord
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 STATUS = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.ABORT: "cancelled",

@@ -18,9 +18,7 @@ from typing import Any
 import structlog
 from aiohttp import web
 
-from api import completion_cache
 from api.auth import check_priority_access, request_priority, tenant_limits, tenant_of
-from api.chunks import ChunkFormat, StreamEvent, chat_logprobs, completion_logprobs, event_chunks, role_chunk
 from api.context import ROUTER
 from api.errors import (
     SHUTTING_DOWN,
@@ -33,11 +31,8 @@ from api.errors import (
     json_response,
     rate_limited,
 )
-from api.lifecycle import DRAINING_RETRY_AFTER_S, MODELS, model_label, resolve_model
-from api.metrics import METRICS
-from api.prompts import check_token_ids, encode_chat, encode_prompt
-from api.routes import Route
-from api.schemas import (
+from api.openai.chunks import ChunkFormat, StreamEvent, chat_logprobs, completion_logprobs, event_chunks, role_chunk
+from api.openai.schemas import (
     ChatCompletion,
     ChatCompletionChunk,
     ChatCompletionRequest,
@@ -46,15 +41,20 @@ from api.schemas import (
     ModelList,
     SamplingFields,
 )
-from api.shadow import mirror_request
+from api.routes import Route
 from api.sse import open_sse, send_event
-from api.stream_api import collect_live, error_chunk, serve_live
-from api.streams import HUB, LiveStream
+from api.streams import collect_live, error_chunk, serve_live
 from api.validation import parse_body
 from engine.types import GenerationRequest, Priority, SamplingParams, TokenEvent, TokenLogprob
 from scheduling.admission import Rejected
 from scheduling.deployments import parse_model_ref
 from scheduling.router import ModelUnavailable, QueueFull, RequestStream, ServedModel
+from services.cache import completions as completion_cache
+from services.deployments.manager import DRAINING_RETRY_AFTER_S, MODELS, model_label, resolve_model
+from services.deployments.shadow import mirror_request
+from services.inference.prompts import check_token_ids, encode_chat, encode_prompt
+from services.observability.metrics import METRICS
+from services.streams.hub import HUB, LiveStream
 from storage import conversations
 
 log = structlog.get_logger(__name__)

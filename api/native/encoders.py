@@ -1,7 +1,7 @@
 """Embedding and classification endpoints: OpenAI /v1/embeddings, native /api/v1/embed and
 /api/v1/predict (and /api/v1/models/{name}/predict).
 
-The model version is routed like a generation's (`api.lifecycle.resolve_model`: `name@version`,
+The model version is routed like a generation's (`services.deployments.manager.resolve_model`: `name@version`,
 the traffic split by `user` or request id, a cold version loads while the caller waits). Each
 input goes through the response cache first (per tenant, model version, input and params); the
 misses go to the version's dynamic batcher in one submit, whose future the handler awaits
@@ -23,10 +23,8 @@ from aiohttp import web
 from api.auth import tenant_limits
 from api.context import ROUTER
 from api.errors import APIError, InvalidRequestError, QueueFullError, json_response, rate_limited
-from api.lifecycle import model_label, resolve_model
-from api.metrics import METRICS
-from api.native import named_model
-from api.native_schemas import (
+from api.native.generate import named_model
+from api.native.schemas import (
     EmbeddingRequest,
     EmbeddingResponse,
     EmbedRequest,
@@ -36,12 +34,14 @@ from api.native_schemas import (
     PredictRequest,
     PredictResponse,
 )
-from api.response_cache import RESPONSE_CACHE, admit_hit, cache_key, cache_scope, mark_lookup, wants_cache
 from api.routes import Route
-from api.shadow import mirror_inputs
 from api.validation import parse_body
 from scheduling.admission import Rejected
 from scheduling.encoders import EncoderBusy, ServedEncoder
+from services.cache.responses import RESPONSE_CACHE, admit_hit, cache_key, cache_scope, mark_lookup, wants_cache
+from services.deployments.manager import model_label, resolve_model
+from services.deployments.shadow import mirror_inputs
+from services.observability.metrics import METRICS
 
 log = structlog.get_logger(__name__)
 

@@ -1,7 +1,7 @@
 """What happens to a generation request once it ends: one log line, the recent-requests ring,
 and OpenTelemetry spans.
 
-`api.metrics.Metrics.observe` builds a `RequestRecord` while a stream's events pass and
+`services.observability.metrics.Metrics.observe` builds a `RequestRecord` while a stream's events pass and
 hands the finished record to each sink here. The log line carries the request id (the
 `X-Request-Id` of the HTTP request that started it), tenant, model@version, token counts,
 queue / prefill / decode / total times, finish reason and status; prompts and outputs only

@@ -20,19 +20,26 @@ from aiohttp import web
 from prometheus_client.core import GaugeMetricFamily
 from pydantic import BaseModel, Field
 
-from api.alerts import AlertManager, AlertRule, MetricsWindow, snapshot, total
 from api.auth import AUTH, DATABASE
 from api.context import ROUTER, STATE
 from api.errors import APIError, ConflictError, NotFoundError, json_response
-from api.lifecycle import MODELS
-from api.metrics import METRICS, queue_depths
 from api.routes import Route
-from api.telemetry import ObservabilityConfig, RecentRequests, Tracing, TracingConfig, build_tracing, log_request
 from api.validation import parse_params
 from scheduling.router import ServedModel
+from services.deployments.manager import MODELS
+from services.observability.alerts import AlertManager, AlertRule, MetricsWindow, snapshot, total
+from services.observability.metrics import METRICS, queue_depths
+from services.observability.telemetry import (
+    ObservabilityConfig,
+    RecentRequests,
+    Tracing,
+    TracingConfig,
+    build_tracing,
+    log_request,
+)
 from storage import conversations
 
-STATIC_DIR = Path(__file__).resolve().parents[1] / "static"
+STATIC_DIR = Path(__file__).resolve().parents[2] / "static"
 
 RECENT = web.AppKey("recent_requests", RecentRequests)
 ALERTS = web.AppKey("alerts", AlertManager)

@@ -7,7 +7,7 @@ from typing import Annotated, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
-from api.schemas import (
+from api.openai.schemas import (
     MAX_CONTEXT_TOKENS,
     MAX_NAME_CHARS,
     MAX_TOP_K,

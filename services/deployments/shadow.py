@@ -33,17 +33,17 @@ import structlog
 from aiohttp import web
 from prometheus_client import Counter
 
-from api.background import BackgroundTasks
 from api.errors import ConflictError, InvalidRequestError
-from api.lifecycle import MODELS, SHADOW_PREFIX, ModelManager
-from api.metrics import METRICS, STATUS, Metrics
-from api.telemetry import SUCCESS
 from engine.types import GenerationRequest, Priority, TokenEvent
 from scheduling import encoders
 from scheduling.admission import Rejected, TenantLimits
 from scheduling.deployments import NUM_BUCKETS, bucket
 from scheduling.encoders import EncoderBusy, ServedEncoder
 from scheduling.router import QueueFull, RequestStream, Served, ServedModel
+from services.background import BackgroundTasks
+from services.deployments.manager import MODELS, SHADOW_PREFIX, ModelManager
+from services.observability.metrics import METRICS, STATUS, Metrics
+from services.observability.telemetry import SUCCESS
 from storage import registry
 from storage.db import Database
 from storage.registry import Shadow

@@ -8,7 +8,7 @@ bound, the tenant's limits, a version being unloaded) is retried later, resolvin
 again after every wait, never failed; an admitted item without a first token by
 `first_token_timeout_seconds` fails. Each result is written to SQLite as it arrives, so after
 a restart `recover()` reruns only the unfinished items. When a job ends, its callback URL gets
-the job summary by a signed POST (`api.webhooks`: public addresses only unless allow-listed, no
+the job summary by a signed POST (`services.batch.webhooks`: public addresses only unless allow-listed, no
 redirects), retried with exponential backoff. Finished jobs expire after `retention_seconds`.
 While the server drains, no new item starts (in-flight ones finish and are stored).
 Must not block the loop: SQLite reads run in a thread, writes on the DB writer thread.
@@ -29,18 +29,18 @@ import aiohttp
 import structlog
 from prometheus_client import Counter
 
-from api.background import BackgroundTasks
 from api.context import ServerState
-from api.encoders_api import prediction
 from api.errors import InvalidRequestError
-from api.metrics import Metrics
-from api.native_schemas import PredictParams
-from api.prompts import encode_chat, encode_text
-from api.webhooks import CallbackPolicy, CallbackRefused, WebhookClient, new_secret
+from api.native.encoders import prediction
+from api.native.schemas import PredictParams
 from engine.types import FinishReason, GenerationRequest, Priority, SamplingParams
 from scheduling.admission import Rejected, TenantLimits
 from scheduling.encoders import EncoderBusy, ServedEncoder
 from scheduling.router import ModelUnavailable, QueueFull, RequestStream, Router, Served, ServedModel
+from services.background import BackgroundTasks
+from services.batch.webhooks import CallbackPolicy, CallbackRefused, WebhookClient, new_secret
+from services.inference.prompts import encode_chat, encode_text
+from services.observability.metrics import Metrics
 from storage import batches
 from storage.batches import BatchItem, BatchJob, ItemResult, ItemStatus, JobStatus
 from storage.db import Database
@@ -305,7 +305,7 @@ class BatchRunner:
 
     async def prepare(self, job: BatchJob, model: ServedModel, value: Any) -> tuple[list[int], SamplingParams]:
         """An input's prompt ids and sampling params; ItemError when it cannot run. Tokenized as
-        the generation routes do (`api.prompts`: bounded first, long inputs off the event loop)."""
+        the generation routes do (`services.inference.prompts`: bounded first, long inputs off the event loop)."""
         try:
             prompt_ids = await (encode_text(model, value) if isinstance(value, str) else encode_chat(model, value))
         except InvalidRequestError as exc:

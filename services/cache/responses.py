@@ -23,8 +23,8 @@ from aiohttp import web
 from api.auth import tenant_limits, tenant_of
 from api.context import ROUTER
 from api.errors import rate_limited
-from api.metrics import METRICS
 from scheduling.admission import Rejected
+from services.observability.metrics import METRICS
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,6 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
 from api.auth import AUTH, check_model_access, tenant_of
-from api.background import BackgroundTasks
 from api.context import ROUTER, STATE
 from api.errors import (
     ConflictError,
@@ -40,11 +39,12 @@ from api.errors import (
     PermissionDeniedError,
     ServiceUnavailableError,
 )
-from api.offload import in_fresh_thread
 from engine.types import FinishReason, GenerationRequest, SamplingParams, TokenEvent
 from scheduling.deployments import DeploymentsConfig, HealthWindow, parse_model_ref, rollback_reason
 from scheduling.encoders import ServedEncoder
 from scheduling.router import ModelDeployment, RequestStream, Router, Served
+from services.background import BackgroundTasks
+from services.deployments.offload import in_fresh_thread
 from storage import registry
 from storage.db import Database
 from storage.registry import Deployment, ModelVersion

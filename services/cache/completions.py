@@ -14,14 +14,14 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from api.chunks import ChunkFormat, StreamEvent, event_chunks, role_chunk
-from api.metrics import METRICS
-from api.response_cache import RESPONSE_CACHE, admit_hit, cache_key, cache_scope, mark_lookup, wants_cache
-from api.schemas import SamplingFields
+from api.openai.chunks import ChunkFormat, StreamEvent, event_chunks, role_chunk
+from api.openai.schemas import SamplingFields
 from api.sse import open_sse, send_event
-from api.streams import LiveStream, params_to_json
 from engine.types import SamplingParams
 from scheduling.router import ServedModel
+from services.cache.responses import RESPONSE_CACHE, admit_hit, cache_key, cache_scope, mark_lookup, wants_cache
+from services.observability.metrics import METRICS
+from services.streams.hub import LiveStream, params_to_json
 
 FINISHED = ("stop", "length")  # only complete answers are stored
 

@@ -18,11 +18,11 @@ from pydantic import BaseModel, ConfigDict, Field, RootModel
 
 from api.auth import is_admin, tenant_of
 from api.errors import ConflictError, InvalidRequestError, json_response
-from api.lifecycle import MODELS, VersionState
+from api.openai.schemas import Strict
 from api.routes import Route
-from api.schemas import Strict
-from api.shadow import SHADOWS
 from api.validation import parse_body
+from services.deployments.manager import MODELS, VersionState
+from services.deployments.shadow import SHADOWS
 from storage import registry
 from storage.registry import ModelVersion
 
