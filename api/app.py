@@ -19,7 +19,7 @@ from api.admin import deployments as deployments_api
 from api.admin import tenants as admin
 from api.auth import AUTH, DATABASE, Auth, TenantDirectory, auth_middleware
 from api.context import ROUTER, STATE, ServerState
-from api.errors import CLIENT_CLOSED, SHUTTING_DOWN, client_gone, error_middleware, json_response
+from api.errors import CLIENT_CLOSED, client_gone, error_middleware, json_response
 from api.native import encoders as encoders_api
 from api.native import generate as native
 from api.openai import chat as openai
@@ -31,6 +31,7 @@ from services.batch.runner import BatchConfig, BatchRunner
 from services.cache.responses import RESPONSE_CACHE, ResponseCache, ResponseCacheConfig, add_cache_header
 from services.deployments import manager as lifecycle
 from services.deployments import shadow as shadow_traffic
+from services.errors import SHUTTING_DOWN
 from services.observability.alerts import DEFAULT_ALERTS, AlertRule
 from services.observability.metrics import (
     METRICS,

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from api.errors import AuthenticationError, PermissionDeniedError
 from scheduling.admission import TenantLimits
+from services.errors import AuthenticationError, PermissionDeniedError
 from storage import tenants
 from storage.db import Database
 from storage.tenants import DEFAULT_TENANT, ApiKey, Tenant, hash_key, key_prefix
@@ -133,7 +133,7 @@ def bearer_token(request: web.Request) -> str:
 
 
 def unauthorized(message: str, code: str) -> AuthenticationError:
-    return AuthenticationError(message, code=code, headers={"WWW-Authenticate": "Bearer"})
+    return AuthenticationError(message, code=code)
 
 
 def tenant_key(request: web.Request) -> str:

@@ -17,7 +17,7 @@ from aiohttp import web
 from pydantic import BaseModel, Field, field_validator
 
 from api.auth import tenant_of
-from api.errors import InvalidRequestError, NotFoundError, json_response, rate_limited
+from api.errors import json_response
 from api.openai.schemas import (
     MAX_CONTEXT_TOKENS,
     MAX_NAME_CHARS,
@@ -36,6 +36,7 @@ from scheduling.encoders import ServedEncoder
 from services.batch.runner import BatchRunner, job_summary
 from services.batch.webhooks import CallbackRefused
 from services.deployments.manager import resolve_model
+from services.errors import InvalidRequestError, NotFoundError, rate_limited
 from storage import batches, registry
 from storage.batches import BatchItem, BatchJob, QuotaExceeded
 

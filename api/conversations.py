@@ -19,12 +19,13 @@ from aiohttp import web
 from pydantic import BaseModel, Field
 
 from api.auth import DATABASE, tenant_of
-from api.errors import NotFoundError, json_response
+from api.errors import json_response
 from api.openai.schemas import MAX_NAME_CHARS, Strict
 from api.quotas import count_creation
 from api.routes import Route
 from api.validation import parse_body
 from services.deployments.manager import resolve_model
+from services.errors import NotFoundError
 from storage import conversations
 from storage.conversations import Conversation, Message
 

@@ -1,4 +1,5 @@
-"""Domain errors and the one middleware that turns any error into OpenAI-shaped JSON.
+"""Domain errors to HTTP: each `services.errors` class's status, and the one middleware that turns
+any error into OpenAI-shaped JSON.
 
 Every error body is `{"error": {"message", "type", "param", "code"}}` with the right status.
 """
@@ -10,78 +11,41 @@ import structlog
 from aiohttp import web
 from pydantic import ValidationError
 
+from services.errors import (
+    AuthenticationError,
+    ConflictError,
+    InvalidRequestError,
+    NotFoundError,
+    NotImplementedFeatureError,
+    PayloadTooLargeError,
+    PermissionDeniedError,
+    RateLimitError,
+    ServiceError,
+    ServiceUnavailableError,
+)
+
 log = structlog.get_logger(__name__)
 
 
-class APIError(Exception):
-    status = 500
-    type = "internal_error"
-    code: str | None = None
-
-    def __init__(self, message: str, param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.param = param
-        self.headers = headers or {}
-        if code is not None:
-            self.code = code
+STATUS: dict[type[ServiceError], int] = {
+    InvalidRequestError: 400, AuthenticationError: 401, PermissionDeniedError: 403, NotFoundError: 404,
+    ConflictError: 409, PayloadTooLargeError: 413, RateLimitError: 429, NotImplementedFeatureError: 501,
+    ServiceUnavailableError: 503,
+}
 
 
-class InvalidRequestError(APIError):
-    status = 400
-    type = "invalid_request_error"
+def status_of(exc: ServiceError) -> int:
+    """The HTTP status of a domain error: that of its nearest mapped class, else 500."""
+    return next((STATUS[cls] for cls in type(exc).__mro__ if cls in STATUS), 500)
 
 
-class NotFoundError(APIError):
-    status = 404
-    type = "not_found_error"
-
-
-class ModelNotFoundError(NotFoundError):
-    type = "invalid_request_error"
-    code = "model_not_found"
-
-
-class ConflictError(APIError):
-    status = 409
-    type = "conflict_error"
-
-
-class PayloadTooLargeError(APIError):
-    status = 413
-    type = "invalid_request_error"
-
-
-class AuthenticationError(APIError):
-    status = 401
-    type = "authentication_error"
-
-
-class PermissionDeniedError(APIError):
-    status = 403
-    type = "permission_error"
-
-
-class RateLimitError(APIError):
-    status = 429
-    type = "rate_limit_error"
-
-
-def rate_limited(rejection) -> RateLimitError:
-    """A tenant limit's refusal (`scheduling.admission.Rejected`) as its 429 with Retry-After."""
-    return RateLimitError(str(rejection), code=rejection.reason, headers={"Retry-After": str(rejection.retry_after_s)})
-
-
-class QueueFullError(APIError):
-    status = 429
-    type = "rate_limit_error"
-    code = "queue_full"
-
-
-class ServiceUnavailableError(APIError):
-    status = 503
-    type = "service_unavailable"
+def error_headers(exc: ServiceError) -> dict[str, str]:
+    headers = {}
+    if exc.retry_after_s is not None:
+        headers["Retry-After"] = str(exc.retry_after_s)
+    if isinstance(exc, AuthenticationError):
+        headers["WWW-Authenticate"] = "Bearer"
+    return headers
 
 
 def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
@@ -92,8 +56,8 @@ def json_response(body: dict, status: int = 200, headers: dict[str, str] | None 
     return web.Response(body=orjson.dumps(body), status=status, content_type="application/json", headers=headers)
 
 
-def error_response(exc: APIError) -> web.Response:
-    return json_response(error_body(exc.message, exc.type, exc.param, exc.code), exc.status, exc.headers)
+def error_response(exc: ServiceError) -> web.Response:
+    return json_response(error_body(exc.message, exc.type, exc.param, exc.code), status_of(exc), error_headers(exc))
 
 
 def validation_error(exc: ValidationError) -> InvalidRequestError:
@@ -132,7 +96,7 @@ async def error_middleware(request: web.Request, handler):
         return await handler(request)
     except StreamEnded as exc:
         return exc.response
-    except APIError as exc:
+    except ServiceError as exc:
         return error_response(exc)
     except ValidationError as exc:
         return error_response(validation_error(exc))
@@ -148,8 +112,6 @@ async def error_middleware(request: web.Request, handler):
         log.exception("unhandled error", path=request.path)
         return json_response(error_body("internal server error", "internal_error"), 500)
 
-
-SHUTTING_DOWN = "server_shutting_down"  # the code of what the end of a drain interrupts: 503, retry elsewhere or later
 
 CLIENT_CLOSED = 499  # nginx's "client closed request": logged, never sent
 

@@ -13,8 +13,8 @@ from aiohttp import web
 
 from api.auth import tenant_limits
 from api.context import ROUTER
-from api.errors import rate_limited
 from scheduling.admission import Rejected
+from services.errors import rate_limited
 
 
 def count_creation(request: web.Request) -> None:

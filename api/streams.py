@@ -8,24 +8,21 @@ from pydantic import BaseModel, Field
 
 from api.auth import tenant_of
 from api.context import ROUTER
-from api.errors import APIError, NotFoundError
 from api.openai.chunks import StreamEvent, event_chunks, role_chunk
 from api.quotas import count_creation
 from api.routes import Route
 from api.sse import open_sse, send_event
 from api.validation import parse_params
+from services.errors import NotFoundError, ServiceError, ServiceUnavailableError
 from services.streams.hub import HUB, LiveStream, prepend
 
 
-class StreamError(APIError):
+def stream_error(event: StreamEvent) -> ServiceError:
     """The generation failed before its first token: a plain HTTP error, not an SSE event."""
-
-    def __init__(self, event: StreamEvent) -> None:
-        super().__init__(event.error or "generation failed", code=event.error_code)
-        self.status = event.error_status
-        self.type = "service_unavailable" if event.error_status == 503 else "internal_error"
-        if event.error_status == 503:
-            self.headers = {"Retry-After": "5"}
+    message = event.error or "generation failed"
+    if event.error_status == 503:
+        return ServiceUnavailableError(message, code=event.error_code, retry_after_s=5)
+    return ServiceError(message, code=event.error_code)
 
 
 def error_chunk(event: StreamEvent) -> dict:
@@ -44,7 +41,7 @@ async def serve_live(request: web.Request, live: LiveStream, after: int = -1) ->
         events = live.follow(after)
         first = await anext(events, None)
         if first is not None and first.error and first.index == after + 1 and after == -1:
-            raise StreamError(first)
+            raise stream_error(first)
         response = await open_sse(request, {"X-Stream-Id": live.id, "X-Request-Id": request["request_id"]})
         if after == -1 and live.fmt.kind == "chat":
             await send_event(response, role_chunk(live.fmt))
@@ -72,7 +69,7 @@ async def collect_live(request: web.Request, live: LiveStream) -> tuple[str, lis
         text, logprobs, last = "", [], None
         async for event in live.follow():
             if event.error:
-                raise StreamError(event)
+                raise stream_error(event)
             text += event.text
             logprobs.extend(event.logprobs or [])
             last = event

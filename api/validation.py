@@ -13,7 +13,7 @@ import orjson
 from aiohttp import web
 from pydantic import BaseModel
 
-from api.errors import InvalidRequestError, PayloadTooLargeError
+from services.errors import InvalidRequestError, PayloadTooLargeError
 
 B = TypeVar("B", bound=BaseModel)
 

@@ -32,12 +32,13 @@ from pydantic import Field, TypeAdapter, ValidationError, model_validator
 
 from api.auth import AUTH, check_priority_access, current_tenant, tenant_of
 from api.context import ROUTER, STATE
-from api.errors import APIError, InvalidRequestError, NotFoundError, RateLimitError, validation_error
+from api.errors import validation_error
 from api.openai.chat import start_chat, start_live_chat
 from api.openai.schemas import MAX_NAME_CHARS, ChatCompletionRequest, Strict
 from api.quotas import count_creation
 from api.routes import Route
 from services.deployments.manager import resolve_model
+from services.errors import InvalidRequestError, NotFoundError, RateLimitError, ServiceError
 from services.streams.hub import HUB, LiveStream
 from storage import conversations
 
@@ -179,7 +180,7 @@ class ChatSocket:
                 self.cancel(await self.find(message.stream_id))
         except ValidationError as exc:
             await self.send(error_message("invalid_request_error", validation_error(exc).message, stream_id))
-        except APIError as exc:
+        except ServiceError as exc:
             await self.send(error_message(exc.code or exc.type, exc.message, stream_id))
         except ConnectionError:
             pass  # the socket is closing; the receive loop ends next

@@ -12,7 +12,7 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from transformers import AutoTokenizer
 
 from api.app import create_app
-from api.openai.chat import schemas
+from api.openai import schemas
 from scheduling.router import Router
 from tests.helpers import metric, start_tiny_engines
 from tests.test_reference import hf_greedy, prompts

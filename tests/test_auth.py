@@ -28,11 +28,11 @@ from api.auth import (
     resolve_admin_key,
     tenant_of,
 )
-from api.errors import PermissionDeniedError
 from engine.model_runner import CacheConfig
 from launch import EngineConfig, start_models
 from scheduling.router import Router
 from server import is_loopback
+from services.errors import PermissionDeniedError
 from storage.db import Database
 from storage.tenants import Tenant, hash_key
 from tests.test_server_process import ROOT, ServerProcess

@@ -22,11 +22,12 @@ from pydantic import BaseModel, Field
 
 from api.auth import AUTH, DATABASE
 from api.context import ROUTER, STATE
-from api.errors import APIError, ConflictError, NotFoundError, json_response
+from api.errors import json_response
 from api.routes import Route
 from api.validation import parse_params
 from scheduling.router import ServedModel
 from services.deployments.manager import MODELS
+from services.errors import ConflictError, NotFoundError, NotImplementedFeatureError
 from services.observability.alerts import AlertManager, AlertRule, MetricsWindow, snapshot, total
 from services.observability.metrics import METRICS, queue_depths
 from services.observability.telemetry import (
@@ -241,11 +242,6 @@ async def admin_get_conversation(request: web.Request) -> web.Response:
 # ---- profiling -------------------------------------------------------------------------
 
 
-class ProfilerError(APIError):
-    status = 501
-    type = "not_implemented"
-
-
 def workers_by_device(app: web.Application) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for model in app[ROUTER].served_models():
@@ -271,7 +267,7 @@ async def admin_profile(request: web.Request) -> web.Response:
     if worker is None:
         raise NotFoundError(f"no device worker {device!r}; loaded: {sorted(workers)}", param="device")
     if not hasattr(worker, "profile"):
-        raise ProfilerError(f"the worker of {device!r} cannot record a profile")
+        raise NotImplementedFeatureError(f"the worker of {device!r} cannot record a profile")
     lock = request.app[PROFILING]
     if lock.locked():
         raise ConflictError("a profile is already being recorded; try again when it ends", code="profile_running")

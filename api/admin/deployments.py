@@ -17,12 +17,13 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, RootModel
 
 from api.auth import is_admin, tenant_of
-from api.errors import ConflictError, InvalidRequestError, json_response
+from api.errors import json_response
 from api.openai.schemas import Strict
 from api.routes import Route
 from api.validation import parse_body
 from services.deployments.manager import MODELS, VersionState
 from services.deployments.shadow import SHADOWS
+from services.errors import ConflictError, InvalidRequestError
 from storage import registry
 from storage.registry import ModelVersion
 

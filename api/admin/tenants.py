@@ -17,9 +17,10 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field
 
 from api.auth import AUTH, DATABASE, TenantDirectory
-from api.errors import ConflictError, InvalidRequestError, NotFoundError, json_response
+from api.errors import json_response
 from api.routes import Route
 from api.validation import parse_body
+from services.errors import ConflictError, InvalidRequestError, NotFoundError
 from storage import tenants
 from storage.tenants import DEFAULT_TENANT, ApiKey, Tenant, hash_key
 

@@ -22,7 +22,7 @@ from aiohttp import web
 
 from api.auth import tenant_limits
 from api.context import ROUTER
-from api.errors import APIError, InvalidRequestError, QueueFullError, json_response, rate_limited
+from api.errors import json_response
 from api.native.generate import named_model
 from api.native.schemas import (
     EmbeddingRequest,
@@ -41,6 +41,7 @@ from scheduling.encoders import EncoderBusy, ServedEncoder
 from services.cache.responses import RESPONSE_CACHE, admit_hit, cache_key, cache_scope, mark_lookup, wants_cache
 from services.deployments.manager import model_label, resolve_model
 from services.deployments.shadow import mirror_inputs
+from services.errors import InvalidRequestError, QueueFullError, ServiceError, rate_limited
 from services.observability.metrics import METRICS
 
 log = structlog.get_logger(__name__)
@@ -105,13 +106,13 @@ async def submit_inputs(request: web.Request, model: ServedEncoder, items: list[
             future = request.app[ROUTER].submit_encoder(model, items)
         except EncoderBusy as exc:
             metrics.rejected.labels(model.name, "queue_full").inc()
-            raise QueueFullError(f"{exc}; retry shortly", headers={"Retry-After": "1"}) from exc
+            raise QueueFullError(f"{exc}; retry shortly", retry_after_s=1) from exc
         try:
             outputs = await future
         except Exception as exc:
             metrics.encoder_requests.labels(model.name, "error").inc()
             log.error("encoder failed", model=model.ref, exc_info=exc)  # the client gets no exception text
-            raise APIError(f"the {model.kind} model failed on these inputs (internal error)",
+            raise ServiceError(f"the {model.kind} model failed on these inputs (internal error)",
                            code="model_failed") from exc
         used = sum(out.num_tokens for out in outputs)
         metrics.encoder_requests.labels(model.name, "ok").inc()

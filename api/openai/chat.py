@@ -20,17 +20,7 @@ from aiohttp import web
 
 from api.auth import check_priority_access, request_priority, tenant_limits, tenant_of
 from api.context import ROUTER
-from api.errors import (
-    SHUTTING_DOWN,
-    APIError,
-    ConflictError,
-    InvalidRequestError,
-    NotFoundError,
-    QueueFullError,
-    ServiceUnavailableError,
-    json_response,
-    rate_limited,
-)
+from api.errors import json_response
 from api.openai.chunks import ChunkFormat, StreamEvent, chat_logprobs, completion_logprobs, event_chunks, role_chunk
 from api.openai.schemas import (
     ChatCompletion,
@@ -52,6 +42,16 @@ from scheduling.router import ModelUnavailable, QueueFull, RequestStream, Served
 from services.cache import completions as completion_cache
 from services.deployments.manager import DRAINING_RETRY_AFTER_S, MODELS, model_label, resolve_model
 from services.deployments.shadow import mirror_request
+from services.errors import (
+    SHUTTING_DOWN,
+    ConflictError,
+    InvalidRequestError,
+    NotFoundError,
+    QueueFullError,
+    ServiceError,
+    ServiceUnavailableError,
+    rate_limited,
+)
 from services.inference.prompts import check_token_ids, encode_chat, encode_prompt
 from services.observability.metrics import METRICS
 from services.streams.hub import HUB, LiveStream
@@ -109,10 +109,10 @@ def submit(request: web.Request, model: ServedModel, prompt_ids: list[int], para
         stream = request.app[ROUTER].submit(model, generation, limits)
     except QueueFull as exc:
         metrics.reject(model, "queue_full", limits.name, priority)
-        raise QueueFullError(f"{exc}; retry shortly", headers={"Retry-After": "1"}) from exc
+        raise QueueFullError(f"{exc}; retry shortly", retry_after_s=1) from exc
     except ModelUnavailable as exc:  # unloaded while this request was being prepared
         raise ServiceUnavailableError(f"{exc}; retry shortly", code="model_unloading",
-                                      headers={"Retry-After": "1"}) from exc
+                                      retry_after_s=1) from exc
     except Rejected as exc:
         metrics.reject(model, exc.reason, limits.name, priority)
         raise rate_limited(exc) from exc
@@ -132,7 +132,7 @@ async def scheduled_events(request: web.Request, stream: RequestStream) -> Async
         raise ServiceUnavailableError(
             f"the request waited {timeout_s:g}s without being scheduled (queue_timeout_seconds); "
             "the server is overloaded, retry later",
-            code="queue_timeout", headers={"Retry-After": "5"},
+            code="queue_timeout", retry_after_s=5,
         ) from None
     yield first
     async for event in events:
@@ -166,22 +166,22 @@ async def collect(request: web.Request, stream: RequestStream) -> tuple[str, lis
     return text, logprobs, last
 
 
-def generation_failed(event: TokenEvent) -> APIError:
+def generation_failed(event: TokenEvent) -> ServiceError:
     """A generation that ended with an error: the engine's fixed text, or the end of a drain
     (503 to retry, not a server error)."""
     if event.error_code == SHUTTING_DOWN:
         return ServiceUnavailableError(event.error, code=SHUTTING_DOWN,
-                                       headers={"Retry-After": str(DRAINING_RETRY_AFTER_S)})
-    return APIError(event.error, code="generation_failed")
+                                       retry_after_s=DRAINING_RETRY_AFTER_S)
+    return ServiceError(event.error, code="generation_failed")
 
 
-def failure(exc: Exception) -> APIError:
+def failure(exc: Exception) -> ServiceError:
     """An exception as what a client may see: our own errors as they are, anything else logged
     and reduced to a fixed message (exception text can hold paths and other requests' data)."""
-    if isinstance(exc, APIError):
+    if isinstance(exc, ServiceError):
         return exc
     log.error("request failed", exc_info=exc)
-    return APIError("internal server error", code="internal_error")
+    return ServiceError("internal server error", code="internal_error")
 
 
 def check_n(body: SamplingFields) -> None:

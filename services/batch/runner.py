@@ -30,7 +30,6 @@ import structlog
 from prometheus_client import Counter
 
 from api.context import ServerState
-from api.errors import InvalidRequestError
 from api.native.encoders import prediction
 from api.native.schemas import PredictParams
 from engine.types import FinishReason, GenerationRequest, Priority, SamplingParams
@@ -39,6 +38,7 @@ from scheduling.encoders import EncoderBusy, ServedEncoder
 from scheduling.router import ModelUnavailable, QueueFull, RequestStream, Router, Served, ServedModel
 from services.background import BackgroundTasks
 from services.batch.webhooks import CallbackPolicy, CallbackRefused, WebhookClient, new_secret
+from services.errors import InvalidRequestError
 from services.inference.prompts import encode_chat, encode_text
 from services.observability.metrics import Metrics
 from storage import batches

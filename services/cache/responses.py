@@ -22,8 +22,8 @@ from aiohttp import web
 
 from api.auth import tenant_limits, tenant_of
 from api.context import ROUTER
-from api.errors import rate_limited
 from scheduling.admission import Rejected
+from services.errors import rate_limited
 from services.observability.metrics import METRICS
 
 

@@ -32,19 +32,19 @@ from prometheus_client.core import GaugeMetricFamily
 
 from api.auth import AUTH, check_model_access, tenant_of
 from api.context import ROUTER, STATE
-from api.errors import (
-    ConflictError,
-    InvalidRequestError,
-    ModelNotFoundError,
-    PermissionDeniedError,
-    ServiceUnavailableError,
-)
 from engine.types import FinishReason, GenerationRequest, SamplingParams, TokenEvent
 from scheduling.deployments import DeploymentsConfig, HealthWindow, parse_model_ref, rollback_reason
 from scheduling.encoders import ServedEncoder
 from scheduling.router import ModelDeployment, RequestStream, Router, Served
 from services.background import BackgroundTasks
 from services.deployments.offload import in_fresh_thread
+from services.errors import (
+    ConflictError,
+    InvalidRequestError,
+    ModelNotFoundError,
+    PermissionDeniedError,
+    ServiceUnavailableError,
+)
 from storage import registry
 from storage.db import Database
 from storage.registry import Deployment, ModelVersion
@@ -236,7 +236,7 @@ class ModelManager:
             return await asyncio.wait_for(asyncio.shield(self._load_task(vs)), self.cfg.load_timeout_seconds)
         except TimeoutError:
             raise ServiceUnavailableError(f"`{ref}` is still loading; retry shortly", code="model_loading",
-                                          headers={"Retry-After": "5"}) from None
+                                          retry_after_s=5) from None
         except LoadFailed:
             raise load_failed(ref) from None
         finally:
@@ -591,7 +591,7 @@ async def resolve_model(request: web.Request, ref: str, *, user: str | None = No
     name, version = parse_model_ref(ref)
     if name not in manager.router.deployments:
         if not request.app[STATE].ready:
-            raise ServiceUnavailableError("models are still loading", headers={"Retry-After": "5"})
+            raise ServiceUnavailableError("models are still loading", retry_after_s=5)
         raise ModelNotFoundError(f"The model `{name}` does not exist.", param="model")
     check_model_access(request, name)
     if version is not None and pinned_version is None:
@@ -611,7 +611,7 @@ def refuse_if_draining(request: web.Request) -> None:
     conversation resolves its model here): in-flight requests finish, new ones go elsewhere."""
     if request.app[STATE].draining:
         raise ServiceUnavailableError("the server is shutting down; retry shortly (or on another replica)",
-                                      code="server_draining", headers={"Retry-After": str(DRAINING_RETRY_AFTER_S)})
+                                      code="server_draining", retry_after_s=DRAINING_RETRY_AFTER_S)
 
 
 def check_version_access(request: web.Request, deployment: ModelDeployment, version: str) -> None:

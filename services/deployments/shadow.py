@@ -33,7 +33,6 @@ import structlog
 from aiohttp import web
 from prometheus_client import Counter
 
-from api.errors import ConflictError, InvalidRequestError
 from engine.types import GenerationRequest, Priority, TokenEvent
 from scheduling import encoders
 from scheduling.admission import Rejected, TenantLimits
@@ -42,6 +41,7 @@ from scheduling.encoders import EncoderBusy, ServedEncoder
 from scheduling.router import QueueFull, RequestStream, Served, ServedModel
 from services.background import BackgroundTasks
 from services.deployments.manager import MODELS, SHADOW_PREFIX, ModelManager
+from services.errors import ConflictError, InvalidRequestError
 from services.observability.metrics import METRICS, STATUS, Metrics
 from services.observability.telemetry import SUCCESS
 from storage import registry

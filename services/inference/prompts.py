@@ -17,8 +17,8 @@ from typing import Any, TypeVar
 
 from jinja2 import TemplateError
 
-from api.errors import InvalidRequestError
 from scheduling.router import ServedModel
+from services.errors import InvalidRequestError
 
 INLINE_CHARS = 8192  # shorter texts are tokenized on the loop: under a millisecond, less than a thread hop
 _POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="galley-tokenize")

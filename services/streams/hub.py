@@ -28,13 +28,13 @@ import structlog
 from aiohttp import web
 
 from api.auth import Auth
-from api.errors import SHUTTING_DOWN
 from api.openai.chunks import ChunkFormat, StreamEvent
 from engine.types import FinishReason, GenerationRequest, Priority, SamplingParams, TokenEvent
 from scheduling.admission import TenantLimits
 from scheduling.deployments import parse_model_ref
 from scheduling.router import RequestStream, Router
 from services.background import BackgroundTasks
+from services.errors import SHUTTING_DOWN
 from services.observability.metrics import Metrics
 from storage import conversations, streams
 from storage.db import Database
