@@ -18,7 +18,7 @@ from api.admin import dashboard
 from api.admin import deployments as deployments_api
 from api.admin import tenants as admin
 from api.auth import AUTH, DATABASE, Auth, TenantDirectory, auth_middleware
-from api.context import ROUTER, STATE, ServerState
+from api.context import ADMISSION, ROUTER, STATE, ServerState
 from api.errors import CLIENT_CLOSED, client_gone, error_middleware, json_response
 from api.native import encoders as encoders_api
 from api.native import generate as native
@@ -32,6 +32,7 @@ from services.cache.responses import RESPONSE_CACHE, ResponseCache, ResponseCach
 from services.deployments import manager as lifecycle
 from services.deployments import shadow as shadow_traffic
 from services.errors import SHUTTING_DOWN
+from services.inference.admission import Admission
 from services.observability.alerts import DEFAULT_ALERTS, AlertRule
 from services.observability.metrics import (
     METRICS,
@@ -148,6 +149,7 @@ def create_app(router: Router, state: ServerState | None = None, *, db: Database
     app[STATE] = state or ServerState(ready=True)
     observability = observability or ObservabilityConfig()
     app[METRICS] = Metrics(router)
+    app[ADMISSION] = Admission(router, app[METRICS])
     app[METRICS_ACCESS] = MetricsAccess.for_bind(auth_enabled, bind_host, observability.metrics_token)
     app[METRICS].registry.register(StorageCollector(app[DATABASE]))
     dashboard.setup(app, observability, tracing or TracingConfig(), alerts, span_exporter)

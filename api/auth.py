@@ -22,6 +22,7 @@ from aiohttp import web
 
 from scheduling.admission import TenantLimits
 from services.errors import AuthenticationError, PermissionDeniedError
+from services.tenancy import Caller, revoked
 from storage import tenants
 from storage.db import Database
 from storage.tenants import DEFAULT_TENANT, ApiKey, Tenant, hash_key, key_prefix
@@ -155,10 +156,6 @@ def authenticate_tenant(request: web.Request, directory: TenantDirectory) -> Ten
     return tenant
 
 
-def revoked() -> AuthenticationError:
-    return unauthorized("Invalid API key: unknown or revoked.", "invalid_api_key")
-
-
 def is_loopback(host: str) -> bool:
     """A bind address only this machine can reach (0.0.0.0 and :: are every interface)."""
     if host == "localhost":
@@ -213,21 +210,28 @@ def current_tenant(request: web.Request) -> Tenant | None:
     return request.app[AUTH].directory.current(request[TENANT].name, request[KEY_PREFIX])
 
 
+CALLER = "caller"  # request[CALLER]: the `Caller` services receive
+
+
+def caller_of(request: web.Request) -> Caller:
+    """Who the request is for, as services see it (built once per request)."""
+    caller = request.get(CALLER)
+    if caller is None:
+        auth = request.app[AUTH]
+        name, prefix = request[TENANT].name, request[KEY_PREFIX]
+        caller = Caller(lambda: auth.directory.current(name, prefix), request["request_id"], is_admin(request),
+                        auth.enabled)
+        request[CALLER] = caller
+    return caller
+
+
 def request_priority(request: web.Request, asked: str | None) -> str:
-    """The class a request runs at: what it asked for (checked by `check_priority_access`), else
-    `normal`, or the tenant's ceiling when that is lower (a tenant capped at `low` need not say so)."""
-    if asked is not None:
-        return asked
-    tenant = tenant_of(request)
-    return "normal" if tenant.allows_priority("normal") else tenant.max_priority
+    return caller_of(request).priority(asked)
 
 
 def tenant_of(request: web.Request) -> Tenant:
     """The caller's tenant as it is now (limits, models, priority); 401 once its key is revoked."""
-    tenant = current_tenant(request)
-    if tenant is None:
-        raise revoked()
-    return tenant
+    return caller_of(request).tenant
 
 
 def is_admin(request: web.Request) -> bool:
@@ -237,23 +241,14 @@ def is_admin(request: web.Request) -> bool:
 
 def tenant_limits(request: web.Request) -> tuple[TenantLimits, float]:
     """The caller's tenant's admission limits as they are now, and its fair-share weight."""
-    tenant = tenant_of(request)
-    limits = TenantLimits(tenant.name, tenant.max_concurrent, tenant.requests_per_minute, tenant.tokens_per_minute)
-    return limits, tenant.weight
+    return caller_of(request).limits()
 
 
 def check_model_access(request: web.Request, model_name: str) -> None:
     """403 unless the caller's tenant may use `model_name`."""
-    tenant = tenant_of(request)
-    if not tenant.allows_model(model_name):
-        raise PermissionDeniedError(f"Tenant `{tenant.name}` may not use the model `{model_name}`.",
-                                    param="model", code="model_not_allowed")
+    caller_of(request).check_model(model_name)
 
 
 def check_priority_access(request: web.Request, priority: str | None) -> None:
     """403 unless the caller's tenant may ask for `priority` (high/normal/low; None: the default)."""
-    tenant = tenant_of(request)
-    if priority is not None and not tenant.allows_priority(priority):
-        raise PermissionDeniedError(
-            f"Tenant `{tenant.name}` may use priority `{tenant.max_priority}` at most, not `{priority}`.",
-            param="priority", code="priority_not_allowed")
+    caller_of(request).check_priority(priority)

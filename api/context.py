@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from scheduling.router import Router
+from services.inference.admission import Admission
 
 
 @dataclass
@@ -20,3 +21,4 @@ class ServerState:
 
 ROUTER = web.AppKey("router", Router)
 STATE = web.AppKey("state", ServerState)
+ADMISSION = web.AppKey("admission", Admission)

@@ -28,6 +28,7 @@ from api.auth import (
     resolve_admin_key,
     tenant_of,
 )
+from api.errors import status_of
 from engine.model_runner import CacheConfig
 from launch import EngineConfig, start_models
 from scheduling.router import Router
@@ -278,7 +279,7 @@ def caller(tenant: Tenant) -> web.Request:
     app = web.Application()
     app[AUTH] = Auth(False, TenantDirectory({tenant.name: tenant}), None)
     request = make_mocked_request("POST", "/v1/chat/completions", app=app)
-    request[TENANT], request[KEY_PREFIX] = tenant, None
+    request[TENANT], request[KEY_PREFIX], request["request_id"] = tenant, None, "r1"
     return request
 
 
@@ -287,7 +288,7 @@ def test_check_model_and_priority_access_read_the_request_tenant():
     check_model_access(request, "a")
     with pytest.raises(PermissionDeniedError, match="acme.*`b`") as raised:
         check_model_access(request, "b")
-    assert raised.value.status == 403 and raised.value.code == "model_not_allowed"
+    assert status_of(raised.value) == 403 and raised.value.code == "model_not_allowed"
     check_priority_access(request, "normal")
     check_priority_access(request, "low")
     with pytest.raises(PermissionDeniedError, match="high") as raised:

@@ -21,7 +21,7 @@ import structlog
 from aiohttp import web
 
 from api.auth import tenant_limits
-from api.context import ROUTER
+from api.context import ADMISSION
 from api.errors import json_response
 from api.native.generate import named_model
 from api.native.schemas import (
@@ -36,12 +36,11 @@ from api.native.schemas import (
 )
 from api.routes import Route
 from api.validation import parse_body
-from scheduling.admission import Rejected
-from scheduling.encoders import EncoderBusy, ServedEncoder
-from services.cache.responses import RESPONSE_CACHE, admit_hit, cache_key, cache_scope, mark_lookup, wants_cache
+from scheduling.encoders import ServedEncoder
+from services.cache.responses import RESPONSE_CACHE, cache_key, cache_scope, mark_lookup, wants_cache
 from services.deployments.manager import model_label, resolve_model
 from services.deployments.shadow import mirror_inputs
-from services.errors import InvalidRequestError, QueueFullError, ServiceError, rate_limited
+from services.errors import InvalidRequestError
 from services.observability.metrics import METRICS
 
 log = structlog.get_logger(__name__)
@@ -72,7 +71,7 @@ async def run_encoder(request: web.Request, model: ServedEncoder, items: list[st
     outputs = [cache.get(key) for key in keys] if use_cache else [None] * len(items)
     missing = [i for i, out in enumerate(outputs) if out is None]
     if not missing:
-        admit_hit(request, model.name)
+        request.app[ADMISSION].cache_hit(model.name, tenant_limits(request)[0])
     if use_cache:
         metrics.cache_hits.labels(model.name).inc(len(items) - len(missing))
         metrics.cache_misses.labels(model.name).inc(len(missing))
@@ -92,33 +91,7 @@ async def run_encoder(request: web.Request, model: ServedEncoder, items: list[st
 
 async def submit_inputs(request: web.Request, model: ServedEncoder, items: list[str | list[int]]) -> list[Any]:
     limits, _ = tenant_limits(request)
-    estimate = sum(len(x) // 4 + 2 if isinstance(x, str) else len(x) for x in items)
-    metrics = request.app[METRICS]
-    admission = request.app[ROUTER].admission
-    try:
-        ticket = admission.admit(limits, estimate)
-    except Rejected as exc:
-        metrics.rejected.labels(model.name, exc.reason).inc()
-        raise rate_limited(exc) from exc
-    used = estimate
-    try:
-        try:
-            future = request.app[ROUTER].submit_encoder(model, items)
-        except EncoderBusy as exc:
-            metrics.rejected.labels(model.name, "queue_full").inc()
-            raise QueueFullError(f"{exc}; retry shortly", retry_after_s=1) from exc
-        try:
-            outputs = await future
-        except Exception as exc:
-            metrics.encoder_requests.labels(model.name, "error").inc()
-            log.error("encoder failed", model=model.ref, exc_info=exc)  # the client gets no exception text
-            raise ServiceError(f"the {model.kind} model failed on these inputs (internal error)",
-                           code="model_failed") from exc
-        used = sum(out.num_tokens for out in outputs)
-        metrics.encoder_requests.labels(model.name, "ok").inc()
-        return outputs
-    finally:
-        admission.release(ticket, used)
+    return await request.app[ADMISSION].encode(model, items, limits)
 
 
 # ---- embeddings ----------------------------------------------------------------------------

@@ -19,7 +19,7 @@ import structlog
 from aiohttp import web
 
 from api.auth import check_priority_access, request_priority, tenant_limits, tenant_of
-from api.context import ROUTER
+from api.context import ADMISSION, ROUTER
 from api.errors import json_response
 from api.openai.chunks import ChunkFormat, StreamEvent, chat_logprobs, completion_logprobs, event_chunks, role_chunk
 from api.openai.schemas import (
@@ -35,10 +35,9 @@ from api.routes import Route
 from api.sse import open_sse, send_event
 from api.streams import collect_live, error_chunk, serve_live
 from api.validation import parse_body
-from engine.types import GenerationRequest, Priority, SamplingParams, TokenEvent, TokenLogprob
-from scheduling.admission import Rejected
+from engine.types import SamplingParams, TokenEvent, TokenLogprob
 from scheduling.deployments import parse_model_ref
-from scheduling.router import ModelUnavailable, QueueFull, RequestStream, ServedModel
+from scheduling.router import RequestStream, ServedModel
 from services.cache import completions as completion_cache
 from services.deployments.manager import DRAINING_RETRY_AFTER_S, MODELS, model_label, resolve_model
 from services.deployments.shadow import mirror_request
@@ -47,10 +46,8 @@ from services.errors import (
     ConflictError,
     InvalidRequestError,
     NotFoundError,
-    QueueFullError,
     ServiceError,
     ServiceUnavailableError,
-    rate_limited,
 )
 from services.inference.prompts import check_token_ids, encode_chat, encode_prompt
 from services.observability.metrics import METRICS
@@ -102,21 +99,7 @@ def submit(request: web.Request, model: ServedModel, prompt_ids: list[int], para
            priority: str | None) -> RequestStream:
     priority = request_priority(request, priority)
     limits, weight = tenant_limits(request)
-    generation = GenerationRequest(uuid.uuid4().hex, prompt_ids, params, tenant=limits.name,
-                                   priority=Priority[priority.upper()], weight=weight)
-    metrics = request.app[METRICS]
-    try:
-        stream = request.app[ROUTER].submit(model, generation, limits)
-    except QueueFull as exc:
-        metrics.reject(model, "queue_full", limits.name, priority)
-        raise QueueFullError(f"{exc}; retry shortly", retry_after_s=1) from exc
-    except ModelUnavailable as exc:  # unloaded while this request was being prepared
-        raise ServiceUnavailableError(f"{exc}; retry shortly", code="model_unloading",
-                                      retry_after_s=1) from exc
-    except Rejected as exc:
-        metrics.reject(model, exc.reason, limits.name, priority)
-        raise rate_limited(exc) from exc
-    metrics.admitted.labels(model.name, limits.name, priority).inc()
+    stream = request.app[ADMISSION].generation(model, prompt_ids, params, limits, weight, priority)
     mirror_request(request, stream)
     return stream
 

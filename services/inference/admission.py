@@ -1,0 +1,86 @@
+"""The one admission path: every generation, encoder call and cache hit a caller starts passes
+here, so tenant limits, queue bounds, refusal errors and their metrics are decided in one place.
+
+Refusals become domain errors with a retry hint (`RateLimitError`/`QueueFullError` -> 429,
+`ServiceUnavailableError` -> 503); nothing is changed by a refused request.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import structlog
+
+from engine.types import GenerationRequest, Priority, SamplingParams
+from scheduling.admission import Rejected, TenantLimits
+from scheduling.encoders import EncoderBusy, ServedEncoder
+from scheduling.router import ModelUnavailable, QueueFull, RequestStream, Router, ServedModel
+from services.errors import QueueFullError, ServiceError, ServiceUnavailableError, rate_limited
+from services.observability.metrics import Metrics
+
+log = structlog.get_logger(__name__)
+
+
+class Admission:
+    def __init__(self, router: Router, metrics: Metrics) -> None:
+        self.router = router
+        self.metrics = metrics
+
+    def generation(self, model: ServedModel, prompt_ids: list[int], params: SamplingParams,
+                   limits: TenantLimits, weight: float, priority: str, request_id: str | None = None) -> RequestStream:
+        """Admit a generation to `model`'s queue (tenant limits, then the queue bound) and start it."""
+        generation = GenerationRequest(request_id or uuid.uuid4().hex, prompt_ids, params, tenant=limits.name,
+                                       priority=Priority[priority.upper()], weight=weight)
+        try:
+            stream = self.router.submit(model, generation, limits)
+        except QueueFull as exc:
+            self.metrics.reject(model, "queue_full", limits.name, priority)
+            raise QueueFullError(f"{exc}; retry shortly", retry_after_s=1) from exc
+        except ModelUnavailable as exc:  # unloaded while this request was being prepared
+            raise ServiceUnavailableError(f"{exc}; retry shortly", code="model_unloading", retry_after_s=1) from exc
+        except Rejected as exc:
+            self.metrics.reject(model, exc.reason, limits.name, priority)
+            raise rate_limited(exc) from exc
+        self.metrics.admitted.labels(model.name, limits.name, priority).inc()
+        return stream
+
+    async def encode(self, model: ServedEncoder, items: Sequence[str | list[int]], limits: TenantLimits,
+                     low: bool = False) -> list[Any]:
+        """One output per item from `model`'s batcher, charged to the tenant's token rate by the
+        tokens the model actually read."""
+        estimate = sum(len(x) // 4 + 2 if isinstance(x, str) else len(x) for x in items)
+        ticket = self._admit(model.name, limits, estimate)
+        used = estimate
+        try:
+            try:
+                future = self.router.submit_encoder(model, list(items), low=low)
+            except EncoderBusy as exc:
+                self.metrics.rejected.labels(model.name, "queue_full").inc()
+                raise QueueFullError(f"{exc}; retry shortly", retry_after_s=1) from exc
+            try:
+                outputs = await future
+            except Exception as exc:
+                self.metrics.encoder_requests.labels(model.name, "error").inc()
+                log.error("encoder failed", model=model.ref, exc_info=exc)  # the client gets no exception text
+                raise ServiceError(f"the {model.kind} model failed on these inputs (internal error)",
+                                   code="model_failed") from exc
+            used = sum(out.num_tokens for out in outputs)
+            self.metrics.encoder_requests.labels(model.name, "ok").inc()
+            return outputs
+        finally:
+            self.router.admission.release(ticket, used)
+
+    def cache_hit(self, model_name: str, limits: TenantLimits) -> None:
+        """A cache hit is still one of its tenant's requests: it counts against `requests_per_minute`
+        and `max_concurrent` like any other, and over them is refused with the same 429 (it computed
+        no tokens, so `tokens_per_minute` is not charged)."""
+        self.router.admission.release(self._admit(model_name, limits, 0), 0)
+
+    def _admit(self, model_name: str, limits: TenantLimits, estimate: int):
+        try:
+            return self.router.admission.admit(limits, estimate)
+        except Rejected as exc:
+            self.metrics.rejected.labels(model_name, exc.reason).inc()
+            raise rate_limited(exc) from exc
