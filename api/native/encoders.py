@@ -12,7 +12,6 @@ limits apply as for generations (tokens estimated, then settled).
 from __future__ import annotations
 
 import base64
-import math
 import struct
 import time
 from typing import Any
@@ -41,6 +40,7 @@ from services.cache.responses import RESPONSE_CACHE, cache_key, cache_scope, mar
 from services.deployments.manager import model_label, resolve_model
 from services.deployments.shadow import mirror_inputs
 from services.errors import InvalidRequestError
+from services.inference.encoders import prediction
 from services.observability.metrics import METRICS
 
 log = structlog.get_logger(__name__)
@@ -135,26 +135,6 @@ async def embed(request: web.Request) -> web.Response:
 # ---- classification ------------------------------------------------------------------------
 
 
-def scores_from_logits(logits: list[float], function: str) -> list[float]:
-    if function == "sigmoid":
-        return [1 / (1 + math.exp(-x)) for x in logits]
-    if function == "softmax":
-        top = max(logits)
-        exps = [math.exp(x - top) for x in logits]
-        total = sum(exps)
-        return [e / total for e in exps]
-    return list(logits)
-
-
-def prediction(model: ServedEncoder, logits: list[float], params: PredictParams) -> dict:
-    function = params.function_to_apply or ("sigmoid" if model.multi_label else "softmax")
-    scores = scores_from_logits(logits, function)
-    ranked = sorted(zip(model.labels, scores), key=lambda pair: -pair[1])
-    if params.top_k is not None:
-        ranked = ranked[:params.top_k]
-    return {"prediction": ranked[0][0], "confidence": ranked[0][1], "scores": dict(ranked)}
-
-
 async def predict(request: web.Request) -> web.Response:
     started = time.monotonic()
     name = named_model(request)
@@ -163,7 +143,7 @@ async def predict(request: web.Request) -> web.Response:
     params = body.params or PredictParams()
     texts = [body.input] if body.input is not None else list(body.inputs)
     outputs = await run_encoder(request, model, texts, {}, wants_cache(request, cache_flag(body)))
-    results = [prediction(model, out.values, params) for out in outputs]
+    results = [prediction(model, out.values, params.function_to_apply, params.top_k) for out in outputs]
     if body.input is not None:
         fields = results[0]
     else:

@@ -30,8 +30,6 @@ import structlog
 from prometheus_client import Counter
 
 from api.context import ServerState
-from api.native.encoders import prediction
-from api.native.schemas import PredictParams
 from engine.types import FinishReason, GenerationRequest, Priority, SamplingParams
 from scheduling.admission import Rejected, TenantLimits
 from scheduling.encoders import EncoderBusy, ServedEncoder
@@ -39,6 +37,7 @@ from scheduling.router import ModelUnavailable, QueueFull, RequestStream, Router
 from services.background import BackgroundTasks
 from services.batch.webhooks import CallbackPolicy, CallbackRefused, WebhookClient, new_secret
 from services.errors import InvalidRequestError
+from services.inference.encoders import prediction
 from services.inference.prompts import encode_chat, encode_text
 from services.observability.metrics import Metrics
 from storage import batches
@@ -118,7 +117,7 @@ def sampling_params(params: dict[str, Any], max_tokens: int) -> SamplingParams:
 
 def encoder_result(model: ServedEncoder, output: Any) -> ItemResult:
     """An embedding (the vector) or a classification (prediction, confidence, scores) as a stored result."""
-    value = output.values if model.kind == "embed" else prediction(model, output.values, PredictParams())
+    value = output.values if model.kind == "embed" else prediction(model, output.values)
     return ItemResult(ItemStatus.COMPLETED.value, output=batches.dumps(value), prompt_tokens=output.num_tokens,
                       completion_tokens=0)
 
