@@ -29,21 +29,27 @@ class Admission:
         self.metrics = metrics
 
     def generation(self, model: ServedModel, prompt_ids: list[int], params: SamplingParams,
-                   limits: TenantLimits, weight: float, priority: str, request_id: str | None = None) -> RequestStream:
-        """Admit a generation to `model`'s queue (tenant limits, then the queue bound) and start it."""
+                   limits: TenantLimits, weight: float, priority: str, request_id: str | None = None, *,
+                   counted: bool = True) -> RequestStream:
+        """Admit a generation to `model`'s queue (tenant limits, then the queue bound) and start it.
+
+        `counted=False`: an internal copy (shadow traffic), kept out of the request metrics."""
         generation = GenerationRequest(request_id or uuid.uuid4().hex, prompt_ids, params, tenant=limits.name,
                                        priority=Priority[priority.upper()], weight=weight)
         try:
             stream = self.router.submit(model, generation, limits)
         except QueueFull as exc:
-            self.metrics.reject(model, "queue_full", limits.name, priority)
+            if counted:
+                self.metrics.reject(model, "queue_full", limits.name, priority)
             raise QueueFullError(f"{exc}; retry shortly", retry_after_s=1) from exc
         except ModelUnavailable as exc:  # unloaded while this request was being prepared
             raise ServiceUnavailableError(f"{exc}; retry shortly", code="model_unloading", retry_after_s=1) from exc
         except Rejected as exc:
-            self.metrics.reject(model, exc.reason, limits.name, priority)
+            if counted:
+                self.metrics.reject(model, exc.reason, limits.name, priority)
             raise rate_limited(exc) from exc
-        self.metrics.admitted.labels(model.name, limits.name, priority).inc()
+        if counted:
+            self.metrics.admitted.labels(model.name, limits.name, priority).inc()
         return stream
 
     async def encode(self, model: ServedEncoder, items: Sequence[str | list[int]], limits: TenantLimits,
