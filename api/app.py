@@ -12,14 +12,15 @@ from pathlib import Path
 import structlog
 from aiohttp import web
 
-from api import batch, conversations, health, ws
+from api import batch, conversations, health, models, ws
 from api import streams as stream_api
 from api.admin import dashboard
 from api.admin import deployments as deployments_api
 from api.admin import tenants as admin
 from api.auth import AUTH, DATABASE, Auth, TenantDirectory, auth_middleware
-from api.context import ADMISSION, ROUTER, STATE, ServerState
+from api.context import ADMISSION, METRICS, ROUTER, STATE, ServerState
 from api.errors import CLIENT_CLOSED, client_gone, error_middleware, json_response
+from api.metrics import METRICS_ACCESS, MetricsAccess, metrics_endpoint
 from api.native import encoders as encoders_api
 from api.native import generate as native
 from api.openai import chat as openai
@@ -30,18 +31,11 @@ from scheduling.router import Router
 from services.batch.runner import BatchConfig, BatchRunner
 from services.cache.responses import RESPONSE_CACHE, ResponseCache, ResponseCacheConfig, add_cache_header
 from services.deployments import manager as lifecycle
-from services.deployments import shadow as shadow_traffic
+from services.deployments.shadow import ShadowMirror
 from services.errors import SHUTTING_DOWN
 from services.inference.admission import Admission
 from services.observability.alerts import DEFAULT_ALERTS, AlertRule
-from services.observability.metrics import (
-    METRICS,
-    METRICS_ACCESS,
-    Metrics,
-    MetricsAccess,
-    StorageCollector,
-    metrics_endpoint,
-)
+from services.observability.metrics import Metrics, StorageCollector
 from services.observability.telemetry import ObservabilityConfig, TracingConfig
 from services.streams.hub import HUB, StreamHub, StreamsConfig
 from storage.db import Database
@@ -86,7 +80,7 @@ def log_request(request: web.Request, started: float, status: int) -> None:
 
 
 def begin_drain(app: web.Application) -> None:
-    """SIGTERM: /ready turns 503, new work is refused (503 + Retry-After, `lifecycle.refuse_if_draining`),
+    """SIGTERM: /ready turns 503, new work is refused (503 + Retry-After, `ModelManager.refuse_if_draining`),
     idle WebSockets close; in-flight requests go on."""
     app[STATE].draining = True
     ws.close_idle_sockets(app)
@@ -155,14 +149,15 @@ def create_app(router: Router, state: ServerState | None = None, *, db: Database
     dashboard.setup(app, observability, tracing or TracingConfig(), alerts, span_exporter)
     app[RESPONSE_CACHE] = ResponseCache(response_cache or ResponseCacheConfig())
     app.on_response_prepare.append(add_cache_header)
-    lifecycle.setup(app, app[DATABASE], app[METRICS].registry, loader, lifecycle_config, deployments_config)
-    shadow_traffic.setup(app, app[DATABASE])
+    manager = lifecycle.ModelManager(router, app[DATABASE], app[METRICS].registry, loader, lifecycle_config,
+                                     deployments_config, app[STATE])
+    models.setup(app, manager, ShadowMirror(manager, app[ADMISSION], app[DATABASE], app[METRICS].registry))
     app[HUB] = StreamHub(router, app[DATABASE], app[METRICS], streams_config or StreamsConfig(), app[AUTH])
     app.cleanup_ctx.append(run_stream_sweeper)
     tenants = lambda name: app[AUTH].directory.tenants.get(name)  # noqa: E731
     # batch items route like requests (by the job id): a cold or unloaded version loads again
     batch.setup(app, BatchRunner(router, app[DATABASE], app[METRICS], tenants, app[STATE],
-                                 batch_config or BatchConfig(), resolve=app[lifecycle.MODELS].resolve))
+                                 batch_config or BatchConfig(), resolve=manager.resolve))
     ws.setup(app)
     routes = all_routes()
     for route in routes:

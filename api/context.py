@@ -2,23 +2,18 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from aiohttp import web
 
 from scheduling.router import Router
+from services.deployments.manager import ModelManager
+from services.deployments.shadow import ShadowMirror
 from services.inference.admission import Admission
-
-
-@dataclass
-class ServerState:
-    """Lifecycle flags the health endpoints report."""
-
-    ready: bool = False
-    draining: bool = False
-    started_s: float = 0.0
-
+from services.observability.metrics import Metrics
+from services.server_state import ServerState
 
 ROUTER = web.AppKey("router", Router)
 STATE = web.AppKey("state", ServerState)
 ADMISSION = web.AppKey("admission", Admission)
+METRICS = web.AppKey("metrics", Metrics)
+MODELS = web.AppKey("models", ModelManager)
+SHADOWS = web.AppKey("shadows", ShadowMirror)

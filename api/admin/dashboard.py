@@ -21,7 +21,7 @@ from prometheus_client.core import GaugeMetricFamily
 from pydantic import BaseModel, Field
 
 from api.auth import AUTH, DATABASE
-from api.context import ROUTER, STATE
+from api.context import METRICS, ROUTER, STATE
 from api.errors import json_response
 from api.routes import Route
 from api.validation import parse_params
@@ -29,7 +29,7 @@ from scheduling.router import ServedModel
 from services.deployments.manager import MODELS
 from services.errors import ConflictError, NotFoundError, NotImplementedFeatureError
 from services.observability.alerts import AlertManager, AlertRule, MetricsWindow, snapshot, total
-from services.observability.metrics import METRICS, queue_depths
+from services.observability.metrics import queue_depths
 from services.observability.telemetry import (
     ObservabilityConfig,
     RecentRequests,

@@ -20,7 +20,7 @@ import structlog
 from aiohttp import web
 
 from api.auth import tenant_limits
-from api.context import ADMISSION
+from api.context import ADMISSION, METRICS
 from api.errors import json_response
 from api.native.generate import named_model
 from api.native.schemas import (
@@ -41,7 +41,6 @@ from services.deployments.manager import model_label, resolve_model
 from services.deployments.shadow import mirror_inputs
 from services.errors import InvalidRequestError
 from services.inference.encoders import prediction
-from services.observability.metrics import METRICS
 
 log = structlog.get_logger(__name__)
 

@@ -13,7 +13,7 @@ import time
 from aiohttp import web
 
 from api.auth import check_priority_access
-from api.context import ROUTER
+from api.context import METRICS, ROUTER
 from api.errors import error_body, json_response
 from api.native.schemas import GenerateEvent, GenerateRequest, GenerateResponse, NamedGenerateRequest
 from api.openai.chat import collect, finish_reason, generation_failed, sampling_params, scheduled_events, submit, usage
@@ -24,7 +24,6 @@ from scheduling.router import RequestStream, ServedModel
 from services.cache.responses import RESPONSE_CACHE, admit_hit, cache_key, cache_scope, mark_lookup, wants_cache
 from services.deployments.manager import model_label, resolve_model
 from services.inference.prompts import encode_prompt
-from services.observability.metrics import METRICS
 from services.streams.hub import params_to_json, prepend
 
 DEFAULT_MAX_TOKENS = 128

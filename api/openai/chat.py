@@ -19,7 +19,7 @@ import structlog
 from aiohttp import web
 
 from api.auth import check_priority_access, request_priority, tenant_limits, tenant_of
-from api.context import ADMISSION, ROUTER
+from api.context import ADMISSION, METRICS, ROUTER
 from api.errors import json_response
 from api.openai.chunks import ChunkFormat, StreamEvent, chat_logprobs, completion_logprobs, event_chunks, role_chunk
 from api.openai.schemas import (
@@ -50,7 +50,6 @@ from services.errors import (
     ServiceUnavailableError,
 )
 from services.inference.prompts import check_token_ids, encode_chat, encode_prompt
-from services.observability.metrics import METRICS
 from services.streams.hub import HUB, LiveStream
 from storage import conversations
 

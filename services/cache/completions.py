@@ -14,13 +14,13 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
+from api.context import METRICS
 from api.openai.chunks import ChunkFormat, StreamEvent, event_chunks, role_chunk
 from api.openai.schemas import SamplingFields
 from api.sse import open_sse, send_event
 from engine.types import SamplingParams
 from scheduling.router import ServedModel
 from services.cache.responses import RESPONSE_CACHE, admit_hit, cache_key, cache_scope, mark_lookup, wants_cache
-from services.observability.metrics import METRICS
 from services.streams.hub import LiveStream, params_to_json
 
 FINISHED = ("stop", "length")  # only complete answers are stored

@@ -4,9 +4,10 @@ model, whose outputs are logged beside the served ones and never returned.
 Generations: `ShadowMirror.mirror` runs right after a request was submitted to its model's
 stable version: `percent`% of requests (by a hash of the generation id) get a copy (new id,
 `low` priority, tenant `galley-shadow`, so the caller's quotas and fair share are untouched)
-submitted to the shadow version. A task waits for both and logs one `shadow` line (hashes and
-lengths of both outputs; the texts only with `log_prompts`). The served request's text comes
-from a tap on its metrics observer (`Metrics.taps`).
+admitted to the shadow version through `Admission.generation`, uncounted. A task waits for
+both and logs one `shadow` line (hashes and lengths of both outputs; the texts only with
+`log_prompts`). The served request's text comes from a watcher on its `RequestStream`, which
+sees each event as the router queues it for the reader.
 
 Embeddings and classifications: `mirror_inputs` runs once the served version answered (by a
 hash of the request id); the same inputs go to the shadow version's batcher outside tenant
@@ -30,19 +31,19 @@ from dataclasses import dataclass
 from typing import Any
 
 import structlog
-from aiohttp import web
-from prometheus_client import Counter
+from prometheus_client import CollectorRegistry, Counter
 
-from engine.types import GenerationRequest, Priority, TokenEvent
+from engine.types import GenerationRequest, TokenEvent
 from scheduling import encoders
-from scheduling.admission import Rejected, TenantLimits
+from scheduling.admission import TenantLimits
 from scheduling.deployments import NUM_BUCKETS, bucket
 from scheduling.encoders import EncoderBusy, ServedEncoder
-from scheduling.router import QueueFull, RequestStream, Served, ServedModel
+from scheduling.router import RequestStream, Served, ServedModel
 from services.background import BackgroundTasks
-from services.deployments.manager import MODELS, SHADOW_PREFIX, ModelManager
-from services.errors import ConflictError, InvalidRequestError
-from services.observability.metrics import METRICS, STATUS, Metrics
+from services.deployments.manager import SHADOW_PREFIX, ModelManager
+from services.errors import ConflictError, InvalidRequestError, RateLimitError, ServiceUnavailableError
+from services.inference.admission import Admission
+from services.observability.metrics import STATUS
 from services.observability.telemetry import SUCCESS
 from storage import registry
 from storage.db import Database
@@ -51,12 +52,14 @@ from storage.registry import Shadow
 log = structlog.get_logger(__name__)
 
 SHADOW_TENANT = "galley-shadow"
+SHADOW_LIMITS = TenantLimits(SHADOW_TENANT)  # no tenant limits: only the queue bound can refuse a copy
 MAX_PRIMARY_WAIT_S = 3600.0  # a served request nobody reads (never through the API) is given up after this
 EMBED_MATCH_TOL = 1e-4  # embeddings this close are the same output (batch composition moves the last digits)
 
 
 class PrimaryOutput:
-    """The served request's text as its reader sees it, and how it ended (an `EventTap`)."""
+    """The served request's text as its reader gets it, and how it ended (a `RequestStream` watcher:
+    a reader that leaves or times out aborts the stream, which ends it `cancelled`)."""
 
     def __init__(self) -> None:
         self.text = ""
@@ -66,10 +69,8 @@ class PrimaryOutput:
     def on_event(self, event: TokenEvent) -> None:
         self.text += event.text
         self.num_tokens = event.num_output_tokens
-
-    def on_end(self, status: str) -> None:
-        if not self.ended.done():
-            self.ended.set_result(status)
+        if event.finished and not self.ended.done():
+            self.ended.set_result(STATUS[event.finish_reason])
 
 
 @dataclass
@@ -86,14 +87,15 @@ def digest(text: str) -> str:
 class ShadowMirror:
     """Invariant: `shadows` holds what SQLite holds (one per model at most, percent 1-100)."""
 
-    def __init__(self, manager: ModelManager, db: Database, metrics: Metrics) -> None:
+    def __init__(self, manager: ModelManager, admission: Admission, db: Database,
+                 metrics_registry: CollectorRegistry) -> None:
         self.manager = manager
         self.router = manager.router
+        self.admission = admission
         self.db = db
-        self.metrics = metrics
         self.shadows: dict[str, Shadow] = {}
         self.requests = Counter("galley_shadow_requests", "Requests mirrored to a shadow version, by outcome",
-                                ["model", "version", "outcome"], registry=metrics.registry)
+                                ["model", "version", "outcome"], registry=metrics_registry)
         self._background = BackgroundTasks()
 
     async def restore(self) -> None:
@@ -170,18 +172,18 @@ class ShadowMirror:
         target = self.router.deployments[shadow.model_name].routable(shadow.version)
         reason = self._unfit(primary.request, target, shadow)
         if reason is None:
-            copy = GenerationRequest(SHADOW_PREFIX + uuid.uuid4().hex, list(primary.request.prompt_token_ids),
-                                     primary.request.params, tenant=SHADOW_TENANT, priority=Priority.LOW)
             try:
-                stream = self.router.submit(target, copy, TenantLimits(SHADOW_TENANT))
-            except (QueueFull, Rejected) as exc:
-                reason = f"refused: {exc}"
+                stream = self.admission.generation(
+                    target, list(primary.request.prompt_token_ids), primary.request.params, SHADOW_LIMITS, 1.0, "low",
+                    SHADOW_PREFIX + uuid.uuid4().hex, counted=False)
+            except (RateLimitError, ServiceUnavailableError) as exc:  # a refused copy is dropped, no client error
+                reason = f"refused: {exc.__cause__ or exc}"
         if reason is not None:
             self.requests.labels(shadow.model_name, shadow.version, "dropped").inc()
             log.debug("shadow copy dropped", model=shadow.model_name, version=shadow.version, reason=reason)
             return
         output = PrimaryOutput()
-        self.metrics.taps[primary.request_id] = output
+        primary.watchers.append(output.on_event)
         self._background.spawn(self._compare(primary, output, stream, log_prompts))
 
     def _unfit(self, request: GenerationRequest, target: ServedModel | None, shadow: Shadow) -> str | None:
@@ -221,7 +223,8 @@ class ShadowMirror:
         except TimeoutError:
             primary_status = "unread"
         finally:
-            self.metrics.taps.pop(primary.request_id, None)
+            if output.on_event in primary.watchers:
+                primary.watchers.remove(output.on_event)
         if primary_status not in SUCCESS:
             self.router.abort(stream)  # nothing to compare with: stop spending compute on it
         result = await run
@@ -311,30 +314,3 @@ def compare_outputs(kind: str, served: list[list[float]], shadowed: list[list[fl
 def cosine(u: list[float], v: list[float]) -> float:
     norm = math.sqrt(sum(a * a for a in u) * sum(b * b for b in v))
     return sum(a * b for a, b in zip(u, v)) / norm if norm else 1.0
-
-
-SHADOWS = web.AppKey("shadows", ShadowMirror)
-
-
-async def run_shadows(app: web.Application):
-    """cleanup_ctx: shadows from SQLite at startup; pending comparisons stop at cleanup."""
-    await app[SHADOWS].restore()
-    yield
-    await app[SHADOWS].close()
-
-
-def setup(app: web.Application, db: Database) -> None:
-    app[SHADOWS] = ShadowMirror(app[MODELS], db, app[METRICS])
-    app.cleanup_ctx.append(run_shadows)
-
-
-def mirror_request(request: web.Request, primary: RequestStream) -> None:
-    """The hook of the submitting handlers."""
-    app = request.app
-    app[SHADOWS].mirror(primary, app[METRICS].log_prompts)
-
-
-def mirror_inputs(request: web.Request, model: ServedEncoder, items: list, outputs: list) -> None:
-    """The hook of the encoder handlers, once the served version answered."""
-    app = request.app
-    app[SHADOWS].mirror_inputs(model, request["request_id"], items, outputs, app[METRICS].log_prompts)

@@ -1,4 +1,4 @@
-"""Prometheus metrics (`GET /metrics`): per-request latencies and tokens, engine gauges.
+"""Prometheus metrics: per-request latencies and tokens, engine gauges (`api/metrics.py` serves `GET /metrics`).
 
 Each app owns its own `CollectorRegistry` (tests build several apps in one process). Engine
 gauges are read at scrape time from each replica's `EngineStats` snapshot.
@@ -7,18 +7,14 @@ gauges are read at scrape time from each replica's `EngineStats` snapshot.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from typing import Protocol
 
 import structlog
-from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-from api.auth import AUTH, is_loopback, presents_admin_key, unauthorized
 from engine.types import BATCH_TOKEN_BOUNDS, EngineStats, FinishReason, TokenEvent
 from scheduling.router import RequestStream, Router, ServedModel
 from services.observability.telemetry import SUCCESS, RequestRecord
@@ -293,37 +289,3 @@ class Metrics:
 def current_request_id() -> str | None:
     """The X-Request-Id bound by the HTTP middleware in this task's context, if any."""
     return structlog.contextvars.get_contextvars().get("request_id")
-
-
-METRICS = web.AppKey("metrics", Metrics)
-
-
-@dataclass(frozen=True)
-class MetricsAccess:
-    """Who may scrape. Metrics name tenants and models: beyond loopback with auth on, they need the
-    metrics token or the admin key; on a loopback-only bind (or without auth, which implies one) they stay open."""
-
-    protected: bool
-    token: str = ""  # "": no metrics token, the admin key only
-
-    @classmethod
-    def for_bind(cls, auth_enabled: bool, bind_host: str, token: str) -> MetricsAccess:
-        return cls(auth_enabled and not is_loopback(bind_host), token)
-
-    def allows(self, request: web.Request) -> bool:
-        if not self.protected or presents_admin_key(request, request.app[AUTH]):
-            return True
-        scheme, _, presented = request.headers.get("Authorization", "").partition(" ")
-        return bool(self.token) and scheme.lower() == "bearer" and hmac.compare_digest(
-            presented.strip().encode("utf-8", "surrogatepass"), self.token.encode())  # undecodable bytes: surrogates
-
-
-METRICS_ACCESS = web.AppKey("metrics_access", MetricsAccess)
-
-
-async def metrics_endpoint(request: web.Request) -> web.Response:
-    if not request.app[METRICS_ACCESS].allows(request):
-        raise unauthorized("/metrics needs the metrics token (`[observability] metrics_token`) or the admin key "
-                           "as `Authorization: Bearer <token>`.", "metrics_token_required")
-    body = generate_latest(request.app[METRICS].registry)
-    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
