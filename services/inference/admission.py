@@ -53,27 +53,35 @@ class Admission:
         return stream
 
     async def encode(self, model: ServedEncoder, items: Sequence[str | list[int]], limits: TenantLimits,
-                     low: bool = False) -> list[Any]:
+                     low: bool = False, *, counted: bool = True) -> list[Any]:
         """One output per item from `model`'s batcher, charged to the tenant's token rate by the
-        tokens the model actually read."""
+        tokens the model actually read.
+
+        `counted=False`: a caller that waits out refusals and tries again (batch items): kept out of
+        the request metrics and the failure log (it logs its own), and a busy batcher charges nothing."""
         estimate = sum(len(x) // 4 + 2 if isinstance(x, str) else len(x) for x in items)
-        ticket = self._admit(model.name, limits, estimate)
+        ticket = self._admit(model.name, limits, estimate, counted)
         used = estimate
         try:
             try:
                 future = self.router.submit_encoder(model, list(items), low=low)
             except EncoderBusy as exc:
-                self.metrics.rejected.labels(model.name, "queue_full").inc()
+                if counted:
+                    self.metrics.rejected.labels(model.name, "queue_full").inc()
+                else:
+                    used = 0
                 raise QueueFullError(f"{exc}; retry shortly", retry_after_s=1) from exc
             try:
                 outputs = await future
             except Exception as exc:
-                self.metrics.encoder_requests.labels(model.name, "error").inc()
-                log.error("encoder failed", model=model.ref, exc_info=exc)  # the client gets no exception text
+                if counted:
+                    self.metrics.encoder_requests.labels(model.name, "error").inc()
+                    log.error("encoder failed", model=model.ref, exc_info=exc)  # the client gets no exception text
                 raise ServiceError(f"the {model.kind} model failed on these inputs (internal error)",
                                    code="model_failed") from exc
             used = sum(out.num_tokens for out in outputs)
-            self.metrics.encoder_requests.labels(model.name, "ok").inc()
+            if counted:
+                self.metrics.encoder_requests.labels(model.name, "ok").inc()
             return outputs
         finally:
             self.router.admission.release(ticket, used)
@@ -84,9 +92,10 @@ class Admission:
         no tokens, so `tokens_per_minute` is not charged)."""
         self.router.admission.release(self._admit(model_name, limits, 0), 0)
 
-    def _admit(self, model_name: str, limits: TenantLimits, estimate: int):
+    def _admit(self, model_name: str, limits: TenantLimits, estimate: int, counted: bool = True):
         try:
             return self.router.admission.admit(limits, estimate)
         except Rejected as exc:
-            self.metrics.rejected.labels(model_name, exc.reason).inc()
+            if counted:
+                self.metrics.rejected.labels(model_name, exc.reason).inc()
             raise rate_limited(exc) from exc
