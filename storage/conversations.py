@@ -4,20 +4,24 @@ A conversation belongs to one tenant and is pinned to one model version; its mes
 kept in insertion order. Every lookup by id also takes the tenant, so one tenant can never
 read or delete another's conversation. Deleting a conversation deletes its messages, and
 deleting a tenant deletes its conversations (foreign keys, ON DELETE CASCADE). Sync
-functions over a `sqlite_utils.Database`; writes belong on the writer thread
-(`storage.db.Database.write`). Must not import anything but the standard library and
-sqlite_utils.
+functions over a `sqlite_utils.Database` (writes belong on the writer thread,
+`storage.db.Database.write`), and `ConversationStore`, through which the rest of galley
+reaches them. Must not import anything but the standard library and sqlite_utils.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import sqlite_utils
+
+if TYPE_CHECKING:
+    from storage.db import Database  # storage.db imports this module for its migrations
 
 from storage.tenants import utc_now
 
@@ -192,3 +196,48 @@ def list_messages(db: sqlite_utils.Database, conversation_id: str) -> list[Messa
     """The conversation's messages in the order they were added."""
     rows = db.query("SELECT * FROM messages WHERE conversation_id = ? ORDER BY id", [conversation_id])
     return [message_from_row(row) for row in rows]
+
+
+def get_with_messages(db: sqlite_utils.Database, conversation_id: str,
+                      tenant: str | None) -> tuple[Conversation, list[Message]] | None:
+    """The conversation and its messages; None when it does not exist or is another tenant's.
+    `tenant` None: any tenant's, for the admin API only."""
+    found = (find_conversation(db, conversation_id) if tenant is None
+             else get_conversation(db, conversation_id, tenant))
+    return None if found is None else (found, list_messages(db, conversation_id))
+
+
+# ---- the store -------------------------------------------------------------------------
+
+
+class ConversationStore:
+    """Conversations and messages in one database: the only way the rest of galley reaches these tables.
+
+    Reads block (from asyncio, call them through `asyncio.to_thread`); writes run on the
+    writer thread and return its `Future`."""
+
+    def __init__(self, db: Database) -> None:
+        self.db = db
+
+    def create(self, tenant: str, model: str, model_version: str, title: str | None = None) -> Future[Conversation]:
+        return self.db.write(lambda db: create_conversation(db, tenant, model, model_version, title))
+
+    def of_tenant(self, tenant: str, limit: int = 100) -> list[Conversation]:
+        """The tenant's conversations, most recently updated first."""
+        return self.db.read(lambda db: list_conversations(db, tenant, limit))
+
+    def across_tenants(self, limit: int = 100, tenant: str | None = None) -> list[tuple[Conversation, int]]:
+        """Every tenant's conversations (or one's) with their message counts, most recent first: admin API."""
+        return self.db.read(lambda db: list_all_conversations(db, limit, tenant))
+
+    def with_messages(self, conversation_id: str, *, tenant: str | None) -> tuple[Conversation, list[Message]] | None:
+        """The one read of a conversation and its messages (`tenant` None: any tenant's, admin API only)."""
+        return self.db.read(lambda db: get_with_messages(db, conversation_id, tenant))
+
+    def delete(self, conversation_id: str, tenant: str) -> Future[bool]:
+        return self.db.write(lambda db: delete_conversation(db, conversation_id, tenant))
+
+    def add_messages(self, conversation_id: str, messages: Sequence[tuple[str, str]]) -> Future[list[Message]]:
+        """Appends (role, content) messages in one transaction; ConversationNotFoundError if it is gone."""
+        turn = list(messages)  # a copy: the writer thread reads it later
+        return self.db.write(lambda db: [add_message(db, conversation_id, role, content) for role, content in turn])

@@ -1,9 +1,10 @@
 """Tenants, their API keys and server settings: tables `tenants`, `api_keys`, `settings`.
 
-Sync functions over a `sqlite_utils.Database`; writes belong on the writer thread
-(`storage.db.Database.write`). A key is stored only as its sha256 hex plus a short public
-prefix: the plaintext exists only in `create_key`'s return value. Must not import anything
-but the standard library and sqlite_utils.
+Sync functions over a `sqlite_utils.Database` (writes belong on the writer thread,
+`storage.db.Database.write`), and `TenantStore`, through which the rest of galley reaches
+them. A key is stored only as its sha256 hex plus a short public prefix: the plaintext
+exists only in `create_key`'s return value. Must not import anything but the standard
+library and sqlite_utils.
 """
 
 from __future__ import annotations
@@ -14,11 +15,15 @@ import json
 import secrets
 import sqlite3
 from collections.abc import Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import sqlite_utils
+
+if TYPE_CHECKING:
+    from storage.db import Database  # storage.db imports this module for its migrations
 
 PRIORITIES = ("high", "normal", "low")  # highest first
 DEFAULT_TENANT = "default"
@@ -270,3 +275,50 @@ def set_setting(db: sqlite_utils.Database, name: str, value: str, overwrite: boo
     stored = get_setting(db, name)
     assert stored is not None
     return stored
+
+
+# ---- the store -------------------------------------------------------------------------
+
+
+class TenantStore:
+    """Tenants, keys and settings in one database: the only way the rest of galley reaches these tables.
+
+    Reads block (from asyncio, call them through `asyncio.to_thread`); writes run on the
+    writer thread and return its `Future`, so a caller can act the moment one commits."""
+
+    def __init__(self, db: Database) -> None:
+        self.db = db
+
+    def tenants(self) -> list[Tenant]:
+        return self.db.read(list_tenants)
+
+    def get(self, name: str) -> Tenant | None:
+        return self.db.read(lambda db: get_tenant(db, name))
+
+    def keys_of(self, tenant: str) -> list[ApiKey] | None:
+        """The tenant's keys (revoked ones too); None when there is no such tenant."""
+        return self.db.read(lambda db: None if get_tenant(db, tenant) is None else list_keys(db, tenant))
+
+    def active_keys(self) -> list[tuple[ApiKey, str]]:
+        return self.db.read(active_keys)
+
+    def setting(self, name: str) -> str | None:
+        return self.db.read(lambda db: get_setting(db, name))
+
+    def create(self, tenant: Tenant) -> Future[Tenant]:
+        return self.db.write(lambda db: create_tenant(db, tenant))
+
+    def update(self, name: str, changes: Mapping[str, Any]) -> Future[Tenant]:
+        return self.db.write(lambda db: update_tenant(db, name, changes))
+
+    def delete(self, name: str) -> Future[None]:
+        return self.db.write(lambda db: delete_tenant(db, name))
+
+    def create_key(self, tenant: str) -> Future[tuple[str, ApiKey]]:
+        return self.db.write(lambda db: create_key(db, tenant))
+
+    def revoke_key(self, prefix: str) -> Future[ApiKey]:
+        return self.db.write(lambda db: revoke_key(db, prefix))
+
+    def set_setting(self, name: str, value: str, overwrite: bool = True) -> Future[str]:
+        return self.db.write(lambda db: set_setting(db, name, value, overwrite))

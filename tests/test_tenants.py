@@ -192,3 +192,19 @@ def test_constraints_hold_even_for_raw_sql(db):
     with pytest.raises(sqlite3.IntegrityError):  # foreign key: a key needs its tenant
         write(db, lambda d: d.table("api_keys").insert(
             {**ApiKey("abcdabcd", "ghost", tenants.utc_now()).__dict__, "key_hash": "h"}))
+
+
+def test_the_store_wraps_tenants_keys_and_settings(db):
+    store = tenants.TenantStore(db)
+    saved = store.create(Tenant("acme", max_concurrent=2)).result(timeout=10)
+    assert store.get("acme") == saved and [t.name for t in store.tenants()] == ["acme", "default"]
+    assert store.update("acme", {"max_concurrent": None}).result(timeout=10).max_concurrent is None
+    plaintext, key = store.create_key("acme").result(timeout=10)
+    assert store.keys_of("acme") == [key] and store.keys_of("nobody") is None
+    assert store.active_keys() == [(key, hash_key(plaintext))]
+    assert store.revoke_key(key.prefix).result(timeout=10).revoked_at is not None
+    assert store.active_keys() == []
+    assert store.set_setting("s", "1", overwrite=False).result(timeout=10) == "1"
+    assert store.set_setting("s", "2", overwrite=False).result(timeout=10) == "1" and store.setting("s") == "1"
+    store.delete("acme").result(timeout=10)
+    assert store.get("acme") is None
