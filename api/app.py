@@ -26,6 +26,7 @@ from api.native import generate as native
 from api.openai import chat as openai
 from api.openapi import build_spec
 from api.routes import Route
+from api.webhooks import webhook_client
 from scheduling.deployments import DeploymentsConfig
 from scheduling.router import Router
 from services.batch.runner import BatchConfig, BatchRunner
@@ -156,8 +157,9 @@ def create_app(router: Router, state: ServerState | None = None, *, db: Database
     app.cleanup_ctx.append(run_stream_sweeper)
     tenants = lambda name: app[AUTH].directory.tenants.get(name)  # noqa: E731
     # batch items route like requests (by the job id): a cold or unloaded version loads again
-    batch.setup(app, BatchRunner(router, app[DATABASE], app[METRICS], tenants, app[STATE],
-                                 batch_config or BatchConfig(), resolve=manager.resolve))
+    batch_config = batch_config or BatchConfig()
+    batch.setup(app, BatchRunner(router, app[ADMISSION], app[DATABASE], app[METRICS], tenants, app[STATE],
+                                 webhook_client(batch_config), batch_config, resolve=manager.resolve))
     ws.setup(app)
     routes = all_routes()
     for route in routes:

@@ -25,21 +25,27 @@ from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import aiohttp
 import structlog
 from prometheus_client import Counter
 
-from api.context import ServerState
-from engine.types import FinishReason, GenerationRequest, Priority, SamplingParams
-from scheduling.admission import Rejected, TenantLimits
-from scheduling.encoders import EncoderBusy, ServedEncoder
-from scheduling.router import ModelUnavailable, QueueFull, RequestStream, Router, Served, ServedModel
+from engine.types import FinishReason, SamplingParams
+from scheduling.encoders import ServedEncoder
+from scheduling.router import RequestStream, Router, Served, ServedModel
 from services.background import BackgroundTasks
-from services.batch.webhooks import CallbackPolicy, CallbackRefused, WebhookClient, new_secret
-from services.errors import InvalidRequestError
+from services.batch.webhooks import CallbackRefused, WebhookClient, new_secret
+from services.errors import (
+    InvalidRequestError,
+    QueueFullError,
+    RateLimitError,
+    ServiceError,
+    ServiceUnavailableError,
+)
+from services.inference.admission import Admission
 from services.inference.encoders import prediction
 from services.inference.prompts import encode_chat, encode_text
 from services.observability.metrics import Metrics
+from services.server_state import ServerState
+from services.tenancy import limits_of
 from storage import batches
 from storage.batches import BatchItem, BatchJob, ItemResult, ItemStatus, JobStatus
 from storage.db import Database
@@ -135,10 +141,12 @@ def job_summary(job: BatchJob, counts: dict[str, int]) -> dict[str, Any]:
 
 
 class BatchRunner:
-    def __init__(self, router: Router, db: Database, metrics: Metrics, tenants: Callable[[str], Tenant | None],
-                 state: ServerState, config: BatchConfig = BatchConfig(),
+    def __init__(self, router: Router, admission: Admission, db: Database, metrics: Metrics,
+                 tenants: Callable[[str], Tenant | None], state: ServerState, webhooks: WebhookClient,
+                 config: BatchConfig = BatchConfig(),
                  resolve: Callable[[str, str], Awaitable[Served]] | None = None) -> None:
         self.router = router
+        self.admission = admission  # items are admitted as requests are, uncounted: a refusal is waited out
         # (ref, routing key) -> the version to use, loading it if cold; None: the router's loaded default
         self.resolve = resolve
         self.db = db
@@ -150,8 +158,7 @@ class BatchRunner:
         self.item_seconds: dict[str, float] = {}  # per model, moving average of one item's duration
         self._slots: asyncio.Semaphore | None = None
         self._background = BackgroundTasks()
-        self.webhooks = WebhookClient(CallbackPolicy.from_entries(config.callback_allow_hosts),
-                                      config.callback_timeout_seconds)
+        self.webhooks = webhooks  # built for config's allow-list and timeout (api.webhooks.webhook_client)
         self.jobs_total = Counter("galley_batch_jobs", "Batch jobs by status reached (queued: submitted)",
                                   ["status"], registry=metrics.registry)
         self.items_total = Counter("galley_batch_items", "Batch items finished, by status", ["status"],
@@ -375,17 +382,16 @@ class BatchRunner:
     def _try_submit(self, run: JobRun, item: BatchItem, tenant: Tenant, model: ServedModel, prompt_ids: list[int],
                     params: SamplingParams) -> tuple[RequestStream | None, float]:
         """The admitted stream, or None and how long to wait before trying again."""
-        generation = GenerationRequest(f"{run.job.id}-{item.idx}-{uuid.uuid4().hex[:8]}", prompt_ids, params,
-                                       tenant=tenant.name, priority=Priority.LOW, weight=tenant.weight)
-        limits = TenantLimits(tenant.name, tenant.max_concurrent, tenant.requests_per_minute, tenant.tokens_per_minute)
+        request_id = f"{run.job.id}-{item.idx}-{uuid.uuid4().hex[:8]}"
         try:
-            stream = self.router.submit(model, generation, limits)
-        except QueueFull:
+            stream = self.admission.generation(model, prompt_ids, params, limits_of(tenant), tenant.weight, "low",
+                                               request_id, counted=False)  # a refusal here is no 429 to anyone
+        except QueueFullError:
             reason, delay_s = "queue_full", 0.0
-        except ModelUnavailable:
+        except ServiceUnavailableError:  # the version is unloading
             reason, delay_s = "model_unavailable", 0.0
-        except Rejected as exc:
-            reason, delay_s = exc.reason, exc.retry_after_s
+        except RateLimitError as exc:  # a tenant limit
+            reason, delay_s = exc.code, exc.retry_after_s
         else:
             self.metrics.admitted.labels(model.name, tenant.name, "low").inc()
             run.streams.add(stream)
@@ -413,7 +419,6 @@ class BatchRunner:
     async def _encode(self, run: JobRun, model: ServedEncoder, texts: list[str]) -> list[ItemResult] | None:
         """One result per text, waiting out refusals (tenant limits, the batcher's bound) as `_submit` does;
         a version unloaded meanwhile (keep_alive, memory budget, rollout) is routed again."""
-        estimate = sum(len(text) // 4 + 2 for text in texts)
         while not (run.cancelled or self.state.draining):
             tenant = self.tenants(run.job.tenant)
             if tenant is None:
@@ -425,29 +430,18 @@ class BatchRunner:
                     error = f"the model {run.job.model!r} is not served"
                     return [ItemResult(ItemStatus.FAILED.value, error=error)] * len(texts)
                 model = found
-            limits = TenantLimits(tenant.name, tenant.max_concurrent, tenant.requests_per_minute,
-                                  tenant.tokens_per_minute)
-            try:
-                ticket = self.router.admission.admit(limits, estimate)
-            except Rejected as exc:
-                await asyncio.sleep(max(self.config.retry_seconds, exc.retry_after_s))
-                continue
-            used = estimate
-            try:
-                future = self.router.submit_encoder(model, texts, low=True)  # the low class, as generations
-            except EncoderBusy:
-                self.router.admission.release(ticket, 0)
+            try:  # the low class, as generations
+                outputs = await self.admission.encode(model, texts, limits_of(tenant), low=True, counted=False)
+            except QueueFullError:  # the batcher's bound
                 await asyncio.sleep(self.config.retry_seconds)
                 continue
-            try:
-                outputs = await future
-                used = sum(out.num_tokens for out in outputs)
-            except Exception as exc:
-                log.error("batch encoder items failed", batch_id=run.job.id, exc_info=exc)  # no exception text out
+            except RateLimitError as exc:  # a tenant limit
+                await asyncio.sleep(max(self.config.retry_seconds, exc.retry_after_s))
+                continue
+            except ServiceError as exc:  # the model failed
+                log.error("batch encoder items failed", batch_id=run.job.id, exc_info=exc.__cause__ or exc)
                 return [ItemResult(ItemStatus.FAILED.value, error=f"the {model.kind} model failed (internal error)")
-                        ] * len(texts)
-            finally:
-                self.router.admission.release(ticket, used)
+                        ] * len(texts)  # no exception text out
             return [encoder_result(model, out) for out in outputs]
         return None
 
@@ -496,7 +490,7 @@ class BatchRunner:
         except CallbackRefused as exc:
             log.warning("batch callback refused by the address policy", batch_id=job.id, error=str(exc))
             return False
-        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+        except (OSError, TimeoutError) as exc:  # CallbackUnreachable is an OSError
             log.warning("batch callback failed to connect", batch_id=job.id, attempt=attempt, error=str(exc))
             return False
         if 200 <= status < 300:

@@ -1,4 +1,5 @@
-"""Outbound webhooks (batch job callbacks): where they may go, how they are sent and signed.
+"""Outbound webhooks (batch job callbacks): where they may go and how they are signed
+(`api/webhooks.py` sends them over HTTP).
 
 A callback URL is chosen by a tenant, so the server must never become its proxy into the
 private network. The address check runs in the connector's socket factory, on the exact
@@ -20,9 +21,8 @@ import secrets
 import socket
 import time
 from dataclasses import dataclass
+from typing import Protocol
 from urllib.parse import urlparse
-
-import aiohttp
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
@@ -102,7 +102,7 @@ class CallbackPolicy:
                                   "reserved addresses are refused unless [batch] callback_allow_hosts lists them)")
 
     def socket_factory(self, addr_info: tuple) -> socket.socket:
-        """aiohttp's socket factory: refuses a connection attempt to an address the policy does not allow."""
+        """The HTTP client's socket factory: refuses a connection attempt to an address the policy does not allow."""
         family, type_, proto, _, address = addr_info
         ip = parse_ip(address[0])
         if ip is None or not self.allows_address(ip):
@@ -121,36 +121,34 @@ def signature(secret: str, body: bytes, timestamp: int | None = None) -> str:
     return f"t={t},v1={digest}"
 
 
+class CallbackUnreachable(OSError):
+    """The receiver could not be reached, or broke off the exchange (connection, TLS or HTTP errors)."""
+
+
+class Transport(Protocol):
+    """Sends one POST and returns the response status, keeping to the policy it was built with
+    (`api/webhooks.py`: the address check on every connection, no redirects, no proxies);
+    raises CallbackUnreachable or TimeoutError."""
+
+    async def post(self, url: str, body: bytes, headers: dict[str, str]) -> int: ...
+    async def close(self) -> None: ...
+
+
 class WebhookClient:
-    """POSTs signed JSON bodies under the policy: guarded connections, no redirects, no env proxies."""
+    """POSTs signed JSON bodies to callback URLs the policy allows, through `transport`."""
 
-    def __init__(self, policy: CallbackPolicy, timeout_s: float) -> None:
+    def __init__(self, policy: CallbackPolicy, transport: Transport) -> None:
         self.policy = policy
-        self.timeout = aiohttp.ClientTimeout(total=timeout_s)
-        self._guarded: aiohttp.ClientSession | None = None
-        self._trusted: aiohttp.ClientSession | None = None  # allow-listed host names only
-
-    def _session(self, url: str) -> aiohttp.ClientSession:
-        if self.policy.allows_host(urlparse(url).hostname or ""):
-            if self._trusted is None:
-                self._trusted = aiohttp.ClientSession(timeout=self.timeout)
-            return self._trusted
-        if self._guarded is None:
-            connector = aiohttp.TCPConnector(socket_factory=self.policy.socket_factory, use_dns_cache=False)
-            self._guarded = aiohttp.ClientSession(connector=connector, timeout=self.timeout)
-        return self._guarded
+        self.transport = transport
 
     async def post(self, url: str, body: bytes, secret: str | None, headers: dict[str, str]) -> int:
-        """The response status (a redirect is returned as it is, not followed); raises aiohttp.ClientError,
+        """The response status (a redirect is returned as it is, not followed); raises CallbackUnreachable,
         TimeoutError, or CallbackRefused for a URL the policy refuses."""
         self.policy.check_url(url)
         headers = {**headers, "Content-Type": "application/json"}
         if secret is not None:
             headers[SIGNATURE_HEADER] = signature(secret, body)
-        async with self._session(url).post(url, data=body, headers=headers, allow_redirects=False) as response:
-            return response.status
+        return await self.transport.post(url, body, headers)
 
     async def close(self) -> None:
-        for session in (self._guarded, self._trusted):
-            if session is not None:
-                await session.close()
+        await self.transport.close()
