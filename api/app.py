@@ -18,23 +18,26 @@ from api.admin import dashboard
 from api.admin import deployments as deployments_api
 from api.admin import tenants as admin
 from api.auth import AUTH, DATABASE, Auth, TenantDirectory, auth_middleware
-from api.context import ADMISSION, METRICS, ROUTER, STATE, ServerState
+from api.context import ADMISSION, ENCODERS, METRICS, RESPONSE_CACHE, ROUTER, SHADOWS, STATE, ServerState
 from api.errors import CLIENT_CLOSED, client_gone, error_middleware, json_response
 from api.metrics import METRICS_ACCESS, MetricsAccess, metrics_endpoint
 from api.native import encoders as encoders_api
 from api.native import generate as native
 from api.openai import chat as openai
+from api.openai import embeddings as embeddings_api
 from api.openapi import build_spec
+from api.response_cache import add_cache_header
 from api.routes import Route
 from api.webhooks import webhook_client
 from scheduling.deployments import DeploymentsConfig
 from scheduling.router import Router
 from services.batch.runner import BatchConfig, BatchRunner
-from services.cache.responses import RESPONSE_CACHE, ResponseCache, ResponseCacheConfig, add_cache_header
+from services.cache.responses import ResponseCache, ResponseCacheConfig
 from services.deployments import manager as lifecycle
 from services.deployments.shadow import ShadowMirror
 from services.errors import SHUTTING_DOWN
 from services.inference.admission import Admission
+from services.inference.encoders import Encoders
 from services.observability.alerts import DEFAULT_ALERTS, AlertRule
 from services.observability.metrics import Metrics, StorageCollector
 from services.observability.telemetry import ObservabilityConfig, TracingConfig
@@ -97,8 +100,8 @@ async def interrupt(app: web.Application) -> None:
 
 def all_routes() -> list[Route]:
     return [*health.ROUTES, *openai.ROUTES, *stream_api.ROUTES, *admin.ROUTES, *conversations.ROUTES,
-            *ws.ROUTES, *batch.ROUTES, *native.ROUTES, *encoders_api.ROUTES, *deployments_api.ROUTES,
-            *dashboard.ROUTES]
+            *ws.ROUTES, *batch.ROUTES, *native.ROUTES, *embeddings_api.ROUTES, *encoders_api.ROUTES,
+            *deployments_api.ROUTES, *dashboard.ROUTES]
 
 
 def temporary_database(app: web.Application) -> Database:
@@ -148,11 +151,12 @@ def create_app(router: Router, state: ServerState | None = None, *, db: Database
     app[METRICS_ACCESS] = MetricsAccess.for_bind(auth_enabled, bind_host, observability.metrics_token)
     app[METRICS].registry.register(StorageCollector(app[DATABASE]))
     dashboard.setup(app, observability, tracing or TracingConfig(), alerts, span_exporter)
-    app[RESPONSE_CACHE] = ResponseCache(response_cache or ResponseCacheConfig())
+    app[RESPONSE_CACHE] = ResponseCache(response_cache or ResponseCacheConfig(), app[METRICS], app[ADMISSION])
     app.on_response_prepare.append(add_cache_header)
     manager = lifecycle.ModelManager(router, app[DATABASE], app[METRICS].registry, loader, lifecycle_config,
                                      deployments_config, app[STATE])
     models.setup(app, manager, ShadowMirror(manager, app[ADMISSION], app[DATABASE], app[METRICS].registry))
+    app[ENCODERS] = Encoders(app[RESPONSE_CACHE], app[ADMISSION], app[SHADOWS], app[METRICS])
     app[HUB] = StreamHub(router, app[DATABASE], app[METRICS], streams_config or StreamsConfig(), app[AUTH])
     app.cleanup_ctx.append(run_stream_sweeper)
     tenants = lambda name: app[AUTH].directory.tenants.get(name)  # noqa: E731

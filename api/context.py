@@ -5,9 +5,11 @@ from __future__ import annotations
 from aiohttp import web
 
 from scheduling.router import Router
+from services.cache.responses import ResponseCache
 from services.deployments.manager import ModelManager
 from services.deployments.shadow import ShadowMirror
 from services.inference.admission import Admission
+from services.inference.encoders import Encoders
 from services.observability.metrics import Metrics
 from services.server_state import ServerState
 
@@ -17,3 +19,5 @@ ADMISSION = web.AppKey("admission", Admission)
 METRICS = web.AppKey("metrics", Metrics)
 MODELS = web.AppKey("models", ModelManager)
 SHADOWS = web.AppKey("shadows", ShadowMirror)
+RESPONSE_CACHE = web.AppKey("response_cache", ResponseCache)
+ENCODERS = web.AppKey("encoders", Encoders)

@@ -10,7 +10,7 @@ import pytest
 
 from engine.batcher import DynamicBatcher, Pending
 from engine.worker import DeviceWorker, EncoderClient
-from services.cache.responses import ResponseCache, ResponseCacheConfig, cache_key
+from services.cache.responses import CacheEntries, ResponseCacheConfig, cache_key
 
 
 class Recorder:
@@ -149,7 +149,7 @@ def test_detaching_fails_waiting_inputs_and_later_submits(recorder):
 
 def test_cache_is_lru_bounded_and_expires():
     now = [0.0]
-    cache = ResponseCache(ResponseCacheConfig(max_entries=2, ttl_seconds=10), clock=lambda: now[0])
+    cache = CacheEntries(ResponseCacheConfig(max_entries=2, ttl_seconds=10), clock=lambda: now[0])
     cache.put("a", 1)
     cache.put("b", 2)
     assert cache.get("a") == 1  # a is now the most recently used
@@ -169,7 +169,7 @@ def test_cache_keys_separate_tenants_versions_and_params():
 
 
 def test_disabled_cache_stores_nothing():
-    cache = ResponseCache(ResponseCacheConfig(enabled=False))
+    cache = CacheEntries(ResponseCacheConfig(enabled=False))
     cache.put("a", 1)
     assert cache.get("a") is None
 

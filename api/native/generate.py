@@ -13,18 +13,18 @@ import time
 from aiohttp import web
 
 from api.auth import check_priority_access
-from api.context import METRICS, ROUTER
+from api.context import RESPONSE_CACHE, ROUTER
 from api.errors import error_body, json_response
 from api.native.schemas import GenerateEvent, GenerateRequest, GenerateResponse, NamedGenerateRequest
+from api.response_cache import generation_key, lookup
 from api.openai.chat import collect, finish_reason, generation_failed, sampling_params, scheduled_events, submit, usage
 from api.routes import Route
 from api.sse import open_sse, send_event
 from api.validation import parse_body
 from scheduling.router import RequestStream, ServedModel
-from services.cache.responses import RESPONSE_CACHE, admit_hit, cache_key, cache_scope, mark_lookup, wants_cache
 from services.deployments.manager import model_label, resolve_model
 from services.inference.prompts import encode_prompt
-from services.streams.hub import params_to_json, prepend
+from services.streams.hub import prepend
 
 DEFAULT_MAX_TOKENS = 128
 
@@ -47,24 +47,14 @@ async def generate(request: web.Request) -> web.StreamResponse:
     if body.stream:
         return await stream_generation(request, model, submit(request, model, prompt_ids, params, body.priority),
                                        headers)
-    deterministic = params.is_greedy or params.seed is not None
-    use_cache = deterministic and wants_cache(request, body.galley.cache if body.galley else None)
-    cache, metrics = request.app[RESPONSE_CACHE], request.app[METRICS]
-    key = cache_key(cache_scope(request), model.name, model.version, prompt_ids,
-                    params_to_json(params))
-    result = cache.get(key) if use_cache else None
-    if result is not None:
-        admit_hit(request, model.name)
-    if use_cache:
-        (metrics.cache_hits if result is not None else metrics.cache_misses).labels(model.name).inc()
-        mark_lookup(request, result is not None)
+    key = generation_key(request, body, model, prompt_ids, params, "native")
+    result = lookup(request, model, key)
     if result is None:
         text, _, last = await collect(request, submit(request, model, prompt_ids, params, body.priority))
         result = {"model": model_label(request, model), "text": text,
                   "finish_reason": finish_reason(last.finish_reason), "usage": usage(last),
                   "model_version": model.version}
-        if use_cache:
-            cache.put(key, result)
+        request.app[RESPONSE_CACHE].remember(key, result)
     return json_response({**result, "latency_ms": round((time.monotonic() - started) * 1000, 3)}, headers=headers)
 
 

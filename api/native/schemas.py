@@ -1,12 +1,13 @@
-"""Request and response bodies of /v1/embeddings and the native API (/api/v1/embed, predict,
-generate); the same pydantic models validate requests and write /openapi.json."""
+"""Request and response bodies of the native API (/api/v1/embed, predict, generate); the same
+pydantic models validate requests and write /openapi.json. (/v1/embeddings: `api.openai.embeddings`.)"""
 
 from __future__ import annotations
 
 from typing import Annotated, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from api.openai.embeddings import MAX_INPUTS, CacheOptions, EmbeddingUsage, Text
 from api.openai.schemas import (
     MAX_CONTEXT_TOKENS,
     MAX_NAME_CHARS,
@@ -15,76 +16,7 @@ from api.openai.schemas import (
     Prompt,
     SamplingFields,
     Strict,
-    TokenId,
 )
-
-MAX_INPUTS = 2048
-Text = Annotated[str, Field(min_length=1)]
-TokenIds = Annotated[list[TokenId], Field(min_length=1)]
-
-
-class CacheOptions(Strict):
-    cache: bool | None = Field(None, description="false: skip the response cache for this request "
-                               "(as does the header `Cache-Control: no-cache`)")
-
-
-# ---- /v1/embeddings (OpenAI) -------------------------------------------------------------
-
-
-def input_shape(value: object) -> str:
-    """Which of the four shapes an embeddings `input` is, from its first item: the union is then
-    validated against that one member, so an error names it (`input.list.3`), and a huge list
-    is not validated four times over with an error per item (seconds holding the GIL)."""
-    if not isinstance(value, list):
-        return "str"
-    first = value[0] if value else None
-    if isinstance(first, list):
-        return "lists"
-    return "ids" if isinstance(first, int) and not isinstance(first, bool) else "list"
-
-
-EmbeddingInput = Annotated[
-    Annotated[Text, Tag("str")] | Annotated[list[Text], Field(min_length=1, max_length=MAX_INPUTS), Tag("list")]
-    | Annotated[TokenIds, Tag("ids")]
-    | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_INPUTS), Tag("lists")],
-    Discriminator(input_shape)]
-
-
-class EmbeddingRequest(Strict):
-    model: str = Field(min_length=1, max_length=MAX_NAME_CHARS)
-    input: EmbeddingInput = Field(
-        description="A string, a list of strings, a list of token ids, or a list of such lists.")
-    encoding_format: Literal["float", "base64"] = Field(
-        "float", description="base64: each embedding is the base64 of its little-endian float32 bytes.")
-    dimensions: int | None = Field(None, ge=1, le=1 << 20, description="Only the model's own dimension is supported.")
-    user: str | None = Field(None, max_length=MAX_NAME_CHARS)
-    galley: CacheOptions | None = Field(None, description="galley extensions")
-
-    def inputs(self) -> list[str | list[int]]:
-        if isinstance(self.input, str):
-            return [self.input]
-        if isinstance(self.input[0], int):
-            return [list(self.input)]
-        return list(self.input)
-
-
-class Embedding(BaseModel):
-    object: Literal["embedding"] = "embedding"
-    index: int
-    embedding: list[float] | str
-
-
-class EmbeddingUsage(BaseModel):
-    prompt_tokens: int
-    total_tokens: int
-
-
-class EmbeddingResponse(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[Embedding]
-    model: str
-    usage: EmbeddingUsage
-
 
 # ---- /api/v1/embed ------------------------------------------------------------------------
 

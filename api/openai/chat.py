@@ -21,6 +21,7 @@ from aiohttp import web
 from api.auth import check_priority_access, request_priority, tenant_limits, tenant_of
 from api.context import ADMISSION, METRICS, ROUTER
 from api.errors import json_response
+from api.openai import cached as completion_cache
 from api.openai.chunks import ChunkFormat, StreamEvent, chat_logprobs, completion_logprobs, event_chunks, role_chunk
 from api.openai.schemas import (
     ChatCompletion,
@@ -38,7 +39,6 @@ from api.validation import parse_body
 from engine.types import SamplingParams, TokenEvent, TokenLogprob
 from scheduling.deployments import parse_model_ref
 from scheduling.router import RequestStream, ServedModel
-from services.cache import completions as completion_cache
 from services.deployments.manager import DRAINING_RETRY_AFTER_S, MODELS, model_label, resolve_model
 from services.deployments.shadow import mirror_request
 from services.errors import (

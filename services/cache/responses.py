@@ -1,11 +1,14 @@
-"""Response cache for deterministic requests: LRU with a TTL and a size bound, per tenant.
+"""The response cache for deterministic requests: one policy for every endpoint that uses it.
 
 Embeddings and classifications are always deterministic; generations are when greedy
-(temperature 0) or seeded. The key is (tenant, model, version, normalised input, params),
-hashed, so a tenant never sees another's entries (unless `shared_across_tenants`) and a new
-model version never serves an old answer. A request opts out with `"galley": {"cache": false}`
-or `Cache-Control: no-cache`. A generation looked up here answers with `X-Cache: hit` or `X-Cache: miss`.
-Lives on the event loop; plain synchronous state.
+(temperature 0) or seeded, with no logprobs and no conversation (a conversation turn writes
+history). An answer is stored under a digest of (scope, model, version, normalised input,
+params): the scope is the caller's tenant, so a tenant never sees another's entries (unless
+`shared_across_tenants`), and a new model version never serves an old answer. A caller opts out
+with `"galley": {"cache": false}` (the HTTP layer also maps `Cache-Control: no-cache` to that).
+A hit is still one of its tenant's requests: it passes admission (`Admission.cache_hit`) before
+it is served. Entries are LRU with a TTL and a size bound. Lives on the event loop; plain
+synchronous state.
 """
 
 from __future__ import annotations
@@ -13,18 +16,21 @@ from __future__ import annotations
 import hashlib
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
-from aiohttp import web
 
-from api.auth import tenant_limits, tenant_of
-from api.context import ROUTER
-from scheduling.admission import Rejected
-from services.errors import rate_limited
-from services.observability.metrics import METRICS
+from engine.types import SamplingParams
+from scheduling.router import Served
+from services.inference.admission import Admission
+from services.observability.metrics import Metrics
+from services.streams.hub import LiveStream, params_to_json
+from services.tenancy import Caller
+
+SHARED_SCOPE = "*"  # never a tenant name (they start with a letter or digit)
+FINISHED = ("stop", "length")  # only complete generations are stored
 
 
 @dataclass(frozen=True)
@@ -35,14 +41,14 @@ class ResponseCacheConfig:
     shared_across_tenants: bool = False  # True: one tenant's answer may serve another's identical request
 
 
-def cache_key(tenant: str, model: str, version: str, inputs: Any, params: dict) -> str:
+def cache_key(scope: str, model: str, version: str, inputs: Any, params: dict) -> str:
     """A stable digest of the parts; `params` keys are sorted, so field order never matters."""
-    raw = orjson.dumps([tenant, model, version, inputs, params], option=orjson.OPT_SORT_KEYS)
+    raw = orjson.dumps([scope, model, version, inputs, params], option=orjson.OPT_SORT_KEYS)
     return hashlib.sha256(raw).hexdigest()
 
 
-class ResponseCache:
-    """Invariant: at most `max_entries` entries, ordered from least to most recently used."""
+class CacheEntries:
+    """The stored answers. Invariant: at most `max_entries`, ordered from least to most recently used."""
 
     def __init__(self, config: ResponseCacheConfig, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
@@ -72,45 +78,96 @@ class ResponseCache:
             self._entries.popitem(last=False)
 
 
-RESPONSE_CACHE = web.AppKey("response_cache", ResponseCache)
-SHARED_SCOPE = "*"  # never a tenant name (they start with a letter or digit)
-CACHE_STATUS = "cache_status"  # request[CACHE_STATUS]: "hit" | "miss", sent as the X-Cache header
+@dataclass(frozen=True)
+class CachedCompletion:
+    """A finished generation as /v1/completions and /v1/chat/completions replay it."""
+
+    text: str
+    finish_reason: str
+    usage: dict
 
 
-def cache_scope(request: web.Request) -> str:
-    """Whose entries a request may see: its tenant's, or everyone's with `shared_across_tenants`
-    (the tenant was already checked for access to the model)."""
-    if request.app[RESPONSE_CACHE].config.shared_across_tenants:
-        return SHARED_SCOPE
-    return tenant_of(request).name
+class ResponseCache:
+    def __init__(self, config: ResponseCacheConfig, metrics: Metrics, admission: Admission,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.entries = CacheEntries(config, clock)
+        self.metrics = metrics
+        self.admission = admission
 
+    @property
+    def config(self) -> ResponseCacheConfig:
+        return self.entries.config
 
-def wants_cache(request: web.Request, body_flag: bool | None) -> bool:
-    """Off when the cache is disabled, the body says `galley.cache: false` or the headers say no-cache."""
-    if not request.app[RESPONSE_CACHE].config.enabled or body_flag is False:
-        return False
-    directives = {d.strip().lower() for d in request.headers.get("Cache-Control", "").split(",")}
-    return not directives & {"no-cache", "no-store"}
+    @config.setter
+    def config(self, config: ResponseCacheConfig) -> None:
+        self.entries.config = config
 
+    # ---- policy: whether, and under which key ----------------------------------------------
 
-def admit_hit(request: web.Request, model_name: str) -> None:
-    """A cache hit is still one of its tenant's requests: it counts against `requests_per_minute`
-    and `max_concurrent` like any other, and over them is refused with the same 429 (it computed
-    no tokens, so `tokens_per_minute` is not charged)."""
-    limits, _ = tenant_limits(request)
-    admission = request.app[ROUTER].admission
-    try:
-        admission.release(admission.admit(limits, 0), 0)
-    except Rejected as exc:
-        request.app[METRICS].rejected.labels(model_name, exc.reason).inc()
-        raise rate_limited(exc) from exc
+    def wants(self, asked: bool | None) -> bool:
+        """Off when the cache is disabled or the caller asked for no cache (`asked` is False)."""
+        return self.config.enabled and asked is not False
 
+    def scope(self, caller: Caller) -> str:
+        """Whose entries a caller may see: its tenant's, or everyone's with `shared_across_tenants`
+        (the tenant was already checked for access to the model)."""
+        return SHARED_SCOPE if self.config.shared_across_tenants else caller.tenant.name
 
-def mark_lookup(request: web.Request, hit: bool) -> None:
-    """Remember for the X-Cache header whether this request's answer came from the cache."""
-    request[CACHE_STATUS] = "hit" if hit else "miss"
+    def key(self, caller: Caller, model: Served, inputs: Any, params: dict) -> str:
+        return cache_key(self.scope(caller), model.name, model.version, inputs, params)
 
+    def generation_key(self, caller: Caller, model: Served, prompt_ids: list[int], params: SamplingParams,
+                       asked: bool | None, api: str, conversation_id: str | None = None) -> str | None:
+        """The key of a generation whose answer may come from (and go to) the cache, else None.
+        `api` keeps apart the entries of endpoints that store different shapes."""
+        deterministic = params.temperature == 0 or params.seed is not None
+        if not deterministic or params.logprobs is not None or conversation_id:
+            return None
+        if not self.wants(asked):
+            return None
+        return self.key(caller, model, prompt_ids, {**params_to_json(params), "api": api})
 
-async def add_cache_header(request: web.Request, response: web.StreamResponse) -> None:
-    if CACHE_STATUS in request:
-        response.headers["X-Cache"] = request[CACHE_STATUS]
+    # ---- lookup and remember ---------------------------------------------------------------
+
+    def lookup(self, caller: Caller, model_name: str, key: str | None) -> Any | None:
+        """The cached answer for `key` (None: not cacheable, or a miss); counts the hit or miss
+        and admits a hit (a 429 over the tenant's limits)."""
+        if key is None:
+            return None
+        found = self.entries.get(key)
+        if found is not None:
+            self._admit_hit(caller, model_name)
+        (self.metrics.cache_hits if found is not None else self.metrics.cache_misses).labels(model_name).inc()
+        return found
+
+    def lookup_many(self, caller: Caller, model_name: str, keys: Sequence[str]) -> list[Any | None]:
+        """One answer or None per key (an encoder request's inputs), counted per key. Only when
+        every key hits is the request admitted as a cache hit: otherwise the model runs, and
+        admission charges the request then."""
+        found = [self.entries.get(key) for key in keys]
+        hits = sum(value is not None for value in found)
+        if hits == len(keys):
+            self._admit_hit(caller, model_name)
+        self.metrics.cache_hits.labels(model_name).inc(hits)
+        self.metrics.cache_misses.labels(model_name).inc(len(keys) - hits)
+        return found
+
+    def _admit_hit(self, caller: Caller, model_name: str) -> None:
+        limits, _ = caller.limits()
+        self.admission.cache_hit(model_name, limits)
+
+    def remember(self, key: str | None, value: Any) -> None:
+        if key is not None:
+            self.entries.put(key, value)
+
+    def remember_completion(self, key: str | None, text: str, finish: str | None, usage: dict | None) -> None:
+        """Store a generation that finished normally (stop or length) with its usage."""
+        if key is not None and finish in FINISHED and usage is not None:
+            self.entries.put(key, CachedCompletion(text, finish, usage))
+
+    def remember_live(self, key: str | None, live: LiveStream) -> None:
+        """Store a streamed answer once its stream has finished normally."""
+        if key is None or not live.done or live.status != "finished" or not live.events:
+            return
+        last = live.events[-1]
+        self.remember_completion(key, "".join(e.text for e in live.events), last.finish_reason, last.usage)

@@ -1,12 +1,94 @@
-"""Encoder models (embeddings, classifiers) as a service: scores from a classifier's logits and
-the prediction a client sees.
+"""Encoder models (embeddings, classifiers) as a service: inputs checked, answered from the
+response cache where they can be, the rest from the model version's dynamic batcher in one
+admitted submit (tenant limits apply as for generations: tokens estimated, then settled), and
+mirrored to the model's shadow version once answered.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any
 
 from scheduling.encoders import ServedEncoder
+from services.cache.responses import ResponseCache
+from services.deployments.shadow import ShadowMirror
+from services.errors import InvalidRequestError
+from services.inference.admission import Admission
+from services.observability.metrics import Metrics
+from services.tenancy import Caller
+
+OnLookup = Callable[[bool], None]  # told whether every input came from the cache, before the model runs
+
+
+def ignore_lookup(hit: bool) -> None:
+    pass
+
+
+class Encoders:
+    def __init__(self, cache: ResponseCache, admission: Admission, shadow: ShadowMirror, metrics: Metrics) -> None:
+        self.cache = cache
+        self.admission = admission
+        self.shadow = shadow
+        self.metrics = metrics
+
+    async def embed(self, caller: Caller, model: ServedEncoder, items: list[str | list[int]],
+                    use_cache: bool | None, dimensions: int | None = None,
+                    on_lookup: OnLookup = ignore_lookup) -> list[Any]:
+        """One embedding per item (strings, or token ids checked against the model)."""
+        if dimensions is not None and dimensions != model.dimensions:
+            raise InvalidRequestError(f"`{model.name}` makes {model.dimensions}-dimensional embeddings; "
+                                      f"dimensions={dimensions} is not supported", param="dimensions")
+        check_token_ids(model, items)
+        return await self.run(caller, model, items, use_cache, on_lookup)
+
+    async def classify(self, caller: Caller, model: ServedEncoder, texts: list[str], use_cache: bool | None,
+                       function_to_apply: str | None = None, top_k: int | None = None,
+                       on_lookup: OnLookup = ignore_lookup) -> list[Any]:
+        """One prediction (`prediction`, `confidence`, `scores`) per text."""
+        outputs = await self.run(caller, model, texts, use_cache, on_lookup)
+        return [prediction(model, out.values, function_to_apply, top_k) for out in outputs]
+
+    async def run(self, caller: Caller, model: ServedEncoder, items: list[str | list[int]],
+                  use_cache: bool | None, on_lookup: OnLookup = ignore_lookup) -> list[Any]:
+        """One output (`.values`, `.num_tokens`) per item: cached ones at once, the rest in one
+        batcher submit. `use_cache` False: the caller opted out (None: it did not say).
+        `on_lookup` hears the lookup's outcome before the model runs (so the X-Cache header is
+        there even when the model then fails)."""
+        if not self.cache.wants(use_cache):
+            return await self._compute(caller, model, items, [None] * len(items), [])
+        keys = [self.cache.key(caller, model, item, {}) for item in items]
+        outputs = self.cache.lookup_many(caller, model.name, keys)
+        hit = all(out is not None for out in outputs)
+        on_lookup(hit)
+        if hit:
+            self.metrics.encoder_requests.labels(model.name, "cached").inc()
+            return outputs
+        return await self._compute(caller, model, items, outputs, keys)
+
+    async def _compute(self, caller: Caller, model: ServedEncoder, items: list[str | list[int]],
+                       outputs: list[Any], keys: list[str]) -> list[Any]:
+        """Fill the missing `outputs` from the model (remembering each under its key, if any),
+        then mirror the request to the shadow version."""
+        missing = [i for i, out in enumerate(outputs) if out is None]
+        limits, _ = caller.limits()
+        computed = await self.admission.encode(model, [items[i] for i in missing], limits)
+        for i, out in zip(missing, computed):
+            outputs[i] = out
+            if keys:
+                self.cache.remember(keys[i], out)
+        self.shadow.mirror_inputs(model, caller.request_id, items, outputs, self.metrics.log_prompts)
+        return outputs
+
+
+def check_token_ids(model: ServedEncoder, items: list[str | list[int]]) -> None:
+    for item in items:
+        if isinstance(item, list):
+            if any(t >= model.vocab_size for t in item):
+                raise InvalidRequestError(f"token ids must be in [0, {model.vocab_size})", param="input")
+            if len(item) > model.max_seq_len:
+                raise InvalidRequestError(f"a token id input has {len(item)} tokens; this model takes at most "
+                                          f"{model.max_seq_len}", param="input", code="context_length_exceeded")
 
 
 def scores_from_logits(logits: list[float], function: str) -> list[float]:

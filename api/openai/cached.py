@@ -1,0 +1,57 @@
+"""/v1/completions and /v1/chat/completions answered from the response cache.
+
+A deterministic request (greedy or seeded) with no logprobs and no conversation is looked up by
+(tenant, model version, prompt token ids after the chat template, sampling parameters); a hit is
+answered without the engine, as JSON or as an SSE stream of the live chunk shapes, under a fresh
+id. Streamed and non-streamed requests share entries (same generation, same output). A replayed
+stream is not resumable (it has no `X-Stream-Id`): it is written in one go.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator
+from typing import Any
+
+from aiohttp import web
+
+from api.context import RESPONSE_CACHE
+from api.openai.chunks import event_chunks, role_chunk
+from api.response_cache import generation_key, lookup
+from api.sse import Frame, serve_sse
+from engine.types import SamplingParams
+from services.cache.responses import CachedCompletion
+from services.deployments.manager import Served
+from services.streams.events import ChunkFormat, StreamEvent
+from services.streams.hub import LiveStream
+
+__all__ = ["completion_key", "lookup", "remember", "remember_live", "replay"]
+
+
+def completion_key(request: web.Request, body: Any, model: Served, prompt_ids: list[int],
+                   params: SamplingParams) -> str | None:
+    # "openai" keeps these entries apart from native generate's, which hold another shape
+    return generation_key(request, body, model, prompt_ids, params, "openai")
+
+
+def remember(request: web.Request, key: str | None, text: str, finish: str | None, usage: dict | None) -> None:
+    request.app[RESPONSE_CACHE].remember_completion(key, text, finish, usage)
+
+
+def remember_live(request: web.Request, key: str | None, live: LiveStream) -> None:
+    """Store a streamed answer once its stream has finished normally."""
+    request.app[RESPONSE_CACHE].remember_live(key, live)
+
+
+async def replay(request: web.Request, fmt: ChunkFormat, answer: CachedCompletion) -> web.StreamResponse:
+    """A cached answer as a stream: (chat: the role chunk), one text chunk, the finish chunk,
+    the usage chunk when asked for, `[DONE]`."""
+    return await serve_sse(request, replay_frames(fmt, answer), {"X-Request-Id": request["request_id"]})
+
+
+async def replay_frames(fmt: ChunkFormat, answer: CachedCompletion) -> AsyncGenerator[Frame, None]:
+    if fmt.kind == "chat":
+        yield role_chunk(fmt), None
+    event = StreamEvent(0, answer.text, 0, finish_reason=answer.finish_reason, usage=answer.usage)
+    for chunk in event_chunks(fmt, None, event):
+        yield chunk, None
+    yield "[DONE]", None
