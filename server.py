@@ -26,13 +26,12 @@ from aiohttp import web
 from api.app import begin_drain, create_app, interrupt
 from api.auth import is_loopback, resolve_admin_key
 from api.batch import BATCH
-from api.context import ServerState
+from api.context import HUB, ServerState
 from config import ConfigError, GalleyConfig, load_config, with_overrides
 from engine.loader import ModelLoadError
 from launch import EngineLoader, check_source, start_workers
 from scheduling.router import Router
 from services.deployments.manager import MODELS
-from services.streams.hub import HUB
 from storage.db import Database
 from storage.registry import ModelVersion
 

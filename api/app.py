@@ -18,13 +18,26 @@ from api.admin import dashboard
 from api.admin import deployments as deployments_api
 from api.admin import tenants as admin
 from api.auth import AUTH, DATABASE, Auth, TenantDirectory, auth_middleware
-from api.context import ADMISSION, ENCODERS, METRICS, RESPONSE_CACHE, ROUTER, SHADOWS, STATE, ServerState
+from api.context import (
+    ADMISSION,
+    ENCODERS,
+    HUB,
+    INFERENCE,
+    METRICS,
+    RESPONSE_CACHE,
+    ROUTER,
+    SHADOWS,
+    STATE,
+    ServerState,
+)
 from api.errors import CLIENT_CLOSED, client_gone, error_middleware, json_response
 from api.metrics import METRICS_ACCESS, MetricsAccess, metrics_endpoint
 from api.native import encoders as encoders_api
 from api.native import generate as native
-from api.openai import chat as openai
+from api.openai import chat as chat_api
+from api.openai import completions as completions_api
 from api.openai import embeddings as embeddings_api
+from api.openai import models as models_api
 from api.openapi import build_spec
 from api.response_cache import add_cache_header
 from api.routes import Route
@@ -38,10 +51,11 @@ from services.deployments.shadow import ShadowMirror
 from services.errors import SHUTTING_DOWN
 from services.inference.admission import Admission
 from services.inference.encoders import Encoders
+from services.inference.generation import Inference
 from services.observability.alerts import DEFAULT_ALERTS, AlertRule
 from services.observability.metrics import Metrics, StorageCollector
 from services.observability.telemetry import ObservabilityConfig, TracingConfig
-from services.streams.hub import HUB, StreamHub, StreamsConfig
+from services.streams.hub import StreamHub, StreamsConfig
 from storage.db import Database
 
 log = structlog.get_logger(__name__)
@@ -99,9 +113,9 @@ async def interrupt(app: web.Application) -> None:
 
 
 def all_routes() -> list[Route]:
-    return [*health.ROUTES, *openai.ROUTES, *stream_api.ROUTES, *admin.ROUTES, *conversations.ROUTES,
-            *ws.ROUTES, *batch.ROUTES, *native.ROUTES, *embeddings_api.ROUTES, *encoders_api.ROUTES,
-            *deployments_api.ROUTES, *dashboard.ROUTES]
+    return [*health.ROUTES, *models_api.ROUTES, *chat_api.ROUTES, *completions_api.ROUTES, *stream_api.ROUTES,
+            *admin.ROUTES, *conversations.ROUTES, *ws.ROUTES, *batch.ROUTES, *native.ROUTES, *embeddings_api.ROUTES,
+            *encoders_api.ROUTES, *deployments_api.ROUTES, *dashboard.ROUTES]
 
 
 def temporary_database(app: web.Application) -> Database:
@@ -158,6 +172,8 @@ def create_app(router: Router, state: ServerState | None = None, *, db: Database
     models.setup(app, manager, ShadowMirror(manager, app[ADMISSION], app[DATABASE], app[METRICS].registry))
     app[ENCODERS] = Encoders(app[RESPONSE_CACHE], app[ADMISSION], app[SHADOWS], app[METRICS])
     app[HUB] = StreamHub(router, app[DATABASE], app[METRICS], streams_config or StreamsConfig(), app[AUTH])
+    app[INFERENCE] = Inference(router, app[ADMISSION], app[METRICS], app[HUB], app[SHADOWS],
+                               app[conversations.CONVERSATIONS])
     app.cleanup_ctx.append(run_stream_sweeper)
     tenants = lambda name: app[AUTH].directory.tenants.get(name)  # noqa: E731
     # batch items route like requests (by the job id): a cold or unloaded version loads again

@@ -10,8 +10,10 @@ from services.deployments.manager import ModelManager
 from services.deployments.shadow import ShadowMirror
 from services.inference.admission import Admission
 from services.inference.encoders import Encoders
+from services.inference.generation import Inference
 from services.observability.metrics import Metrics
 from services.server_state import ServerState
+from services.streams.hub import StreamHub
 
 ROUTER = web.AppKey("router", Router)
 STATE = web.AppKey("state", ServerState)
@@ -21,3 +23,5 @@ MODELS = web.AppKey("models", ModelManager)
 SHADOWS = web.AppKey("shadows", ShadowMirror)
 RESPONSE_CACHE = web.AppKey("response_cache", ResponseCache)
 ENCODERS = web.AppKey("encoders", Encoders)
+HUB = web.AppKey("stream_hub", StreamHub)
+INFERENCE = web.AppKey("inference", Inference)

@@ -1,10 +1,12 @@
-"""Server-sent events: open a stream response and write `data:` events (with `id:` to resume).
+"""Server-sent events: the one writer of token streams (`serve_sse`), over `open_sse` and `send_event`.
 
 A stream is a long-lived connection: its key is re-checked before every event, so revoking the
 key or deleting the tenant ends it at once (as it closes a WebSocket with 1008).
 """
 
 from __future__ import annotations
+
+from collections.abc import AsyncGenerator
 
 import orjson
 from aiohttp import web
@@ -13,6 +15,26 @@ from api.auth import TENANT, current_tenant
 from api.errors import StreamEnded, error_body
 
 REQUEST = "galley_sse_request"  # response[REQUEST]: the request the stream answers
+
+Frame = tuple[dict | str, int | None] | None  # (data, event id); None: open the response, send nothing yet
+
+
+async def serve_sse(request: web.Request, frames: AsyncGenerator[Frame, None],
+                    headers: dict[str, str] | None = None) -> web.StreamResponse:
+    """Write `frames` as SSE. The response opens at the first item, so what `frames` raises before
+    it (a queue timeout, a generation that failed before its first token) is a plain HTTP error;
+    after it, `frames` ends the stream its own way (an error event). However this ends (the client
+    leaving cancels it), `frames` is closed, so its cleanup (abort, detach) runs at once."""
+    response = None
+    try:
+        async for frame in frames:
+            if response is None:
+                response = await open_sse(request, headers)
+            if frame is not None:
+                await send_event(response, *frame)
+        return response if response is not None else await open_sse(request, headers)
+    finally:
+        await frames.aclose()
 
 
 async def open_sse(request: web.Request, headers: dict[str, str] | None = None) -> web.StreamResponse:

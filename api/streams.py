@@ -3,30 +3,21 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncGenerator
+
 from aiohttp import web
 from pydantic import BaseModel, Field
 
 from api.auth import tenant_of
-from api.context import ROUTER
-from api.openai.chunks import StreamEvent, event_chunks, role_chunk
+from api.context import HUB, ROUTER
+from api.openai.chunks import error_chunk, event_chunks, role_chunk
 from api.quotas import count_creation
 from api.routes import Route
-from api.sse import open_sse, send_event
+from api.sse import Frame, serve_sse
 from api.validation import parse_params
-from services.errors import NotFoundError, ServiceError, ServiceUnavailableError
-from services.streams.hub import HUB, LiveStream, prepend
-
-
-def stream_error(event: StreamEvent) -> ServiceError:
-    """The generation failed before its first token: a plain HTTP error, not an SSE event."""
-    message = event.error or "generation failed"
-    if event.error_status == 503:
-        return ServiceUnavailableError(message, code=event.error_code, retry_after_s=5)
-    return ServiceError(message, code=event.error_code)
-
-
-def error_chunk(event: StreamEvent) -> dict:
-    return {"error": {"message": event.error, "type": "internal_error", "param": None, "code": event.error_code}}
+from services.errors import NotFoundError
+from services.inference.events import prepend, stream_failed
+from services.streams.hub import LiveStream, StreamHub
 
 
 async def serve_live(request: web.Request, live: LiveStream, after: int = -1) -> web.StreamResponse:
@@ -35,45 +26,31 @@ async def serve_live(request: web.Request, live: LiveStream, after: int = -1) ->
     The response starts with the first event, so a request that fails before its first
     token (queue timeout, engine error) still gets a plain HTTP error.
     """
-    hub = request.app[HUB]
+    headers = {"X-Stream-Id": live.id, "X-Request-Id": request["request_id"]}
+    return await serve_sse(request, live_frames(request, request.app[HUB], live, after), headers)
+
+
+async def live_frames(request: web.Request, hub: StreamHub, live: LiveStream, after: int) -> AsyncGenerator[Frame]:
     hub.attach(live)
     try:
         events = live.follow(after)
         first = await anext(events, None)
         if first is not None and first.error and first.index == after + 1 and after == -1:
-            raise stream_error(first)
-        response = await open_sse(request, {"X-Stream-Id": live.id, "X-Request-Id": request["request_id"]})
+            raise stream_failed(first)
+        yield None
         if after == -1 and live.fmt.kind == "chat":
-            await send_event(response, role_chunk(live.fmt))
+            yield role_chunk(live.fmt), None
         served = request.app[ROUTER].find(live.fmt.model)
         tokenizer = served.tokenizer if served is not None else None
         if first is not None:
             async for event in prepend(first, events):
                 if event.error:
-                    await send_event(response, error_chunk(event), event.index)
-                    return response
+                    yield error_chunk(event), event.index
+                    return
                 for chunk in event_chunks(live.fmt, tokenizer, event):
-                    await send_event(response, chunk, event.index)
+                    yield chunk, event.index
         if live.status != "cancelled":
-            await send_event(response, "[DONE]")
-        return response
-    finally:
-        hub.detach(live)
-
-
-async def collect_live(request: web.Request, live: LiveStream) -> tuple[str, list, StreamEvent]:
-    """Follow a live stream to its end: (text, logprobs, last event)."""
-    hub = request.app[HUB]
-    hub.attach(live)
-    try:
-        text, logprobs, last = "", [], None
-        async for event in live.follow():
-            if event.error:
-                raise stream_error(event)
-            text += event.text
-            logprobs.extend(event.logprobs or [])
-            last = event
-        return text, logprobs, last
+            yield "[DONE]", None
     finally:
         hub.detach(live)
 

@@ -2,7 +2,7 @@
 
 The client sends `chat`, `resume` and `cancel` messages; the server answers with `start`,
 `token`, `done` and `error` (the protocol is in the README, "WebSocket chat"). A chat goes
-through the same `start_chat` + `start_live_chat` path as `POST /v1/chat/completions`
+through the same inference service (`Inference.start_chat`) as `POST /v1/chat/completions`
 (tenant checks, limits, priority, history, storage, resumable stream), and every chat is a
 conversation: one is created when the client names none, so its stream goes on when the
 socket drops and its answer is stored. Each followed stream is one task that reads the
@@ -31,15 +31,14 @@ from aiohttp import WSCloseCode, WSMsgType, web
 from pydantic import Field, TypeAdapter, ValidationError, model_validator
 
 from api.auth import AUTH, check_priority_access, current_tenant, tenant_of
-from api.context import ROUTER, STATE
+from api.context import HUB, INFERENCE, ROUTER, STATE
 from api.errors import validation_error
-from api.openai.chat import start_chat, start_live_chat
 from api.openai.schemas import MAX_NAME_CHARS, ChatCompletionRequest, Strict
 from api.quotas import count_creation
 from api.routes import Route
 from services.deployments.manager import resolve_model
 from services.errors import InvalidRequestError, NotFoundError, RateLimitError, ServiceError
-from services.streams.hub import HUB, LiveStream
+from services.streams.hub import LiveStream
 from storage import conversations
 
 log = structlog.get_logger(__name__)
@@ -195,13 +194,14 @@ class ChatSocket:
             created = await self.new_conversation(body)
             body = body.model_copy(update={"conversation_id": created})
         try:
-            chat = await start_chat(self.request, body)
+            live = await self.request.app[INFERENCE].start_chat(caller_of(self.request), body.chat_input(),
+                                                                 functools.partial(resolve_model, self.request))
         except Exception:
             if created is not None:  # nothing was said in it: leave no empty conversation behind
                 await asyncio.wrap_future(self.hub.db.write(
                     lambda db: conversations.delete_conversation(db, created, self.tenant)))
             raise
-        await self.follow(start_live_chat(self.request, body, chat), -1)
+        await self.follow(live, -1)
 
     async def new_conversation(self, body: ChatCompletionRequest) -> str:
         """A conversation pinned to the version HTTP would route it to (the split, by `user` or a

@@ -19,7 +19,7 @@ import structlog
 from aiohttp import web
 
 from api.app import create_app
-from services.streams.hub import HUB
+from api.context import HUB
 from storage.tenants import hash_key
 from tests.helpers import metric, start_tiny_engines
 from tests.test_api import wait_blocks_free

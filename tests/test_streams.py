@@ -11,7 +11,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from api.app import create_app
-from services.streams.hub import HUB, StreamsConfig
+from api.context import HUB
+from services.streams.hub import StreamsConfig
 from storage.tenants import hash_key
 from tests.helpers import start_tiny_engines
 from tests.test_api import wait_blocks_free

@@ -8,8 +8,8 @@ import aiohttp
 import pytest
 
 from api.app import create_app
+from api.context import HUB
 from scheduling.router import Router
-from services.streams.hub import HUB
 from tests.test_auth import Client
 from tests.test_streams import auth_stack
 

@@ -1,30 +1,32 @@
 """The native generation API: POST /api/v1/generate and /api/v1/models/{name}/generate.
 
-Generation reuses the OpenAI handlers' engine path (`sampling_params`, `submit`, `collect`,
-`scheduled_events`); only the wire format differs: `{"text", ...}` or SSE events
+Generation takes the same service path as the OpenAI routes (`services.inference`: plan,
+admission, the first-event timeout); only the wire format differs: `{"text", ...}` or SSE events
 `{"token": "..."}` then `{"type": "done", "usage": {...}}`. Deterministic requests (greedy or
 seeded) that do not stream are answered from the response cache when they can be.
 """
 
 from __future__ import annotations
 
+import functools
 import time
+from collections.abc import AsyncGenerator
 
 from aiohttp import web
 
-from api.auth import check_priority_access
-from api.context import RESPONSE_CACHE, ROUTER
+from api.auth import caller_of
+from api.context import INFERENCE, RESPONSE_CACHE
 from api.errors import error_body, json_response
+from api.models import model_label, resolve_model
 from api.native.schemas import GenerateEvent, GenerateRequest, GenerateResponse, NamedGenerateRequest
 from api.response_cache import generation_key, lookup
-from api.openai.chat import collect, finish_reason, generation_failed, sampling_params, scheduled_events, submit, usage
 from api.routes import Route
-from api.sse import open_sse, send_event
+from api.sse import Frame, serve_sse
 from api.validation import parse_body
 from scheduling.router import RequestStream, ServedModel
-from services.deployments.manager import model_label, resolve_model
-from services.inference.prompts import encode_prompt
-from services.streams.hub import prepend
+from services.inference.events import generation_failed, prepend, usage
+from services.inference.generation import Inference
+from services.inference.requests import PromptInput
 
 DEFAULT_MAX_TOKENS = 128
 
@@ -34,56 +36,56 @@ def named_model(request: web.Request) -> str | None:
     return request.match_info.get("name")
 
 
+def prompt_input(body: GenerateRequest, name: str | None) -> PromptInput:
+    """The body as the inference service takes it; max_tokens defaults to 128 within the context."""
+    return PromptInput(**{**body.generation_fields(), "model": name or body.model}, max_tokens=body.max_tokens,
+                       prompt=body.prompt, default_max_tokens=DEFAULT_MAX_TOKENS, default_within_context=True)
+
+
 async def generate(request: web.Request) -> web.StreamResponse:
     started = time.monotonic()
     name = named_model(request)
     body = await parse_body(request, GenerateRequest if name is None else NamedGenerateRequest)
-    model = await resolve_model(request, name or body.model, user=body.user)
-    check_priority_access(request, body.priority)
-    prompt_ids = await encode_prompt(model, body.prompt)
-    default = max(1, min(DEFAULT_MAX_TOKENS, model.max_model_len - len(prompt_ids)))
-    params = sampling_params(request, body, body.max_tokens, len(prompt_ids), model, None, default_max_tokens=default)
+    inference, caller = request.app[INFERENCE], caller_of(request)
+    plan = await inference.plan_prompt(caller, prompt_input(body, name), functools.partial(resolve_model, request))
+    model, prompt_ids, params = plan.model, plan.prompt_ids, plan.params
     headers = {"X-Request-Id": request["request_id"]}  # X-Model-Version: set by the lifecycle's routing
     if body.stream:
-        return await stream_generation(request, model, submit(request, model, prompt_ids, params, body.priority),
-                                       headers)
+        frames = generation_frames(inference, model, inference.submit_plan(caller, plan))
+        return await serve_sse(request, frames, headers)
     key = generation_key(request, body, model, prompt_ids, params, "native")
     result = lookup(request, model, key)
     if result is None:
-        text, _, last = await collect(request, submit(request, model, prompt_ids, params, body.priority))
-        result = {"model": model_label(request, model), "text": text,
-                  "finish_reason": finish_reason(last.finish_reason), "usage": usage(last),
+        answer = await inference.collect(inference.submit_plan(caller, plan))
+        result = {"model": model_label(request, model), "text": answer.text,
+                  "finish_reason": answer.finish_reason, "usage": answer.usage,
                   "model_version": model.version}
         request.app[RESPONSE_CACHE].remember(key, result)
     return json_response({**result, "latency_ms": round((time.monotonic() - started) * 1000, 3)}, headers=headers)
 
 
-async def stream_generation(request: web.Request, model: ServedModel, stream: RequestStream,
-                            headers: dict[str, str]) -> web.StreamResponse:
+async def generation_frames(inference: Inference, model: ServedModel,
+                            stream: RequestStream) -> AsyncGenerator[Frame, None]:
     """SSE `{"token"}` events then one `{"type": "done"}`; an error before the first token is a plain
     HTTP error, after it an `{"type": "error"}` event. A client that leaves aborts the generation."""
     try:
-        events = scheduled_events(request, stream)
+        events = inference.events(stream)
         first = await anext(events)
         if first.error:
             raise generation_failed(first)
-        response = await open_sse(request, headers)
+        yield None
         async for event in prepend(first, events):
             if event.error:
                 failed = generation_failed(event)
-                body = error_body(failed.message, failed.type, code=failed.code)
-                await send_event(response, {"type": "error", **body})
+                yield {"type": "error", **error_body(failed.message, failed.type, code=failed.code)}, None
                 break
             if event.text:
-                await send_event(response, {"token": event.text})
+                yield {"token": event.text}, None
             if event.finished:
-                await send_event(response, {"type": "done", "usage": usage(event),
-                                            "finish_reason": event.finish_reason.value,
-                                            "model_version": model.version})
-        return response
+                yield {"type": "done", "usage": usage(event), "finish_reason": event.finish_reason.value,
+                       "model_version": model.version}, None
     finally:
-        if not stream.finished:  # the client went away: the handler was cancelled
-            request.app[ROUTER].abort(stream)
+        inference.abort(stream)  # unless it finished: the client went away
 
 
 async def generate_named(request: web.Request) -> web.StreamResponse:

@@ -1,54 +1,14 @@
-"""OpenAI stream chunks from stream events, for live streams and replays alike.
-
-A stream's events are stored (in memory, then SQLite) in a format-free shape; the chunk
-format of the original request (chat or text completion, usage, logprobs) travels with the
-stream, so a resumed or replayed stream looks exactly like the original one.
+"""OpenAI stream chunks from stream events (`services.streams.events`), for live streams and
+replays alike: the chunk format of the original request travels with the stream, so a resumed
+or replayed stream looks exactly like the original one.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
 from typing import Any
 
 from engine.types import TokenLogprob
-
-
-@dataclass(frozen=True)
-class ChunkFormat:
-    kind: str  # "chat" | "completion"
-    id: str  # the chunk id, which is also the stream id
-    created: int
-    model: str
-    include_usage: bool = False
-    logprobs: bool = False
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict) -> ChunkFormat:
-        return cls(**data)
-
-    @property
-    def base(self) -> dict:
-        obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
-        base = {"id": self.id, "object": obj, "created": self.created, "model": self.model}
-        return {**base, "usage": None} if self.include_usage else base
-
-
-@dataclass
-class StreamEvent:
-    """One engine token of a stream: index i is the stream's i-th generated token."""
-
-    index: int
-    text: str
-    text_offset: int  # characters of text before this event
-    logprobs: list[TokenLogprob] | None = None
-    finish_reason: str | None = None  # stop | length | abort | error
-    usage: dict | None = None  # on the final event
-    error: str | None = None
-    error_status: int = 500
-    error_code: str | None = None
+from services.streams.events import ChunkFormat, StreamEvent
 
 
 def token_text(tokenizer: Any, token_id: int) -> str:
@@ -107,3 +67,8 @@ def event_chunks(fmt: ChunkFormat, tokenizer: Any, event: StreamEvent) -> list[d
         if fmt.include_usage and event.usage is not None:
             chunks.append({**fmt.base, "choices": [], "usage": event.usage})
     return chunks
+
+
+def error_chunk(event: StreamEvent) -> dict:
+    """The last chunk of a stream that failed after its first token."""
+    return {"error": {"message": event.error, "type": "internal_error", "param": None, "code": event.error_code}}

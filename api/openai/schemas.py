@@ -12,6 +12,9 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
+from services.inference.params import SamplingOptions
+from services.inference.requests import ChatInput, PromptInput
+
 MAX_STOP = 4  # stop strings per request (OpenAI's limit)
 MAX_STOP_CHARS = 512  # per stop string: the detokenizer matches every stop after every token
 MAX_STOP_TOKEN_IDS = 256
@@ -110,6 +113,21 @@ class SamplingFields(Strict):
             return ()
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
+    def sampling_options(self) -> SamplingOptions:
+        return SamplingOptions(
+            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty, frequency_penalty=self.frequency_penalty,
+            presence_penalty=self.presence_penalty, seed=self.seed, stop=self.stop_list(),
+            stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
+        )
+
+    def generation_fields(self) -> dict[str, Any]:
+        """What every generation input takes from the body (`services.inference.requests`)."""
+        return {"model": self.model, "options": self.sampling_options(), "n": self.n, "user": self.user,
+                "priority": self.priority,
+                "include_usage": bool(self.stream_options and self.stream_options.include_usage),
+                "on_disconnect": self.galley.on_disconnect if self.galley else None}
+
 
 class ChatCompletionRequest(SamplingFields):
     model_config = ConfigDict(json_schema_extra={"allOf": [  # for the spec: `_check_logprobs`, and `n` in
@@ -133,11 +151,22 @@ class ChatCompletionRequest(SamplingFields):
             raise ValueError("top_logprobs requires logprobs to be true")
         return self
 
+    def chat_input(self) -> ChatInput:
+        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                    for m in self.messages]
+        return ChatInput(**self.generation_fields(), max_tokens=self.max_completion_tokens or self.max_tokens,
+                         logprobs=(self.top_logprobs or 0) if self.logprobs else None, messages=messages,
+                         conversation_id=self.conversation_id)
+
 
 class CompletionRequest(SamplingFields):
     prompt: Prompt = Field(description="A string or a list of token ids (each below the model's vocabulary size).")
     logprobs: int | None = Field(None, ge=0, le=5)
     echo: Literal[False] = False
+
+    def prompt_input(self) -> PromptInput:
+        return PromptInput(**self.generation_fields(), max_tokens=self.max_tokens, logprobs=self.logprobs,
+                           prompt=self.prompt, default_max_tokens=16)
     suffix: None = None
 
 

@@ -25,17 +25,16 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import structlog
-from aiohttp import web
 
-from api.auth import Auth
-from api.openai.chunks import ChunkFormat, StreamEvent
 from engine.types import FinishReason, GenerationRequest, Priority, SamplingParams, TokenEvent
-from scheduling.admission import TenantLimits
 from scheduling.deployments import parse_model_ref
 from scheduling.router import RequestStream, Router
 from services.background import BackgroundTasks
-from services.errors import SHUTTING_DOWN
+from services.errors import SHUTTING_DOWN, ServiceError
+from services.inference.events import prepend, scheduled_events
 from services.observability.metrics import Metrics
+from services.streams.events import ChunkFormat, StreamEvent
+from services.tenancy import Auth, limits_of
 from storage import conversations, streams
 from storage.db import Database
 from storage.tenants import Tenant
@@ -198,7 +197,7 @@ class StreamHub:
         checkpointed, checkpoint_s = len(texts), time.monotonic()
         status, finish, last, stored = "failed", None, None, True
         write = None  # the latest checkpoint, checked before each event is sent
-        events = self.metrics.observe(rs, self.router.queue_timeout_s)
+        events = scheduled_events(self.router, self.metrics, rs)
         try:
             if inserted is not None:
                 await self._stored(inserted)  # nothing is sent of a stream that is not stored
@@ -223,14 +222,9 @@ class StreamHub:
             live.append(StreamEvent(len(live.events), "", live.text_length, finish_reason="error",
                                     error_status=503, error_code="storage_error", error=STORAGE_ERROR))
             stored = inserted is None or not inserted.exception()
-        except TimeoutError:
-            self.router.abort(rs)
-            live.append(StreamEvent(
-                len(live.events), "", live.text_length, finish_reason="error", error_status=503,
-                error_code="queue_timeout",
-                error=f"the request waited {self.router.queue_timeout_s:g}s without being scheduled "
-                      "(queue_timeout_seconds); the server is overloaded, retry later",
-            ))
+        except ServiceError as exc:  # not scheduled in time (`scheduled_events` aborted it)
+            live.append(StreamEvent(len(live.events), "", live.text_length, finish_reason="error", error_status=503,
+                                    error_code=exc.code, error=exc.message))
         except Exception:
             log.exception("stream producer failed", stream_id=live.id)
             if not live.events or live.events[-1].finish_reason is None:
@@ -366,8 +360,7 @@ class StreamHub:
                 await self._give_up(record, *refused)
                 continue
             owner = self.tenant(record.tenant)
-            limits = TenantLimits(owner.name, owner.max_concurrent, owner.requests_per_minute,
-                                  owner.tokens_per_minute) if owner is not None else None
+            limits = limits_of(owner) if owner is not None else None
             try:
                 rs = self.router.submit(self.router.find(record.model), self.resume_request(record, owner), limits)
             except Exception as exc:  # e.g. the queue is full: it stays running for the next start
@@ -400,11 +393,3 @@ class StreamHub:
     async def close(self) -> None:
         await self._background.cancel_all()
 
-
-async def prepend(first, rest):
-    yield first
-    async for item in rest:
-        yield item
-
-
-HUB = web.AppKey("stream_hub", StreamHub)

@@ -1,0 +1,40 @@
+"""POST /v1/completions: parse, plan the prompt (`services.inference`), answer it (`api.openai.answer`)."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from aiohttp import web
+
+from api.auth import caller_of
+from api.context import INFERENCE
+from api.models import resolve_model
+from api.openai.answer import Shape, answer
+from api.openai.chunks import completion_logprobs
+from api.openai.schemas import Completion, CompletionRequest
+from api.routes import Route
+from api.validation import parse_body
+from services.inference.events import Answer
+from services.streams.events import ChunkFormat
+
+
+def completion_choice(fmt: ChunkFormat, tokenizer: Any, index: int, result: Answer) -> dict:
+    logprobs = completion_logprobs(tokenizer, result.logprobs, 0) if fmt.logprobs else None
+    return {"index": index, "text": result.text, "logprobs": logprobs, "finish_reason": result.finish_reason}
+
+
+COMPLETION = Shape("text_completion", completion_choice, resumable=False)
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    body = await parse_body(request, CompletionRequest)
+    plan = await request.app[INFERENCE].plan_prompt(caller_of(request), body.prompt_input(),
+                                                    functools.partial(resolve_model, request))
+    return await answer(request, body, plan, COMPLETION)
+
+
+ROUTES = [
+    Route("POST", "/v1/completions", completions, "Create a text completion",
+          request=CompletionRequest, response=Completion, stream_response=Completion),
+]

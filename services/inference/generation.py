@@ -1,0 +1,205 @@
+"""The generation service: a chat or prompt -> a planned, admitted generation its caller reads.
+
+A route's handler parses its body into a `ChatInput` or `PromptInput` and asks this service to
+plan it (tenant checks, conversation history, routing to a model version, prompt ids, sampling
+params), then to submit the plan as one generation, as n choices (`Choices`), or as a live,
+resumable stream (`services.streams.hub`). Every submit goes through `Admission` and the shadow
+mirror; every read goes through the one first-event timeout (`services.inference.events`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from engine.types import SamplingParams, TokenEvent
+from scheduling.router import RequestStream, Router, ServedModel
+from services.conversations import Conversations
+from services.deployments.shadow import ShadowMirror
+from services.errors import InvalidRequestError
+from services.inference.admission import Admission
+from services.inference.choices import Choices
+from services.inference.events import Answer, collect, finish_reason, scheduled_events, stream_failed
+from services.inference.params import sampling_params
+from services.inference.prompts import encode_chat, encode_prompt
+from services.inference.requests import ChatInput, GenerationInput, PromptInput
+from services.observability.metrics import Metrics
+from services.streams.events import ChunkFormat
+from services.streams.hub import LiveStream, StreamHub
+from services.tenancy import Caller
+
+CHUNK_ID_PREFIX = {"chat": "chatcmpl", "completion": "cmpl"}
+
+
+class Resolve(Protocol):
+    """Routes a model reference to the served version (the deployments' routing, for this caller)."""
+
+    def __call__(self, ref: str, *, user: str | None = None, conversation_id: str | None = None,
+                 pinned_version: str | None = None) -> Awaitable[ServedModel]: ...
+
+
+@dataclass
+class Plan:
+    """A generation validated, routed and encoded, not yet submitted."""
+
+    kind: str  # chat | completion
+    ask: GenerationInput
+    model: ServedModel
+    prompt_ids: list[int]
+    params: SamplingParams
+    new_messages: list[dict] = field(default_factory=list)  # a conversation's messages to store
+
+    @property
+    def conversation_id(self) -> str | None:
+        return getattr(self.ask, "conversation_id", None)
+
+
+@dataclass
+class Started:
+    """A submitted generation and the chunk format (its id: the stream id) it is shown in."""
+
+    stream: RequestStream
+    fmt: ChunkFormat
+
+
+class Inference:
+    def __init__(self, router: Router, admission: Admission, metrics: Metrics, hub: StreamHub,
+                 shadows: ShadowMirror, conversations: Conversations) -> None:
+        self.router = router
+        self.admission = admission
+        self.metrics = metrics
+        self.hub = hub
+        self.shadows = shadows
+        self.conversations = conversations
+
+    # ---- planning ----------------------------------------------------------------------
+
+    async def plan_chat(self, caller: Caller, ask: ChatInput, resolve: Resolve) -> Plan:
+        """Check, route and apply the chat template (after the conversation's history)."""
+        check_n(ask)
+        caller.check_priority(ask.priority)
+        history, pinned = [], None
+        if ask.conversation_id:
+            history, pinned = await self.conversations.history(caller, ask.conversation_id, ask.model)
+        model = await resolve(ask.model, user=ask.user, conversation_id=ask.conversation_id, pinned_version=pinned)
+        prompt_ids = await encode_chat(model, history + ask.messages)
+        params = sampling_params(ask.options, ask.max_tokens, len(prompt_ids), model, ask.logprobs,
+                                 cap=caller.tenant.max_tokens, prompt_param="messages")
+        return Plan("chat", ask, model, prompt_ids, params, ask.messages)
+
+    async def plan_prompt(self, caller: Caller, ask: PromptInput, resolve: Resolve) -> Plan:
+        """Route, check and tokenize a text prompt (a text completion, a native generation)."""
+        check_n(ask)
+        model = await resolve(ask.model, user=ask.user)
+        caller.check_priority(ask.priority)
+        prompt_ids = await encode_prompt(model, ask.prompt)
+        default = ask.default_max_tokens
+        if default is not None and ask.default_within_context:
+            default = max(1, min(default, model.max_model_len - len(prompt_ids)))
+        params = sampling_params(ask.options, ask.max_tokens, len(prompt_ids), model, ask.logprobs,
+                                 cap=caller.tenant.max_tokens, default_max_tokens=default)
+        return Plan("completion", ask, model, prompt_ids, params)
+
+    def format(self, plan: Plan, request_id: str) -> ChunkFormat:
+        """The chunk format of `plan`'s answer; its id (the stream id) from `request_id`."""
+        ask = plan.ask
+        return ChunkFormat(plan.kind, f"{CHUNK_ID_PREFIX[plan.kind]}-{request_id}", int(time.time()),
+                           self.router.label(plan.model), ask.include_usage, ask.logprobs is not None)
+
+    # ---- submitting --------------------------------------------------------------------
+
+    def submit(self, caller: Caller, model: ServedModel, prompt_ids: list[int], params: SamplingParams,
+               priority: str | None) -> RequestStream:
+        """One generation through admission (and the shadow mirror, when the model has one)."""
+        limits, weight = caller.limits()
+        stream = self.admission.generation(model, prompt_ids, params, limits, weight, caller.priority(priority))
+        self.shadows.mirror(stream, self.metrics.log_prompts)
+        return stream
+
+    def submit_plan(self, caller: Caller, plan: Plan) -> RequestStream:
+        return self.submit(caller, plan.model, plan.prompt_ids, plan.params, plan.ask.priority)
+
+    def submit_n(self, caller: Caller, plan: Plan) -> Choices:
+        """`plan.ask.n` generations of one prompt, side by side (seeded: seed, seed + 1, ..., so the
+        choices differ yet repeat); all or nothing: if one is refused, the others are aborted."""
+        params, streams = plan.params, []
+        priority = caller.priority(plan.ask.priority)  # once, not per choice
+        try:
+            for i in range(plan.ask.n):
+                seed = None if params.seed is None else (params.seed + i) % 2**63
+                streams.append(self.submit(caller, plan.model, plan.prompt_ids,
+                                           dataclasses.replace(params, seed=seed), priority))
+        except Exception:
+            for stream in streams:
+                self.router.abort(stream)
+            raise
+        return Choices(self.router, self.metrics, streams)
+
+    async def start(self, caller: Caller, plan: Plan) -> Started:
+        """Submit a planned generation; store the new messages of a conversation. Nothing owns the
+        stream until this returns, so if the write fails (or the caller leaves during it) the
+        generation is aborted: left running it would hold a slot to the end of the context for no one."""
+        stream = self.submit_plan(caller, plan)
+        started = Started(stream, self.format(plan, stream.request_id))
+        conversation_id = plan.conversation_id
+        if conversation_id:
+            try:
+                await self.conversations.append(conversation_id, plan.new_messages)  # deleted meanwhile: 404
+            except BaseException:
+                self.router.abort(stream)
+                raise
+        return started
+
+    def go_live(self, plan: Plan, started: Started) -> LiveStream:
+        """Record a started generation as a resumable stream (its followers read it from the hub)."""
+        conversation = bool(plan.conversation_id)
+        on_disconnect = plan.ask.on_disconnect or (self.hub.config.on_disconnect_conversation if conversation
+                                                   else self.hub.config.on_disconnect_plain)
+        return self.hub.start(started.stream, started.fmt, kind=plan.kind, conversation_id=plan.conversation_id,
+                              on_disconnect=on_disconnect)
+
+    async def start_chat(self, caller: Caller, ask: ChatInput, resolve: Resolve) -> LiveStream:
+        """A chat as one live stream (one choice, as the WebSocket streams it)."""
+        if ask.n > 1:
+            raise InvalidRequestError("a chat over the WebSocket streams one choice: n must be 1", param="n")
+        plan = await self.plan_chat(caller, ask, resolve)
+        return self.go_live(plan, await self.start(caller, plan))
+
+    # ---- reading -----------------------------------------------------------------------
+
+    def events(self, stream: RequestStream) -> AsyncIterator[TokenEvent]:
+        """A generation's events (the first-event timeout applies); the reader aborts what it leaves."""
+        return scheduled_events(self.router, self.metrics, stream)
+
+    async def collect(self, stream: RequestStream) -> Answer:
+        """A generation to its end; the caller leaving aborts it."""
+        return await collect(self.router, self.metrics, stream)
+
+    async def collect_live(self, live: LiveStream) -> Answer:
+        """Follow a live stream to its end."""
+        self.hub.attach(live)
+        try:
+            text, logprobs, last = "", [], None
+            async for event in live.follow():
+                if event.error:
+                    raise stream_failed(event)
+                text += event.text
+                logprobs.extend(event.logprobs or [])
+                last = event
+            return Answer(text, logprobs, finish_reason(last.finish_reason), last.usage)
+        finally:
+            self.hub.detach(live)
+
+    def abort(self, stream: RequestStream) -> None:
+        if not stream.finished:
+            self.router.abort(stream)
+
+
+def check_n(ask: GenerationInput) -> None:
+    if ask.n > 1 and getattr(ask, "conversation_id", None):
+        raise InvalidRequestError("n > 1 cannot continue a conversation: it would not know which choice to keep",
+                                  param="n")
+
