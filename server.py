@@ -24,7 +24,7 @@ import structlog
 from aiohttp import web
 
 from api.app import begin_drain, create_app, interrupt
-from api.auth import is_loopback, resolve_admin_key
+from api.auth import is_loopback
 from api.batch import BATCH
 from api.context import HUB, ServerState
 from config import ConfigError, GalleyConfig, load_config, with_overrides
@@ -32,8 +32,10 @@ from engine.loader import ModelLoadError
 from launch import EngineLoader, check_source, start_workers
 from scheduling.router import Router
 from services.deployments.manager import MODELS
+from services.tenancy import resolve_admin_key
 from storage.db import Database
 from storage.registry import ModelVersion
+from storage.tenants import TenantStore
 
 log = structlog.get_logger("galley")
 
@@ -87,7 +89,8 @@ def open_database(cfg: GalleyConfig) -> tuple[Database, str]:
     """The data dir's database and the admin key's hash; a newly generated admin key is shown once."""
     db = Database(Path(cfg.server.data_dir) / "galley.db")
     try:
-        admin_key_hash, new_key = resolve_admin_key(db, os.environ.get("GALLEY_ADMIN_KEY") or cfg.auth.admin_key)
+        configured = os.environ.get("GALLEY_ADMIN_KEY") or cfg.auth.admin_key
+        admin_key_hash, new_key = resolve_admin_key(TenantStore(db), configured)
     except BaseException:
         db.close()
         raise

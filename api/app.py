@@ -17,7 +17,7 @@ from api import streams as stream_api
 from api.admin import dashboard
 from api.admin import deployments as deployments_api
 from api.admin import tenants as admin
-from api.auth import AUTH, DATABASE, Auth, TenantDirectory, auth_middleware
+from api.auth import AUTH, DATABASE, TENANT_ADMIN, auth_middleware
 from api.context import (
     ADMISSION,
     ENCODERS,
@@ -46,6 +46,7 @@ from scheduling.deployments import DeploymentsConfig
 from scheduling.router import Router
 from services.batch.runner import BatchConfig, BatchRunner
 from services.cache.responses import ResponseCache, ResponseCacheConfig
+from services.conversations import Conversations
 from services.deployments import manager as lifecycle
 from services.deployments.shadow import ShadowMirror
 from services.errors import SHUTTING_DOWN
@@ -56,7 +57,10 @@ from services.observability.alerts import DEFAULT_ALERTS, AlertRule
 from services.observability.metrics import Metrics, StorageCollector
 from services.observability.telemetry import ObservabilityConfig, TracingConfig
 from services.streams.hub import StreamHub, StreamsConfig
+from services.tenancy import Auth, TenantAdmin, TenantDirectory
+from storage.conversations import ConversationStore
 from storage.db import Database
+from storage.tenants import TenantStore
 
 log = structlog.get_logger(__name__)
 
@@ -156,7 +160,10 @@ def create_app(router: Router, state: ServerState | None = None, *, db: Database
     app = web.Application(middlewares=[request_context, error_middleware, auth_middleware],
                           client_max_size=MAX_BODY_BYTES)
     app[DATABASE] = db if db is not None else temporary_database(app)
-    app[AUTH] = Auth(auth_enabled, TenantDirectory.load(app[DATABASE]), admin_key_hash)
+    tenant_store = TenantStore(app[DATABASE])
+    app[AUTH] = Auth(auth_enabled, TenantDirectory.load(tenant_store), admin_key_hash)
+    app[TENANT_ADMIN] = TenantAdmin(tenant_store, app[AUTH].directory)
+    app[conversations.CONVERSATIONS] = Conversations(ConversationStore(app[DATABASE]))
     app[ROUTER] = router
     app[STATE] = state or ServerState(ready=True)
     observability = observability or ObservabilityConfig()

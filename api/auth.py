@@ -1,36 +1,37 @@
-"""Who is calling: API keys -> tenants, the admin key, and the middleware that checks them.
+"""Who is calling: the middleware that checks API keys and the admin key against the tenant
+directory (`services.tenancy`), and the `Caller` each handler passes to services.
 
-Owns the in-memory `TenantDirectory` (the DB's tenants and unrevoked keys), loaded once at
-startup and updated by the admin handlers the moment each write commits, so a request never
-waits on SQLite and a revoked key is refused at once. Every request gets `request["tenant"]`
-(the `default` tenant when auth is off) and the prefix of the key it came with; `tenant_of`
-reads the tenant again from the directory on every call, so a long-lived request (a
-WebSocket) sees limit edits at once and a revoked key or deleted tenant is refused on its
-next message. Keys are never logged and only their sha256 hashes are compared
-(`hmac.compare_digest`).
+Every request gets `request["tenant"]` (the `default` tenant when auth is off) and the prefix
+of the key it came with; `caller_of` builds the request's `Caller`, which reads the tenant
+again from the directory on every access, so a long-lived request (a WebSocket) sees limit
+edits at once and a revoked key or deleted tenant is refused on its next message. Keys are
+never logged and only their sha256 hashes are compared (`hmac.compare_digest`).
 """
 
 from __future__ import annotations
 
 import hmac
 import ipaddress
-import secrets
-from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from scheduling.admission import TenantLimits
 from services.errors import AuthenticationError, PermissionDeniedError
-from services.tenancy import Caller, revoked
-from storage import tenants
+from services.tenancy import (
+    Auth,
+    Caller,
+    Tenant,
+    TenantAdmin,
+    TenantDirectory,
+    TenantLimits,
+    hash_key,
+    key_prefix,
+    revoked,
+)
 from storage.db import Database
-from storage.tenants import DEFAULT_TENANT, ApiKey, Tenant, hash_key, key_prefix
 
 TENANT = "tenant"  # request[TENANT]: the caller's Tenant as authenticated (handlers use `tenant_of`)
 KEY_PREFIX = "api_key_prefix"  # request[KEY_PREFIX]: the prefix of the key it came with; None: no key
 IS_ADMIN = "is_admin"  # request[IS_ADMIN]: the caller presented the admin key
-ADMIN_KEY_SETTING = "admin_key_hash"
 TENANT_PATHS = ("/v1/", "/api/", "/ws/")
 WS_PATH = "/ws/"  # browsers cannot set headers on a WebSocket: these also take the key as `?token=`
 ADMIN_PATH = "/admin/api/"
@@ -38,88 +39,9 @@ DEPLOYMENTS_PATH = "/api/v1/deployments"  # reads: a tenant key (its models, in 
 # writes: the admin key (when auth is on)
 
 
-@dataclass
-class TenantDirectory:
-    """Tenants and unrevoked keys, as committed. Invariant: `default` is present; each key's tenant is."""
-
-    tenants: dict[str, Tenant]
-    keys: dict[str, tuple[str, str]] = field(default_factory=dict)  # prefix -> (key sha256 hex, tenant)
-    listeners: list[Callable[[], None]] = field(default_factory=list)  # called after a change that may revoke
-
-    @classmethod
-    def load(cls, db: Database) -> TenantDirectory:
-        listed = db.read(tenants.list_tenants)
-        active = db.read(tenants.active_keys)
-        return cls({t.name: t for t in listed}, {key.prefix: (digest, key.tenant) for key, digest in active})
-
-    @property
-    def default(self) -> Tenant:
-        return self.tenants[DEFAULT_TENANT]
-
-    def tenant_for_key(self, key: str) -> Tenant | None:
-        """The tenant of an unrevoked key; None for anything else."""
-        entry = self.keys.get(key_prefix(key) or "")
-        if entry is None or not hmac.compare_digest(entry[0], hash_key(key)):
-            return None
-        return self.tenants.get(entry[1])
-
-    def current(self, tenant: str, prefix: str | None) -> Tenant | None:
-        """`tenant` as it is now, if the key it authenticated with (by prefix; None: no key, auth
-        off) is still its and unrevoked; else None. Dictionary lookups only: cheap per message."""
-        if prefix is not None:
-            entry = self.keys.get(prefix)
-            if entry is None or entry[1] != tenant:
-                return None
-        return self.tenants.get(tenant)
-
-    def put_tenant(self, tenant: Tenant) -> None:
-        self.tenants[tenant.name] = tenant  # revokes nothing: open sockets need no re-check
-
-    def remove_tenant(self, name: str) -> None:
-        self.tenants.pop(name, None)
-        self.keys = {prefix: entry for prefix, entry in self.keys.items() if entry[1] != name}
-        self._changed()
-
-    def add_key(self, key: ApiKey, key_hash: str) -> None:
-        self.keys[key.prefix] = (key_hash, key.tenant)
-
-    def revoke_key(self, prefix: str) -> None:
-        self.keys.pop(prefix, None)
-        self._changed()
-
-    def _changed(self) -> None:
-        for listener in self.listeners:
-            listener()
-
-
-@dataclass
-class Auth:
-    """What the middleware needs: whether tenant keys are required, the directory, the admin key's hash."""
-
-    enabled: bool
-    directory: TenantDirectory
-    admin_key_hash: str | None  # None: no admin key, the admin API refuses everyone
-
-
 AUTH = web.AppKey("auth", Auth)
+TENANT_ADMIN = web.AppKey("tenant_admin", TenantAdmin)
 DATABASE = web.AppKey("database", Database)
-
-
-def resolve_admin_key(db: Database, configured: str) -> tuple[str, str | None]:
-    """(hash of the admin key, plaintext to show once or None).
-
-    A configured key (env or config) wins; else the hash stored by an earlier start; else a new
-    key is generated, its hash stored, and its plaintext returned for the caller to show once.
-    """
-    if configured:
-        return hash_key(configured), None
-    stored = db.read(lambda d: tenants.get_setting(d, ADMIN_KEY_SETTING))
-    if stored is not None:
-        return stored, None
-    key = f"{tenants.KEY_SCHEME}_admin_{secrets.token_urlsafe(32)}"
-    digest = hash_key(key)
-    stored = db.write(lambda d: tenants.set_setting(d, ADMIN_KEY_SETTING, digest, overwrite=False)).result()
-    return stored, key if stored == digest else None
 
 
 def bearer_token(request: web.Request) -> str:

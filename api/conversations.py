@@ -3,33 +3,27 @@
 Every handler is scoped to the caller's tenant: another tenant's conversation answers 404
 exactly as a missing one does, so ids never leak. Creating one counts as one of the tenant's
 requests (`requests_per_minute`). A new conversation is pinned to the version its model is
-served at. Writes go through the DB writer thread, reads through the
-read connection in a worker thread; the event loop never waits on SQLite.
+served at. The reads and writes are `services.conversations.Conversations`'.
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
-from collections.abc import Callable
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
-import sqlite_utils
 from aiohttp import web
 from pydantic import BaseModel, Field
 
-from api.auth import DATABASE, tenant_of
+from api.auth import caller_of
 from api.errors import json_response
 from api.openai.schemas import MAX_NAME_CHARS, Strict
 from api.quotas import count_creation
 from api.routes import Route
 from api.validation import parse_body
+from services.conversations import Conversation, Conversations, Message
 from services.deployments.manager import resolve_model
-from services.errors import NotFoundError
-from storage import conversations
-from storage.conversations import Conversation, Message
 
-T = TypeVar("T")
+CONVERSATIONS = web.AppKey("conversations", Conversations)
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 
@@ -86,22 +80,6 @@ def message_json(message: Message) -> dict[str, Any]:
     return ConversationMessage(**{name: fields[name] for name in ConversationMessage.model_fields}).model_dump()
 
 
-# ---- plumbing --------------------------------------------------------------------------
-
-
-async def write(request: web.Request, fn: Callable[[sqlite_utils.Database], T]) -> T:
-    return await asyncio.wrap_future(request.app[DATABASE].write(fn))
-
-
-async def read(request: web.Request, fn: Callable[[sqlite_utils.Database], T]) -> T:
-    return await asyncio.to_thread(request.app[DATABASE].read, fn)
-
-
-def conversation_not_found(conversation_id: str) -> NotFoundError:
-    return NotFoundError(f"No conversation `{conversation_id}`.", param="conversation_id",
-                         code="conversation_not_found")
-
-
 # ---- handlers --------------------------------------------------------------------------
 
 
@@ -109,38 +87,24 @@ async def create_conversation(request: web.Request) -> web.Response:
     body = await parse_body(request, ConversationCreate)
     count_creation(request)  # before resolving: that may load a cold model
     model = await resolve_model(request, body.model)
-    tenant = tenant_of(request).name
-    made = await write(request, lambda db: conversations.create_conversation(
-        db, tenant, model.name, model.version, body.title))
+    made = await request.app[CONVERSATIONS].create(caller_of(request), model.name, model.version, body.title)
     return json_response(conversation_json(made), status=201)
 
 
 async def list_conversations(request: web.Request) -> web.Response:
-    tenant = tenant_of(request).name
-    listed = await read(request, lambda db: conversations.list_conversations(db, tenant))
+    listed = await request.app[CONVERSATIONS].list_for(caller_of(request))
     return json_response({"object": "list", "data": [conversation_json(c) for c in listed]})
 
 
 async def get_conversation(request: web.Request) -> web.Response:
-    conversation_id = request.match_info["conversation_id"]
-    tenant = tenant_of(request).name
-
-    def query(db: sqlite_utils.Database) -> tuple[Conversation, list[Message]] | None:
-        found = conversations.get_conversation(db, conversation_id, tenant)
-        return None if found is None else (found, conversations.list_messages(db, conversation_id))
-
-    found = await read(request, query)
-    if found is None:
-        raise conversation_not_found(conversation_id)
-    conversation, messages = found
+    conversation, messages = await request.app[CONVERSATIONS].get(caller_of(request),
+                                                                  request.match_info["conversation_id"])
     return json_response({**conversation_json(conversation), "messages": [message_json(m) for m in messages]})
 
 
 async def delete_conversation(request: web.Request) -> web.Response:
     conversation_id = request.match_info["conversation_id"]
-    tenant = tenant_of(request).name
-    if not await write(request, lambda db: conversations.delete_conversation(db, conversation_id, tenant)):
-        raise conversation_not_found(conversation_id)
+    await request.app[CONVERSATIONS].delete(caller_of(request), conversation_id)
     return json_response({"id": conversation_id, "deleted": True})
 
 

@@ -30,8 +30,9 @@ import structlog
 from aiohttp import WSCloseCode, WSMsgType, web
 from pydantic import Field, TypeAdapter, ValidationError, model_validator
 
-from api.auth import AUTH, check_priority_access, current_tenant, tenant_of
+from api.auth import AUTH, caller_of, check_priority_access, current_tenant, tenant_of
 from api.context import HUB, INFERENCE, ROUTER, STATE
+from api.conversations import CONVERSATIONS
 from api.errors import validation_error
 from api.openai.schemas import MAX_NAME_CHARS, ChatCompletionRequest, Strict
 from api.quotas import count_creation
@@ -39,7 +40,6 @@ from api.routes import Route
 from services.deployments.manager import resolve_model
 from services.errors import InvalidRequestError, NotFoundError, RateLimitError, ServiceError
 from services.streams.hub import LiveStream
-from storage import conversations
 
 log = structlog.get_logger(__name__)
 
@@ -198,8 +198,7 @@ class ChatSocket:
                                                                  functools.partial(resolve_model, self.request))
         except Exception:
             if created is not None:  # nothing was said in it: leave no empty conversation behind
-                await asyncio.wrap_future(self.hub.db.write(
-                    lambda db: conversations.delete_conversation(db, created, self.tenant)))
+                await self.request.app[CONVERSATIONS].discard(self.tenant, created)
             raise
         await self.follow(live, -1)
 
@@ -208,8 +207,7 @@ class ChatSocket:
         fresh key; a cold version loads), after the same access checks."""
         check_priority_access(self.request, body.priority)
         model = await resolve_model(self.request, body.model, user=body.user, conversation_id=uuid.uuid4().hex)
-        made = await asyncio.wrap_future(self.hub.db.write(
-            lambda db: conversations.create_conversation(db, self.tenant, model.name, model.version)))
+        made = await self.request.app[CONVERSATIONS].create(caller_of(self.request), model.name, model.version)
         return made.id
 
     async def find(self, stream_id: str) -> LiveStream:

@@ -17,25 +17,17 @@ from aiohttp import web
 from aiohttp.test_utils import make_mocked_request
 
 from api.app import create_app
-from api.auth import (
-    AUTH,
-    KEY_PREFIX,
-    TENANT,
-    Auth,
-    TenantDirectory,
-    check_model_access,
-    check_priority_access,
-    resolve_admin_key,
-    tenant_of,
-)
+from api.auth import AUTH, KEY_PREFIX, TENANT, check_model_access, check_priority_access, tenant_of
 from api.errors import status_of
 from engine.model_runner import CacheConfig
-from launch import EngineConfig, start_models
+from launch import EngineConfig
 from scheduling.router import Router
 from server import is_loopback
 from services.errors import PermissionDeniedError
+from services.tenancy import Auth, TenantDirectory, resolve_admin_key
 from storage.db import Database
-from storage.tenants import Tenant, hash_key
+from storage.tenants import Tenant, TenantStore, hash_key
+from tests.helpers import start_models
 from tests.test_server_process import ROOT, ServerProcess
 
 ADMIN = "gk_admin_test-admin-key-0123456789"
@@ -301,13 +293,14 @@ def test_check_model_and_priority_access_read_the_request_tenant():
 
 def test_admin_key_configured_wins_else_generated_once_then_reused(tmp_path):
     db = Database(tmp_path / "galley.db")
+    store = TenantStore(db)
     try:
-        assert resolve_admin_key(db, "mine") == (hash_key("mine"), None)
-        digest, shown = resolve_admin_key(db, "")
+        assert resolve_admin_key(store, "mine") == (hash_key("mine"), None)
+        digest, shown = resolve_admin_key(store, "")
         assert shown is not None and re.fullmatch(r"gk_admin_[A-Za-z0-9_-]{43}", shown)
         assert digest == hash_key(shown)
-        assert resolve_admin_key(db, "") == (digest, None)
-        assert resolve_admin_key(db, "mine") == (hash_key("mine"), None)
+        assert resolve_admin_key(store, "") == (digest, None)
+        assert resolve_admin_key(store, "mine") == (hash_key("mine"), None)
     finally:
         db.close()
 

@@ -15,17 +15,18 @@ import time
 from pathlib import Path
 from typing import Any
 
-import sqlite_utils
 from aiohttp import web
 from prometheus_client.core import GaugeMetricFamily
 from pydantic import BaseModel, Field
 
-from api.auth import AUTH, DATABASE
+from api.auth import AUTH
 from api.context import METRICS, ROUTER, STATE
+from api.conversations import CONVERSATIONS
 from api.errors import json_response
 from api.routes import Route
 from api.validation import parse_params
 from scheduling.router import ServedModel
+from services.conversations import Conversation
 from services.deployments.manager import MODELS
 from services.errors import ConflictError, NotFoundError, NotImplementedFeatureError
 from services.observability.alerts import AlertManager, AlertRule, MetricsWindow, snapshot, total
@@ -38,7 +39,6 @@ from services.observability.telemetry import (
     build_tracing,
     log_request,
 )
-from storage import conversations
 
 STATIC_DIR = Path(__file__).resolve().parents[2] / "static"
 
@@ -200,7 +200,7 @@ async def admin_alerts(request: web.Request) -> web.Response:
 # ---- conversations across tenants ------------------------------------------------------
 
 
-def conversation_json(c: conversations.Conversation, num_messages: int | None = None) -> dict[str, Any]:
+def conversation_json(c: Conversation, num_messages: int | None = None) -> dict[str, Any]:
     out = {"id": c.id, "tenant": c.tenant, "model": c.model, "model_version": c.model_version, "title": c.title,
            "created_at": c.created_at, "updated_at": c.updated_at}
     return out if num_messages is None else {**out, "num_messages": num_messages}
@@ -213,25 +213,12 @@ class ConversationsQuery(BaseModel):
 
 async def admin_list_conversations(request: web.Request) -> web.Response:
     params = parse_params(request.query, ConversationsQuery)
-
-    def query(db: sqlite_utils.Database):
-        return conversations.list_all_conversations(db, params.limit, params.tenant or None)
-
-    rows = await asyncio.to_thread(request.app[DATABASE].read, query)
+    rows = await request.app[CONVERSATIONS].across_tenants(params.limit, params.tenant or None)
     return json_response({"object": "list", "data": [conversation_json(c, n) for c, n in rows]})
 
 
 async def admin_get_conversation(request: web.Request) -> web.Response:
-    conversation_id = request.match_info["conversation_id"]
-
-    def query(db: sqlite_utils.Database):
-        found = conversations.find_conversation(db, conversation_id)
-        return found, conversations.list_messages(db, conversation_id) if found else []
-
-    found, messages = await asyncio.to_thread(request.app[DATABASE].read, query)
-    if found is None:
-        raise NotFoundError(f"no conversation {conversation_id!r}", param="conversation_id",
-                            code="conversation_not_found")
+    found, messages = await request.app[CONVERSATIONS].find(request.match_info["conversation_id"])
     body = conversation_json(found, len(messages))
     body["messages"] = [{"role": m.role, "content": m.content, "prompt_tokens": m.prompt_tokens,
                          "completion_tokens": m.completion_tokens, "stream_id": m.stream_id,

@@ -1,30 +1,22 @@
 """The admin API under /admin/api/: tenants and their API keys (the admin key is checked in api/auth.py).
 
-Writes run on the DB writer thread; the `TenantDirectory` is updated by a callback on the
-event loop as soon as a write commits, even when the admin client has already gone away, so
-memory and the DB never disagree. Reads go to the read connection through a worker thread.
+Each handler makes one call to `services.tenancy.TenantAdmin`, which keeps the tenant directory
+in step with the DB.
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
-from collections.abc import Callable
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, Literal
 
-import sqlite_utils
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field
 
-from api.auth import AUTH, DATABASE, TenantDirectory
+from api.auth import TENANT_ADMIN
 from api.errors import json_response
 from api.routes import Route
 from api.validation import parse_body
-from services.errors import ConflictError, InvalidRequestError, NotFoundError
-from storage import tenants
-from storage.tenants import DEFAULT_TENANT, ApiKey, Tenant, hash_key
-
-T = TypeVar("T")
+from services.tenancy import ApiKey, Tenant
 
 Priority = Literal["high", "normal", "low"]
 MAX_LIMIT = 2**53 - 1  # integers JSON carries exactly (SQLite's INTEGER and orjson stop at 2**63)
@@ -115,116 +107,49 @@ def key_json(key: ApiKey) -> dict[str, Any]:
     return KeyOut(**dataclasses.asdict(key)).model_dump()
 
 
-# ---- plumbing --------------------------------------------------------------------------
-
-
-async def commit(request: web.Request, fn: Callable[[sqlite_utils.Database], T],
-                 apply: Callable[[TenantDirectory, T], None]) -> T:
-    """Runs `fn` on the writer thread; once it commits, `apply` updates the directory (client gone or not)."""
-    directory = request.app[AUTH].directory
-    done = asyncio.wrap_future(request.app[DATABASE].write(fn))
-
-    def on_done(future: asyncio.Future) -> None:
-        if not future.cancelled() and future.exception() is None:
-            apply(directory, future.result())
-
-    done.add_done_callback(on_done)
-    return await asyncio.shield(done)
-
-
-async def read(request: web.Request, fn: Callable[[sqlite_utils.Database], T]) -> T:
-    return await asyncio.to_thread(request.app[DATABASE].read, fn)
-
-
-def tenant_not_found(name: str) -> NotFoundError:
-    return NotFoundError(f"The tenant `{name}` does not exist.", param="name", code="tenant_not_found")
-
-
 # ---- handlers --------------------------------------------------------------------------
 
 
 async def create_tenant(request: web.Request) -> web.Response:
     body = await parse_body(request, TenantCreate)
-    if tenants.is_reserved(body.name):
-        raise InvalidRequestError(f"Tenant names starting with `{tenants.RESERVED_PREFIX}` are reserved for the "
-                                  "server's own requests.", param="name", code="reserved_tenant_name")
-    tenant = Tenant(**body.model_dump(exclude_unset=True))
-    try:
-        saved = await commit(request, lambda db: tenants.create_tenant(db, tenant),
-                             lambda directory, t: directory.put_tenant(t))
-    except tenants.TenantExistsError as exc:
-        raise ConflictError(f"The tenant `{tenant.name}` already exists.", param="name",
-                            code="tenant_exists") from exc
+    saved = await request.app[TENANT_ADMIN].create(body.model_dump(exclude_unset=True))
     return json_response(tenant_json(saved), status=201)
 
 
 async def list_tenants(request: web.Request) -> web.Response:
-    listed = await read(request, tenants.list_tenants)
+    listed = await request.app[TENANT_ADMIN].tenants()
     return json_response({"object": "list", "data": [tenant_json(t) for t in listed]})
 
 
 async def get_tenant(request: web.Request) -> web.Response:
-    name = request.match_info["name"]
-    tenant = await read(request, lambda db: tenants.get_tenant(db, name))
-    if tenant is None:
-        raise tenant_not_found(name)
-    return json_response(tenant_json(tenant))
+    return json_response(tenant_json(await request.app[TENANT_ADMIN].get(request.match_info["name"])))
 
 
 async def update_tenant(request: web.Request) -> web.Response:
     name = request.match_info["name"]
     changes = (await parse_body(request, TenantPatch)).model_dump(exclude_unset=True)
-    try:
-        updated = await commit(request, lambda db: tenants.update_tenant(db, name, changes),
-                               lambda directory, t: directory.put_tenant(t))
-    except tenants.TenantNotFoundError as exc:
-        raise tenant_not_found(name) from exc
-    return json_response(tenant_json(updated))
+    return json_response(tenant_json(await request.app[TENANT_ADMIN].update(name, changes)))
 
 
 async def delete_tenant(request: web.Request) -> web.Response:
     name = request.match_info["name"]
-    if name == DEFAULT_TENANT:
-        raise ConflictError("The default tenant cannot be deleted.", param="name", code="default_tenant")
-    try:
-        await commit(request, lambda db: tenants.delete_tenant(db, name),
-                     lambda directory, _: directory.remove_tenant(name))
-    except tenants.TenantNotFoundError as exc:
-        raise tenant_not_found(name) from exc
+    await request.app[TENANT_ADMIN].delete(name)
     return json_response({"name": name, "deleted": True})
 
 
 async def create_key(request: web.Request) -> web.Response:
-    name = request.match_info["name"]
-    try:
-        plaintext, key = await commit(request, lambda db: tenants.create_key(db, name),
-                                      lambda directory, made: directory.add_key(made[1], hash_key(made[0])))
-    except tenants.TenantNotFoundError as exc:
-        raise tenant_not_found(name) from exc
+    plaintext, key = await request.app[TENANT_ADMIN].create_key(request.match_info["name"])
     body = {"key": plaintext, "prefix": key.prefix, "tenant": key.tenant, "created_at": key.created_at}
     return json_response(body, status=201, headers={"Cache-Control": "no-store"})
 
 
 async def list_keys(request: web.Request) -> web.Response:
-    name = request.match_info["name"]
-
-    def query(db: sqlite_utils.Database) -> list[ApiKey] | None:
-        return None if tenants.get_tenant(db, name) is None else tenants.list_keys(db, name)
-
-    keys = await read(request, query)
-    if keys is None:
-        raise tenant_not_found(name)
+    keys = await request.app[TENANT_ADMIN].keys_of(request.match_info["name"])
     return json_response({"object": "list", "data": [key_json(k) for k in keys]})
 
 
 async def revoke_key(request: web.Request) -> web.Response:
-    prefix = request.match_info["prefix"]
-    try:
-        key = await commit(request, lambda db: tenants.revoke_key(db, prefix),
-                           lambda directory, _: directory.revoke_key(prefix))
-    except tenants.KeyNotFoundError as exc:
-        raise NotFoundError(f"No API key has the prefix `{prefix}`.", param="prefix", code="key_not_found") from exc
-    return json_response(key_json(key))
+    return json_response(key_json(await request.app[TENANT_ADMIN].revoke_key(request.match_info["prefix"])))
 
 
 TENANT_PATH = "/admin/api/tenants/{name}"

@@ -1,0 +1,104 @@
+"""Conversations and their messages, for a caller: create, list, read, delete, and what a chat
+turn reads (the history) and writes (its new messages).
+
+Everything a tenant does is scoped to its tenant: another tenant's conversation is not found
+exactly as a missing one is, so ids never leak. Writes go through the DB writer thread, reads
+through the read connection in a worker thread; the event loop never waits on SQLite. The
+assistant's answer is stored by the stream hub, with the stream's end, in one transaction.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+from scheduling.deployments import parse_model_ref
+from services.errors import ConflictError, NotFoundError
+from services.tenancy import Caller
+from storage.conversations import Conversation, ConversationNotFoundError, ConversationStore, Message
+
+__all__ = ["Conversation", "Conversations", "Message"]
+
+
+def not_found(conversation_id: str) -> NotFoundError:
+    return NotFoundError(f"No conversation `{conversation_id}`.", param="conversation_id",
+                         code="conversation_not_found")
+
+
+def not_found_in_chat(conversation_id: str) -> NotFoundError:
+    """The wording chat requests and the admin API have always used (clients may match on it)."""
+    return NotFoundError(f"no conversation {conversation_id!r}", param="conversation_id",
+                         code="conversation_not_found")
+
+
+class Conversations:
+    """The conversations service: every read and write of conversations and messages but the
+    assistant's answer goes through here."""
+
+    def __init__(self, store: ConversationStore) -> None:
+        self.store = store
+
+    # ---- a tenant's own ----------------------------------------------------------------
+
+    async def create(self, caller: Caller, model: str, model_version: str, title: str | None = None) -> Conversation:
+        """A new conversation of the caller's, pinned to `model_version` of `model`."""
+        return await asyncio.wrap_future(self.store.create(caller.tenant.name, model, model_version, title))
+
+    async def list_for(self, caller: Caller) -> list[Conversation]:
+        """The caller's conversations, most recently updated first (at most 100)."""
+        return await asyncio.to_thread(self.store.of_tenant, caller.tenant.name)
+
+    async def get(self, caller: Caller, conversation_id: str) -> tuple[Conversation, list[Message]]:
+        """The caller's conversation and its messages; NotFoundError when it is not theirs."""
+        found = await asyncio.to_thread(self.store.with_messages, conversation_id, tenant=caller.tenant.name)
+        if found is None:
+            raise not_found(conversation_id)
+        return found
+
+    async def delete(self, caller: Caller, conversation_id: str) -> None:
+        """Deletes the caller's conversation and its messages; NotFoundError when it is not theirs."""
+        if not await asyncio.wrap_future(self.store.delete(conversation_id, caller.tenant.name)):
+            raise not_found(conversation_id)
+
+    async def discard(self, tenant: str, conversation_id: str) -> None:
+        """Deletes a conversation just created for a chat that then failed, by its tenant's name (the
+        caller may have been revoked meanwhile); gone already: nothing to do."""
+        await asyncio.wrap_future(self.store.delete(conversation_id, tenant))
+
+    # ---- a chat turn -------------------------------------------------------------------
+
+    async def history(self, caller: Caller, conversation_id: str, model_ref: str) -> tuple[list[dict], str]:
+        """The stored messages of the caller's conversation as chat messages, and the version it is
+        pinned to. NotFoundError when it is not theirs; ConflictError when `model_ref` names
+        another model or version."""
+        found = await asyncio.to_thread(self.store.with_messages, conversation_id, tenant=caller.tenant.name)
+        if found is None:
+            raise not_found_in_chat(conversation_id)
+        conversation, messages = found
+        name, version = parse_model_ref(model_ref)
+        if conversation.model != name or version not in (None, conversation.model_version):
+            raise ConflictError(f"conversation {conversation_id!r} is pinned to "
+                                f"{conversation.model}@{conversation.model_version}", param="model")
+        return [{"role": m.role, "content": m.content} for m in messages], conversation.model_version
+
+    async def append(self, conversation_id: str, messages: Sequence[dict]) -> None:
+        """Stores a turn's new messages ({"role", "content"}) in one transaction; NotFoundError when
+        the conversation was deleted meanwhile."""
+        try:
+            await asyncio.wrap_future(self.store.add_messages(
+                conversation_id, [(m["role"], m["content"]) for m in messages]))
+        except ConversationNotFoundError as exc:
+            raise not_found_in_chat(conversation_id) from exc
+
+    # ---- every tenant's (the admin API) ------------------------------------------------
+
+    async def across_tenants(self, limit: int, tenant: str | None = None) -> list[tuple[Conversation, int]]:
+        """Conversations of every tenant (or one) with their message counts, most recent first."""
+        return await asyncio.to_thread(self.store.across_tenants, limit, tenant)
+
+    async def find(self, conversation_id: str) -> tuple[Conversation, list[Message]]:
+        """Any tenant's conversation and its messages; NotFoundError when there is none."""
+        found = await asyncio.to_thread(self.store.with_messages, conversation_id, tenant=None)
+        if found is None:
+            raise not_found_in_chat(conversation_id)
+        return found
