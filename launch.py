@@ -22,7 +22,7 @@ from engine.worker import DeviceWorker, Emit
 from scheduling.encoders import ServedEncoder
 from scheduling.fair_queue import FairQueue, FairShareConfig
 from scheduling.queue import FifoQueue
-from scheduling.router import Replica, Router, Served, ServedModel
+from scheduling.router import Replica, Served, ServedModel
 from scheduling.scheduler import Scheduler, SchedulerConfig
 from storage.registry import ModelVersion
 
@@ -178,24 +178,6 @@ def start_workers(cfg: EngineConfig, emit: Emit) -> list[DeviceWorker]:
     workers = [DeviceWorker(f"{device}#{i}", emit, cfg.worker_stall_seconds) for i, device in enumerate(cfg.devices)]
     for worker in workers:
         worker.start()
-    return workers
-
-
-def start_models(
-    models: list[tuple[str, str]], cfg: EngineConfig, max_waiting: int, router: Router, emit: Emit
-) -> list[DeviceWorker]:
-    """Start one worker per device, load every (name, source) as version "1" on each, register them.
-
-    Blocking (loads weights): run it off the event loop.
-    """
-    workers = start_workers(cfg, emit)
-    loader = EngineLoader(cfg, max_waiting, workers)
-    for name, source in models:
-        started = time.monotonic()
-        served = loader.load(ModelVersion(name, "1", source))
-        router.add_model(served)
-        log.info("model loaded", model=name, source=source, devices=list(cfg.devices),
-                 load_s=round(time.monotonic() - started, 2), max_model_len=served.max_model_len)
     return workers
 
 

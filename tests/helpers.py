@@ -8,7 +8,10 @@ from engine.engine import LLMEngine
 from engine.kv_cache import KVCacheManager
 from engine.loader import load_model
 from engine.types import GenerationRequest, SamplingParams, Sequence
-from launch import EngineConfig, build_engine
+from engine.worker import DeviceWorker, Emit
+from launch import EngineConfig, EngineLoader, build_engine, start_workers
+from scheduling.router import Router
+from storage.registry import ModelVersion
 
 _ids = itertools.count()
 
@@ -49,8 +52,6 @@ async def start_tiny_engines(path, max_num_seqs: int = 8, max_waiting: int = 64,
     import asyncio
 
     from engine.model_runner import CacheConfig
-    from launch import start_models
-    from scheduling.router import Router
 
     loop = asyncio.get_running_loop()
     router = Router()
@@ -61,6 +62,17 @@ async def start_tiny_engines(path, max_num_seqs: int = 8, max_waiting: int = 64,
         lambda events: loop.call_soon_threadsafe(router.dispatch, events),
     )
     return router, workers
+
+
+def start_models(models: list[tuple[str, str]], cfg: EngineConfig, max_waiting: int, router: Router,
+                 emit: Emit) -> list[DeviceWorker]:
+    """Start one worker per device, load every (name, source) as version "1" on each, register them
+    in `router` (no registry, no lifecycle). Blocking (loads weights): run it off the event loop."""
+    workers = start_workers(cfg, emit)
+    loader = EngineLoader(cfg, max_waiting, workers)
+    for name, source in models:
+        router.add_model(loader.load(ModelVersion(name, "1", source)))
+    return workers
 
 
 async def metric(session, name: str, labels: dict | None = None, **more) -> float:

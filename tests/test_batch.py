@@ -11,12 +11,12 @@ from aiohttp import web
 
 from api.app import create_app
 from engine.model_runner import CacheConfig
-from launch import EngineConfig, start_models, unload_encoder
+from launch import EngineConfig, unload_encoder
 from scheduling.router import Router
 from services.batch.runner import BatchConfig
 from storage.tenants import hash_key
 from tests.encoder_models import save_tiny_classifier
-from tests.helpers import metric
+from tests.helpers import metric, start_models
 from tests.test_api import wait_blocks_free
 from tests.test_auth import ADMIN, Client
 from tests.test_encoders import router_with, start_test_encoders

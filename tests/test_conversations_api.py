@@ -8,9 +8,10 @@ import aiohttp
 import pytest
 
 from engine.model_runner import CacheConfig
-from launch import EngineConfig, start_models
+from launch import EngineConfig
 from scheduling.router import Router
 from storage import conversations
+from tests.helpers import start_models
 from tests.test_auth import Client, assert_error, make_app
 
 PATH = "/api/v1/conversations"

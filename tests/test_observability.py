@@ -17,11 +17,12 @@ from prometheus_client import CollectorRegistry, Counter
 
 from api.app import create_app
 from engine.model_runner import CacheConfig, kv_bytes_per_block
-from launch import EngineConfig, start_models
+from launch import EngineConfig
 from scheduling.router import Router
 from services.observability.alerts import DEFAULT_ALERTS, AlertManager, AlertRule, MetricsWindow
 from services.observability.telemetry import ObservabilityConfig, TracingConfig
 from storage.tenants import hash_key
+from tests.helpers import start_models
 from tests.test_api import scrape, wait_blocks_free
 from tests.test_auth import ADMIN
 

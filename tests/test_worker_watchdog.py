@@ -18,9 +18,9 @@ import pytest
 
 from api.app import create_app
 from engine.model_runner import CacheConfig
-from launch import EngineConfig, start_models
+from launch import EngineConfig
 from scheduling.router import Router
-from tests.helpers import metric
+from tests.helpers import metric, start_models
 
 SECRET = "/srv/secret/path"  # must never reach a client
 
