@@ -8,9 +8,9 @@ over items still in flight. Deleting a tenant deletes its jobs, deleting a job i
 (ON DELETE CASCADE). A tenant's unfinished jobs and stored input bytes are capped at creation
 (`JobQuota`, checked in the creating transaction, so concurrent creations cannot both slip
 under a cap), and final jobs are deleted with their items after the retention
-(`expire_jobs`). Sync functions over a `sqlite_utils.Database`; writes belong on the writer
-thread (`storage.db.Database.write`). Must not import anything but the standard library and
-sqlite_utils.
+(`expire_jobs`). Sync functions over a `sqlite_utils.Database` (writes belong on the writer
+thread, `storage.db.Database.write`), and `BatchStore`, through which the rest of galley
+reaches them. Must not import anything but the standard library and sqlite_utils.
 """
 
 from __future__ import annotations
@@ -20,14 +20,18 @@ import math
 import time
 import uuid
 from collections.abc import Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from enum import StrEnum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import sqlite_utils
 
 from storage.tenants import utc_now
+
+if TYPE_CHECKING:
+    from storage.db import Database  # storage.db imports this module for its migrations
 
 ID_PREFIX = "batch_"
 
@@ -313,9 +317,8 @@ def cancel_job(db: sqlite_utils.Database, job_id: str, tenant: str) -> Cancelled
 
 
 def set_callback(db: sqlite_utils.Database, job_id: str, status: str, attempts: int) -> None:
-    CallbackStatus(status)
     db.execute("UPDATE batch_jobs SET callback_status = ?, callback_attempts = ? WHERE id = ?",
-               [status, attempts, job_id])
+               [CallbackStatus(status).value, attempts, job_id])
 
 
 # ---- items -----------------------------------------------------------------------------
@@ -349,3 +352,82 @@ def finish_item(db: sqlite_utils.Database, job_id: str, idx: int, result: ItemRe
         [result.status, result.output, result.finish_reason, result.prompt_tokens, result.completion_tokens,
          result.error, utc_now(), job_id, idx, ItemStatus.PENDING.value])
     return cursor.rowcount > 0
+
+
+# ---- the store -------------------------------------------------------------------------
+
+
+class BatchStore:
+    """Batch jobs and items in one database: the only way the rest of galley reaches these tables.
+
+    Reads block (from asyncio, call them through `asyncio.to_thread`); writes run on the
+    writer thread and return its `Future`."""
+
+    def __init__(self, db: Database) -> None:
+        self.db = db
+
+    # jobs
+
+    def create(self, tenant: str, model: str, inputs: list[Any], params: dict, callback_url: str | None = None,
+               kind: str = "generate", callback_secret: str | None = None,
+               quota: JobQuota = JobQuota()) -> Future[BatchJob]:
+        """A queued job with one pending item per input; QuotaExceeded (nothing written) over a cap."""
+        return self.db.write(lambda db: create_job(db, tenant, model, inputs, params, callback_url, kind,
+                                                   callback_secret, quota))
+
+    def job(self, job_id: str, tenant: str | None = None) -> BatchJob | None:
+        return self.db.read(lambda db: get_job(db, job_id, tenant))
+
+    def job_with_counts(self, job_id: str, tenant: str) -> tuple[BatchJob, dict[str, int]] | None:
+        """The tenant's job and its items by status; None when it has no such job."""
+        def query(db: sqlite_utils.Database) -> tuple[BatchJob, dict[str, int]] | None:
+            job = get_job(db, job_id, tenant)
+            return None if job is None else (job, item_counts(db, job_id))
+
+        return self.db.read(query)
+
+    def job_with_items(self, job_id: str, tenant: str) -> tuple[BatchJob, list[BatchItem]] | None:
+        """The tenant's job and its items in input order; None when it has no such job."""
+        def query(db: sqlite_utils.Database) -> tuple[BatchJob, list[BatchItem]] | None:
+            job = get_job(db, job_id, tenant)
+            return None if job is None else (job, list_items(db, job_id))
+
+        return self.db.read(query)
+
+    def jobs_with_counts(self, tenant: str) -> list[tuple[BatchJob, dict[str, int]]]:
+        """The tenant's jobs, newest first, each with its items by status."""
+        return self.db.read(lambda db: [(job, item_counts(db, job.id)) for job in list_jobs(db, tenant)])
+
+    def unfinished(self) -> list[BatchJob]:
+        return self.db.read(list_unfinished_jobs)
+
+    def undelivered_callbacks(self) -> list[BatchJob]:
+        return self.db.read(list_undelivered_callbacks)
+
+    def start(self, job_id: str) -> Future[None]:
+        return self.db.write(lambda db: start_job(db, job_id))
+
+    def finish(self, job_id: str, status: str, error: str | None = None) -> Future[bool]:
+        return self.db.write(lambda db: finish_job(db, job_id, status, error))
+
+    def cancel(self, job_id: str, tenant: str) -> Future[Cancelled | None]:
+        return self.db.write(lambda db: cancel_job(db, job_id, tenant))
+
+    def set_callback(self, job_id: str, status: CallbackStatus, attempts: int) -> Future[None]:
+        return self.db.write(lambda db: set_callback(db, job_id, status, attempts))
+
+    def expire(self, retention_seconds: float) -> Future[int]:
+        return self.db.write(lambda db: expire_jobs(db, retention_seconds))
+
+    # items
+
+    def items(self, job_id: str, status: str | None = None) -> list[BatchItem]:
+        return self.db.read(lambda db: list_items(db, job_id, status))
+
+    def item_counts(self, job_id: str) -> dict[str, int]:
+        return self.db.read(lambda db: item_counts(db, job_id))
+
+    def finish_items(self, job_id: str, results: list[tuple[int, ItemResult]]) -> Future[list[bool]]:
+        """Stores (idx, result) pairs in one transaction; per item, False when it was no longer pending."""
+        done = list(results)
+        return self.db.write(lambda db: [finish_item(db, job_id, idx, result) for idx, result in done])

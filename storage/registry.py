@@ -6,20 +6,25 @@ A model version is (name, version) with its source (a local folder or a hub id),
 model name to its traffic split {version: percent} (summing to 100), its stable version and
 the stable version before that (what a rollback returns to); every change is appended to
 `deployment_events`. A deployment may have a shadow (`deployment_shadows`): a version that
-gets a copy of some of its traffic. Sync functions over a `sqlite_utils.Database`; writes belong on the
-writer thread. Must not import anything but the standard library and sqlite_utils.
+gets a copy of some of its traffic. Sync functions over a `sqlite_utils.Database` (writes belong
+on the writer thread), and `RegistryStore`, through which the rest of galley reaches them. Must
+not import anything but the standard library and sqlite_utils.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import sqlite_utils
 
 from storage.tenants import utc_now
+
+if TYPE_CHECKING:
+    from storage.db import Database  # storage.db imports this module for its migrations
 
 KINDS = ("generate", "embed", "classify")
 STATES = ("unloaded", "loading", "ready", "failed")
@@ -306,3 +311,64 @@ def get_shadow(db: sqlite_utils.Database, model_name: str) -> Shadow | None:
 
 def list_shadows(db: sqlite_utils.Database) -> list[Shadow]:
     return [Shadow(**row) for row in db.query("SELECT * FROM deployment_shadows ORDER BY model_name")]
+
+
+# ---- the store -------------------------------------------------------------------------
+
+
+class RegistryStore:
+    """Model versions, deployments and shadows in one database: the only way the rest of galley
+    reaches these tables.
+
+    Reads block (from asyncio, call them through `asyncio.to_thread`); writes run on the
+    writer thread and return its `Future`."""
+
+    def __init__(self, db: Database) -> None:
+        self.db = db
+
+    def restore(self, seed: Sequence[ModelVersion], reason: str) -> Future[tuple[list[ModelVersion], list[Deployment]]]:
+        """At startup, in one transaction: every version unloaded (`reset_states`), each seed version
+        registered unless it is, a model with no deployment deployed at its seed version (all of the
+        traffic, `reason` in the event log); then every version and deployment."""
+        specs = list(seed)
+
+        def restore(db: sqlite_utils.Database) -> tuple[list[ModelVersion], list[Deployment]]:
+            reset_states(db)
+            for spec in specs:
+                if get_version(db, spec.name, spec.version) is None:
+                    add_version(db, spec)
+                if get_deployment(db, spec.name) is None:
+                    save_deployment(db, Deployment(spec.name, {spec.version: 100}, spec.version), "deploy", reason)
+            return list_versions(db), list_deployments(db)
+
+        return self.db.write(restore)
+
+    def register(self, spec: ModelVersion, deploy_reason: str | None = None) -> Future[Deployment | None]:
+        """Registers a version (VersionExistsError if taken); with `deploy_reason`, also deploys it
+        with all of its model's traffic, in the same transaction, and returns that deployment."""
+        def register(db: sqlite_utils.Database) -> Deployment | None:
+            add_version(db, spec)
+            if deploy_reason is None:
+                return None
+            return save_deployment(db, Deployment(spec.name, {spec.version: 100}, spec.version), "deploy",
+                                   deploy_reason)
+
+        return self.db.write(register)
+
+    def set_state(self, name: str, version: str, state: str, error: str | None = None) -> Future[ModelVersion]:
+        return self.db.write(lambda db: set_state(db, name, version, state, error))
+
+    def save_deployment(self, deployment: Deployment, kind: str, reason: str | None = None) -> Future[Deployment]:
+        return self.db.write(lambda db: save_deployment(db, deployment, kind, reason))
+
+    def events(self, model_name: str | None = None, limit: int = 100) -> list[DeploymentEvent]:
+        return self.db.read(lambda db: list_events(db, model_name, limit))
+
+    def shadows(self) -> list[Shadow]:
+        return self.db.read(list_shadows)
+
+    def set_shadow(self, shadow: Shadow) -> Future[Shadow]:
+        return self.db.write(lambda db: set_shadow(db, shadow))
+
+    def clear_shadow(self, model_name: str) -> Future[None]:
+        return self.db.write(lambda db: clear_shadow(db, model_name))

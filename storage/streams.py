@@ -4,9 +4,9 @@ The stream hub inserts a record when a generation starts, checkpoints the emitte
 and their text deltas as it goes, and finishes it once; a retention job deletes old final
 records. Lists and the request are JSON text columns, read back as lists and dicts. A
 record's final state is written once: checkpoints and finishes after that change nothing.
-Sync functions over a `sqlite_utils.Database`; writes belong on the writer thread
-(`storage.db.Database.write`). Must not import anything but the standard library and
-sqlite_utils.
+Sync functions over a `sqlite_utils.Database` (writes belong on the writer thread,
+`storage.db.Database.write`), and `StreamStore`, through which the rest of galley reaches
+them. Must not import anything but the standard library and sqlite_utils.
 """
 
 from __future__ import annotations
@@ -14,14 +14,19 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from enum import StrEnum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import sqlite_utils
 
+from storage.conversations import ConversationNotFoundError, add_message
 from storage.tenants import utc_now
+
+if TYPE_CHECKING:
+    from storage.db import Database  # storage.db imports this module for its migrations
 
 KINDS = ("chat", "completion")
 JSON_COLUMNS = ("request", "prompt_token_ids", "token_ids", "texts")
@@ -193,3 +198,60 @@ def delete_streams_finished_before(db: sqlite_utils.Database, iso_time: str) -> 
     cursor = db.execute(f"DELETE FROM streams WHERE status IN ({placeholders}) AND updated_at < ?",
                         [*FINAL_STATUSES, to_utc_text(iso_time)])
     return cursor.rowcount
+
+
+# ---- the store -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Answer:
+    """The assistant message a conversation's stream stores with its end, in the same transaction:
+    its text is the stream's, its completion tokens the stream's tokens."""
+
+    conversation_id: str
+    prompt_tokens: int
+
+
+class StreamStore:
+    """Stream records in one database: the only way the rest of galley reaches the `streams` table.
+
+    Reads block (from asyncio, call them through `asyncio.to_thread`); writes run on the
+    writer thread and return its `Future`."""
+
+    def __init__(self, db: Database) -> None:
+        self.db = db
+
+    def insert(self, record: StreamRecord) -> Future[StreamRecord]:
+        return self.db.write(lambda db: insert_stream(db, record))
+
+    def checkpoint(self, stream_id: str, token_ids: list[int], texts: list[str]) -> Future[None]:
+        ids, txt = list(token_ids), list(texts)  # copies: the writer thread reads them later
+        return self.db.write(lambda db: checkpoint_stream(db, stream_id, ids, txt))
+
+    def finish(self, stream_id: str, token_ids: list[int], texts: list[str], status: str,
+               finish_reason: str | None, answer: Answer | None = None) -> Future[None]:
+        """The stream's final state, and with `answer` the conversation's assistant message (a
+        conversation deleted meanwhile gets none; the stream still finishes)."""
+        ids, txt = list(token_ids), list(texts)
+
+        def persist(db: sqlite_utils.Database) -> None:
+            finish_stream(db, stream_id, ids, txt, status, finish_reason)
+            if answer is not None:
+                try:
+                    add_message(db, answer.conversation_id, "assistant", "".join(txt),
+                                prompt_tokens=answer.prompt_tokens, completion_tokens=len(ids), stream_id=stream_id)
+                except ConversationNotFoundError:
+                    pass
+
+        return self.db.write(persist)
+
+    def get(self, stream_id: str) -> StreamRecord | None:
+        return self.db.read(lambda db: get_stream(db, stream_id))
+
+    def with_status(self, status: str) -> list[StreamRecord]:
+        """Every record with this status, oldest first."""
+        return self.db.read(lambda db: list_streams(db, status))
+
+    def delete_finished_before(self, iso_time: str) -> Future[int]:
+        """Retention: deletes final records last updated before `iso_time`; returns how many."""
+        return self.db.write(lambda db: delete_streams_finished_before(db, iso_time))
