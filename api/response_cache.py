@@ -1,6 +1,7 @@
 """The HTTP side of the response cache (`services.cache.responses`): `Cache-Control: no-cache`
 opts a request out like `"galley": {"cache": false}`, and a request whose answer was looked up
-in the cache says so in the `X-Cache` header (`hit` or `miss`)."""
+in the cache says so in the `X-Cache` header (`hit` or `miss`). The generation handlers key and
+look up through here (the request -> its caller, its headers and body -> what it asked)."""
 
 from __future__ import annotations
 
@@ -16,18 +17,20 @@ from services.deployments.manager import Served
 CACHE_STATUS = "cache_status"  # request[CACHE_STATUS]: "hit" | "miss", sent as the X-Cache header
 
 
-def cache_asked(request: web.Request, body_flag: bool | None) -> bool | None:
-    """What the caller asked of the cache: False when the body or the headers say no cache,
-    else the body's flag (None: it did not say)."""
+def cache_flag(request: web.Request, options: Any) -> bool | None:
+    """What the caller asked of the cache: False when the body (`options`: its `galley` options,
+    with `cache`) or the headers say no cache, else the body's flag (None: it did not say)."""
     directives = {d.strip().lower() for d in request.headers.get("Cache-Control", "").split(",")}
-    return False if directives & {"no-cache", "no-store"} else body_flag
+    if directives & {"no-cache", "no-store"}:
+        return False
+    return options.cache if options is not None else None
 
 
 def generation_key(request: web.Request, body: Any, model: Served, prompt_ids: list[int], params: SamplingParams,
                    api: str) -> str | None:
     """The cache key of a generation request (`body`: its `galley` options and conversation), or
     None when its answer must not come from or go to the cache."""
-    asked = cache_asked(request, body.galley.cache if body.galley else None)
+    asked = cache_flag(request, body.galley)
     return request.app[RESPONSE_CACHE].generation_key(caller_of(request), model, prompt_ids, params, asked, api,
                                                       getattr(body, "conversation_id", None))
 

@@ -25,8 +25,7 @@ from api.native.schemas import (
     PredictRequest,
     PredictResponse,
 )
-from api.openai.embeddings import cache_flag
-from api.response_cache import mark_lookup
+from api.response_cache import cache_flag, mark_lookup
 from api.routes import Route
 from api.validation import parse_body
 

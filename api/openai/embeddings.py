@@ -19,7 +19,7 @@ from api.context import ENCODERS
 from api.errors import json_response
 from api.models import model_label, resolve_model
 from api.openai.schemas import MAX_NAME_CHARS, Strict, TokenId
-from api.response_cache import cache_asked, mark_lookup
+from api.response_cache import cache_flag, mark_lookup
 from api.routes import Route
 from api.validation import parse_body
 
@@ -91,11 +91,6 @@ class EmbeddingResponse(BaseModel):
 def base64_floats(values: list[float]) -> str:
     """OpenAI's base64 encoding: the little-endian float32 bytes of the vector."""
     return base64.b64encode(struct.pack(f"<{len(values)}f", *values)).decode()
-
-
-def cache_flag(request: web.Request, options: CacheOptions | None) -> bool | None:
-    """What the body (`galley.cache`) and the headers (`Cache-Control`) ask of the response cache."""
-    return cache_asked(request, options.cache if options is not None else None)
 
 
 async def embeddings(request: web.Request) -> web.Response:
