@@ -88,6 +88,10 @@ class CachedCompletion:
 
 
 class ResponseCache:
+    """The one response cache: its policy (`wants`, `scope`, `key`, `generation_key`), lookups that
+    count hits and misses and admit a hit, and `remember`. `config` may be swapped whole; the
+    entries follow it."""
+
     def __init__(self, config: ResponseCacheConfig, metrics: Metrics, admission: Admission,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.entries = CacheEntries(config, clock)
