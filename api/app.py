@@ -180,7 +180,7 @@ def create_app(router: Router, state: ServerState | None = None, *, db: Database
     app[ENCODERS] = Encoders(app[RESPONSE_CACHE], app[ADMISSION], app[SHADOWS], app[METRICS])
     app[HUB] = StreamHub(router, app[DATABASE], app[METRICS], streams_config or StreamsConfig(), app[AUTH])
     app[INFERENCE] = Inference(router, app[ADMISSION], app[METRICS], app[HUB], app[SHADOWS],
-                               app[conversations.CONVERSATIONS])
+                               app[conversations.CONVERSATIONS], app[RESPONSE_CACHE])
     app.cleanup_ctx.append(run_stream_sweeper)
     tenants = lambda name: app[AUTH].directory.tenants.get(name)  # noqa: E731
     # batch items route like requests (by the job id): a cold or unloaded version loads again

@@ -1,14 +1,13 @@
-"""What chat and text completions share: how a planned generation is answered, written once.
+"""What chat and text completions share: rendering the service's `Outcome`, written once.
 
-Four ways, tried in order: n > 1 choices (one parent request, streamed merged or collected); a
-response-cache hit; a plain collected answer; a live, resumable stream (streamed, or followed to
-its end for a conversation turn, whose answer the stream stores). Only the choice's shape
-differs between chat and text completions (`Shape`).
+The service (`Inference.answer`) decides how a planned generation is answered (n > 1 choices,
+a cache hit, a collected answer, a live stream); this module shows it as JSON or SSE. Only the
+choice's shape differs between chat and text completions (`Shape`).
 """
 
 from __future__ import annotations
 
-import uuid
+import functools
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -18,9 +17,10 @@ from aiohttp import web
 from api.auth import caller_of
 from api.context import INFERENCE
 from api.errors import json_response
-from api.openai import cached as completion_cache
+from api.openai.cached import replay
 from api.openai.chunks import error_chunk, event_chunks, role_chunk
 from api.openai.schemas import SamplingFields
+from api.response_cache import cache_flag, mark_lookup
 from api.sse import Frame, serve_sse
 from api.streams import serve_live
 from services.inference.choices import Choices
@@ -39,37 +39,22 @@ class Shape:
 
 
 async def answer(request: web.Request, body: SamplingFields, plan: Plan, shape: Shape) -> web.StreamResponse:
-    inference, caller = request.app[INFERENCE], caller_of(request)
-    tokenizer = plan.model.tokenizer
-    if plan.ask.n > 1:
-        choices = inference.submit_n(caller, plan)
-        fmt = inference.format(plan, uuid.uuid4().hex)
-        if body.stream:
-            return await serve_sse(request, choice_frames(fmt, tokenizer, choices),
-                                   {"X-Request-Id": request["request_id"]})
-        answers = await choices.collect()
-        return render(request, shape, fmt, [shape.choice(fmt, tokenizer, i, a) for i, a in enumerate(answers)],
-                      usage_n([a.usage for a in answers]), resumable=False)
-    key = completion_cache.completion_key(request, body, plan.model, plan.prompt_ids, plan.params)
-    cached = completion_cache.lookup(request, plan.model, key)
-    if cached is not None:
-        fmt = inference.format(plan, uuid.uuid4().hex)
-        if body.stream:
-            return await completion_cache.replay(request, fmt, cached)
-        hit = Answer(cached.text, [], cached.finish_reason, cached.usage)
-        return render(request, shape, fmt, [shape.choice(fmt, None, 0, hit)], hit.usage)
-    started = await inference.start(caller, plan)
-    if not body.stream and not plan.conversation_id:
-        result = await inference.collect(started.stream)
-        completion_cache.remember(request, key, result.text, result.finish_reason, result.usage)
-        return render(request, shape, started.fmt, [shape.choice(started.fmt, tokenizer, 0, result)], result.usage)
-    live = inference.go_live(plan, started)
-    if body.stream:
-        response = await serve_live(request, live)
-        completion_cache.remember_live(request, key, live)
+    outcome = await request.app[INFERENCE].answer(
+        caller_of(request), plan, stream=body.stream, cache_asked=cache_flag(request, body.galley),
+        looked_up=functools.partial(mark_lookup, request))
+    fmt, tokenizer, headers = outcome.fmt, plan.model.tokenizer, {"X-Request-Id": request["request_id"]}
+    if outcome.choices is not None:
+        return await serve_sse(request, choice_frames(fmt, tokenizer, outcome.choices), headers)
+    if outcome.cached is not None:
+        return await replay(request, fmt, outcome.cached)
+    if outcome.live is not None:
+        response = await serve_live(request, outcome.live)
+        outcome.served()
         return response
-    result = await inference.collect_live(live)
-    return render(request, shape, started.fmt, [shape.choice(started.fmt, tokenizer, 0, result)], result.usage)
+    answers = outcome.answers
+    usage_ = answers[0].usage if len(answers) == 1 else usage_n([a.usage for a in answers])
+    return render(request, shape, fmt, [shape.choice(fmt, tokenizer, i, a) for i, a in enumerate(answers)], usage_,
+                  outcome.resumable)
 
 
 def render(request: web.Request, shape: Shape, fmt: ChunkFormat, choices: list[dict], usage_: dict,

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import AsyncIterator, Awaitable
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from engine.types import SamplingParams, TokenEvent
 from scheduling.router import RequestStream, Router, ServedModel
+from services.cache.responses import ResponseCache
 from services.conversations import Conversations
 from services.deployments.shadow import ShadowMirror
 from services.errors import InvalidRequestError
@@ -58,6 +60,19 @@ class Plan:
 
 
 @dataclass
+class Outcome:
+    """How a planned generation is answered: exactly one of `answers`, `choices`, `cached` and `live`."""
+
+    fmt: ChunkFormat
+    answers: list[Answer] | None = None  # complete: n choices collected, a cache hit, a collected answer
+    choices: Choices | None = None  # n > 1 choices to stream, merged
+    cached: Answer | None = None  # a cache hit to stream
+    live: LiveStream | None = None  # a live, resumable stream to serve
+    resumable: bool = True  # the answer names its stream (X-Stream-Id); n > 1 choices are not resumable
+    served: Callable[[], None] = lambda: None  # to call once `live` was served: its answer may go to the cache
+
+
+@dataclass
 class Started:
     """A submitted generation and the chunk format (its id: the stream id) it is shown in."""
 
@@ -67,13 +82,14 @@ class Started:
 
 class Inference:
     def __init__(self, router: Router, admission: Admission, metrics: Metrics, hub: StreamHub,
-                 shadows: ShadowMirror, conversations: Conversations) -> None:
+                 shadows: ShadowMirror, conversations: Conversations, cache: ResponseCache) -> None:
         self.router = router
         self.admission = admission
         self.metrics = metrics
         self.hub = hub
         self.shadows = shadows
         self.conversations = conversations
+        self.cache = cache
 
     # ---- planning ----------------------------------------------------------------------
 
@@ -108,6 +124,39 @@ class Inference:
         ask = plan.ask
         return ChunkFormat(plan.kind, f"{CHUNK_ID_PREFIX[plan.kind]}-{request_id}", int(time.time()),
                            self.router.label(plan.model), ask.include_usage, ask.logprobs is not None)
+
+    # ---- answering (chat and text completions) -----------------------------------------
+
+    async def answer(self, caller: Caller, plan: Plan, *, stream: bool, cache_asked: bool | None,
+                     looked_up: Callable[[bool], None]) -> Outcome:
+        """Answer a planned chat or text completion, the first of four ways that applies: n > 1
+        choices (streamed merged, or collected); a response-cache hit; a collected answer; a live,
+        resumable stream (streamed, or followed to its end for a conversation turn, whose answer the
+        stream stores). `looked_up(hit)` hears of a cache lookup as it happens (the X-Cache header)."""
+        if plan.ask.n > 1:
+            choices = self.submit_n(caller, plan)
+            fmt = self.format(plan, uuid.uuid4().hex)
+            if stream:
+                return Outcome(fmt, choices=choices, resumable=False)
+            return Outcome(fmt, answers=await choices.collect(), resumable=False)
+        key = self.cache.generation_key(caller, plan.model, plan.prompt_ids, plan.params, cache_asked, "openai",
+                                        plan.conversation_id)
+        if key is not None:
+            cached = self.cache.lookup(caller, plan.model.name, key)
+            looked_up(cached is not None)
+            if cached is not None:
+                hit = Answer(cached.text, [], cached.finish_reason, cached.usage)
+                fmt = self.format(plan, uuid.uuid4().hex)
+                return Outcome(fmt, cached=hit) if stream else Outcome(fmt, answers=[hit])
+        started = await self.start(caller, plan)
+        if not stream and not plan.conversation_id:
+            result = await self.collect(started.stream)
+            self.cache.remember_completion(key, result.text, result.finish_reason, result.usage)
+            return Outcome(started.fmt, answers=[result])
+        live = self.go_live(plan, started)
+        if stream:
+            return Outcome(started.fmt, live=live, served=lambda: self.cache.remember_live(key, live))
+        return Outcome(started.fmt, answers=[await self.collect_live(live)])
 
     # ---- submitting --------------------------------------------------------------------
 
