@@ -15,17 +15,16 @@ from collections.abc import AsyncGenerator
 from aiohttp import web
 
 from api.auth import caller_of
-from api.context import INFERENCE, RESPONSE_CACHE
+from api.context import INFERENCE
 from api.errors import error_body, json_response
-from api.models import model_label, resolve_model
+from api.models import resolve_model
 from api.native.schemas import GenerateEvent, GenerateRequest, GenerateResponse, NamedGenerateRequest
-from api.response_cache import generation_key, lookup
+from api.response_cache import cache_flag, mark_lookup
 from api.routes import Route
 from api.sse import Frame, serve_sse
 from api.validation import parse_body
-from scheduling.router import RequestStream, ServedModel
 from services.inference.events import generation_failed, prepend, usage
-from services.inference.generation import Inference
+from services.inference.generation import Inference, RequestStream, ServedModel
 from services.inference.requests import PromptInput
 
 DEFAULT_MAX_TOKENS = 128
@@ -46,22 +45,15 @@ async def generate(request: web.Request) -> web.StreamResponse:
     started = time.monotonic()
     name = named_model(request)
     body = await parse_body(request, GenerateRequest if name is None else NamedGenerateRequest)
-    inference, caller = request.app[INFERENCE], caller_of(request)
-    plan = await inference.plan_prompt(caller, prompt_input(body, name), functools.partial(resolve_model, request))
-    model, prompt_ids, params = plan.model, plan.prompt_ids, plan.params
+    inference = request.app[INFERENCE]
+    generated = await inference.generate(
+        caller_of(request), prompt_input(body, name), functools.partial(resolve_model, request), stream=body.stream,
+        cache_asked=cache_flag(request, body.galley), looked_up=functools.partial(mark_lookup, request))
     headers = {"X-Request-Id": request["request_id"]}  # X-Model-Version: set by the lifecycle's routing
-    if body.stream:
-        frames = generation_frames(inference, model, inference.submit_plan(caller, plan))
-        return await serve_sse(request, frames, headers)
-    key = generation_key(request, body, model, prompt_ids, params, "native")
-    result = lookup(request, model, key)
-    if result is None:
-        answer = await inference.collect(inference.submit_plan(caller, plan))
-        result = {"model": model_label(request, model), "text": answer.text,
-                  "finish_reason": answer.finish_reason, "usage": answer.usage,
-                  "model_version": model.version}
-        request.app[RESPONSE_CACHE].remember(key, result)
-    return json_response({**result, "latency_ms": round((time.monotonic() - started) * 1000, 3)}, headers=headers)
+    if generated.stream is not None:
+        return await serve_sse(request, generation_frames(inference, generated.model, generated.stream), headers)
+    return json_response({**generated.result, "latency_ms": round((time.monotonic() - started) * 1000, 3)},
+                         headers=headers)
 
 
 async def generation_frames(inference: Inference, model: ServedModel,

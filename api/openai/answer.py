@@ -1,6 +1,6 @@
 """What chat and text completions share: rendering the service's `Outcome`, written once.
 
-The service (`Inference.answer`) decides how a planned generation is answered (n > 1 choices,
+The service (`Inference.chat`, `Inference.complete`) decides how a planned generation is answered (n > 1 choices,
 a cache hit, a collected answer, a live stream); this module shows it as JSON or SSE. Only the
 choice's shape differs between chat and text completions (`Shape`).
 """
@@ -14,9 +14,8 @@ from typing import Any
 
 from aiohttp import web
 
-from api.auth import caller_of
-from api.context import INFERENCE
 from api.errors import json_response
+from api.models import resolve_model
 from api.openai.cached import replay
 from api.openai.chunks import error_chunk, event_chunks, role_chunk
 from api.openai.schemas import SamplingFields
@@ -25,7 +24,7 @@ from api.sse import Frame, serve_sse
 from api.streams import serve_live
 from services.inference.choices import Choices
 from services.inference.events import Answer, failure, generation_failed, usage, usage_n
-from services.inference.generation import Plan
+from services.inference.generation import Outcome, Resolve
 from services.streams.events import ChunkFormat, StreamEvent
 
 
@@ -38,11 +37,21 @@ class Shape:
     resumable: bool  # the JSON answer names its stream (X-Stream-Id): chat does, text completions never did
 
 
-async def answer(request: web.Request, body: SamplingFields, plan: Plan, shape: Shape) -> web.StreamResponse:
-    outcome = await request.app[INFERENCE].answer(
-        caller_of(request), plan, stream=body.stream, cache_asked=cache_flag(request, body.galley),
-        looked_up=functools.partial(mark_lookup, request))
-    fmt, tokenizer, headers = outcome.fmt, plan.model.tokenizer, {"X-Request-Id": request["request_id"]}
+def how(request: web.Request, body: SamplingFields) -> dict[str, Any]:
+    """How the service answers this request: streamed or not, what it asked of the response cache,
+    and where to note a cache lookup (the X-Cache header)."""
+    return {"stream": body.stream, "cache_asked": cache_flag(request, body.galley),
+            "looked_up": functools.partial(mark_lookup, request)}
+
+
+def resolver(request: web.Request) -> Resolve:
+    """Model routing for this request (recorded for the X-Model-Version header)."""
+    return functools.partial(resolve_model, request)
+
+
+async def respond(request: web.Request, outcome: Outcome, shape: Shape) -> web.StreamResponse:
+    """The service's answer as JSON, or as SSE (merged choices, a cached replay, a live stream)."""
+    fmt, tokenizer, headers = outcome.fmt, outcome.model.tokenizer, {"X-Request-Id": request["request_id"]}
     if outcome.choices is not None:
         return await serve_sse(request, choice_frames(fmt, tokenizer, outcome.choices), headers)
     if outcome.cached is not None:

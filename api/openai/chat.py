@@ -6,15 +6,13 @@ messages and the answer; every answer but n > 1 choices is resumable by its `X-S
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 from aiohttp import web
 
 from api.auth import caller_of
 from api.context import INFERENCE
-from api.models import resolve_model
-from api.openai.answer import Shape, answer
+from api.openai.answer import Shape, how, resolver, respond
 from api.openai.chunks import chat_logprobs
 from api.openai.schemas import ChatCompletion, ChatCompletionChunk, ChatCompletionRequest
 from api.routes import Route
@@ -34,9 +32,9 @@ CHAT = Shape("chat.completion", chat_choice, resumable=True)
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = await parse_body(request, ChatCompletionRequest)
-    plan = await request.app[INFERENCE].plan_chat(caller_of(request), body.chat_input(),
-                                                  functools.partial(resolve_model, request))
-    return await answer(request, body, plan, CHAT)
+    outcome = await request.app[INFERENCE].chat(caller_of(request), body.chat_input(), resolver(request),
+                                                **how(request, body))
+    return await respond(request, outcome, CHAT)
 
 
 ROUTES = [

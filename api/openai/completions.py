@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 from aiohttp import web
 
 from api.auth import caller_of
 from api.context import INFERENCE
-from api.models import resolve_model
-from api.openai.answer import Shape, answer
+from api.openai.answer import Shape, how, resolver, respond
 from api.openai.chunks import completion_logprobs
 from api.openai.schemas import Completion, CompletionRequest
 from api.routes import Route
@@ -29,9 +27,9 @@ COMPLETION = Shape("text_completion", completion_choice, resumable=False)
 
 async def completions(request: web.Request) -> web.StreamResponse:
     body = await parse_body(request, CompletionRequest)
-    plan = await request.app[INFERENCE].plan_prompt(caller_of(request), body.prompt_input(),
-                                                    functools.partial(resolve_model, request))
-    return await answer(request, body, plan, COMPLETION)
+    outcome = await request.app[INFERENCE].complete(caller_of(request), body.prompt_input(), resolver(request),
+                                                    **how(request, body))
+    return await respond(request, outcome, COMPLETION)
 
 
 ROUTES = [

@@ -64,12 +64,22 @@ class Outcome:
     """How a planned generation is answered: exactly one of `answers`, `choices`, `cached` and `live`."""
 
     fmt: ChunkFormat
+    model: ServedModel  # the version that answered (its tokenizer shows logprobs)
     answers: list[Answer] | None = None  # complete: n choices collected, a cache hit, a collected answer
     choices: Choices | None = None  # n > 1 choices to stream, merged
     cached: Answer | None = None  # a cache hit to stream
     live: LiveStream | None = None  # a live, resumable stream to serve
     resumable: bool = True  # the answer names its stream (X-Stream-Id); n > 1 choices are not resumable
     served: Callable[[], None] = lambda: None  # to call once `live` was served: its answer may go to the cache
+
+
+@dataclass
+class Generated:
+    """A native generation: `stream` to read (streamed), else its `result` (JSON, perhaps from the cache)."""
+
+    model: ServedModel
+    stream: RequestStream | None = None
+    result: dict | None = None
 
 
 @dataclass
@@ -125,7 +135,39 @@ class Inference:
         return ChunkFormat(plan.kind, f"{CHUNK_ID_PREFIX[plan.kind]}-{request_id}", int(time.time()),
                            self.router.label(plan.model), ask.include_usage, ask.logprobs is not None)
 
-    # ---- answering (chat and text completions) -----------------------------------------
+    # ---- answering ---------------------------------------------------------------------
+
+    async def chat(self, caller: Caller, ask: ChatInput, resolve: Resolve, *, stream: bool,
+                   cache_asked: bool | None, looked_up: Callable[[bool], None]) -> Outcome:
+        """A chat completion, planned and answered."""
+        plan = await self.plan_chat(caller, ask, resolve)
+        return await self.answer(caller, plan, stream=stream, cache_asked=cache_asked, looked_up=looked_up)
+
+    async def complete(self, caller: Caller, ask: PromptInput, resolve: Resolve, *, stream: bool,
+                       cache_asked: bool | None, looked_up: Callable[[bool], None]) -> Outcome:
+        """A text completion, planned and answered."""
+        plan = await self.plan_prompt(caller, ask, resolve)
+        return await self.answer(caller, plan, stream=stream, cache_asked=cache_asked, looked_up=looked_up)
+
+    async def generate(self, caller: Caller, ask: PromptInput, resolve: Resolve, *, stream: bool,
+                       cache_asked: bool | None, looked_up: Callable[[bool], None]) -> Generated:
+        """A native generation: streamed (submitted; read it with `events`), or collected to
+        {"model", "text", "finish_reason", "usage", "model_version"}, from the response cache when it can be."""
+        plan = await self.plan_prompt(caller, ask, resolve)
+        model = plan.model
+        if stream:
+            return Generated(model, stream=self.submit_plan(caller, plan))
+        key = self.cache.generation_key(caller, model, plan.prompt_ids, plan.params, cache_asked, "native")
+        result = None
+        if key is not None:
+            result = self.cache.lookup(caller, model.name, key)
+            looked_up(result is not None)
+        if result is None:
+            answer = await self.collect(self.submit_plan(caller, plan))
+            result = {"model": self.router.label(model), "text": answer.text, "finish_reason": answer.finish_reason,
+                      "usage": answer.usage, "model_version": model.version}
+            self.cache.remember(key, result)
+        return Generated(model, result=result)
 
     async def answer(self, caller: Caller, plan: Plan, *, stream: bool, cache_asked: bool | None,
                      looked_up: Callable[[bool], None]) -> Outcome:
@@ -137,8 +179,8 @@ class Inference:
             choices = self.submit_n(caller, plan)
             fmt = self.format(plan, uuid.uuid4().hex)
             if stream:
-                return Outcome(fmt, choices=choices, resumable=False)
-            return Outcome(fmt, answers=await choices.collect(), resumable=False)
+                return Outcome(fmt, plan.model, choices=choices, resumable=False)
+            return Outcome(fmt, plan.model, answers=await choices.collect(), resumable=False)
         key = self.cache.generation_key(caller, plan.model, plan.prompt_ids, plan.params, cache_asked, "openai",
                                         plan.conversation_id)
         if key is not None:
@@ -147,16 +189,16 @@ class Inference:
             if cached is not None:
                 hit = Answer(cached.text, [], cached.finish_reason, cached.usage)
                 fmt = self.format(plan, uuid.uuid4().hex)
-                return Outcome(fmt, cached=hit) if stream else Outcome(fmt, answers=[hit])
+                return Outcome(fmt, plan.model, cached=hit) if stream else Outcome(fmt, plan.model, answers=[hit])
         started = await self.start(caller, plan)
         if not stream and not plan.conversation_id:
             result = await self.collect(started.stream)
             self.cache.remember_completion(key, result.text, result.finish_reason, result.usage)
-            return Outcome(started.fmt, answers=[result])
+            return Outcome(started.fmt, plan.model, answers=[result])
         live = self.go_live(plan, started)
         if stream:
-            return Outcome(started.fmt, live=live, served=lambda: self.cache.remember_live(key, live))
-        return Outcome(started.fmt, answers=[await self.collect_live(live)])
+            return Outcome(started.fmt, plan.model, live=live, served=lambda: self.cache.remember_live(key, live))
+        return Outcome(started.fmt, plan.model, answers=[await self.collect_live(live)])
 
     # ---- submitting --------------------------------------------------------------------
 
