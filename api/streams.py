@@ -9,7 +9,7 @@ from aiohttp import web
 from pydantic import BaseModel, Field
 
 from api.auth import tenant_of
-from api.context import HUB, ROUTER
+from api.context import HUB
 from api.openai.chunks import error_chunk, event_chunks, role_chunk
 from api.quotas import count_creation
 from api.routes import Route
@@ -27,10 +27,10 @@ async def serve_live(request: web.Request, live: LiveStream, after: int = -1) ->
     token (queue timeout, engine error) still gets a plain HTTP error.
     """
     headers = {"X-Stream-Id": live.id, "X-Request-Id": request["request_id"]}
-    return await serve_sse(request, live_frames(request, request.app[HUB], live, after), headers)
+    return await serve_sse(request, live_frames(request.app[HUB], live, after), headers)
 
 
-async def live_frames(request: web.Request, hub: StreamHub, live: LiveStream, after: int) -> AsyncGenerator[Frame]:
+async def live_frames(hub: StreamHub, live: LiveStream, after: int) -> AsyncGenerator[Frame, None]:
     hub.attach(live)
     try:
         events = live.follow(after)
@@ -40,8 +40,7 @@ async def live_frames(request: web.Request, hub: StreamHub, live: LiveStream, af
         yield None
         if after == -1 and live.fmt.kind == "chat":
             yield role_chunk(live.fmt), None
-        served = request.app[ROUTER].find(live.fmt.model)
-        tokenizer = served.tokenizer if served is not None else None
+        tokenizer = hub.tokenizer(live)
         if first is not None:
             async for event in prepend(first, events):
                 if event.error:

@@ -8,8 +8,8 @@ conversation: one is created when the client names none, so its stream goes on w
 socket drops and its answer is stored. Each followed stream is one task that reads the
 stream's event log; all writes to the socket go through one lock. Closing the socket
 cancels the followers and detaches them from their streams; the streams themselves follow
-their `on_disconnect` policy. This module must not reach into the engine or the scheduler
-beyond the router's `abort`.
+their `on_disconnect` policy. The socket reaches generations only through the inference service
+and the stream hub.
 
 The socket authenticates once, at the upgrade, and is re-checked against the tenant
 directory on every message and whenever the directory changes: a revoked key or deleted
@@ -31,7 +31,7 @@ from aiohttp import WSCloseCode, WSMsgType, web
 from pydantic import Field, TypeAdapter, ValidationError, model_validator
 
 from api.auth import AUTH, caller_of, check_priority_access, current_tenant, tenant_of
-from api.context import HUB, INFERENCE, ROUTER, STATE
+from api.context import HUB, INFERENCE, STATE
 from api.conversations import CONVERSATIONS
 from api.errors import validation_error
 from api.openai.schemas import MAX_NAME_CHARS, ChatCompletionRequest, Strict
@@ -244,8 +244,7 @@ class ChatSocket:
 
     def cancel(self, live: LiveStream) -> None:
         """Abort the generation; its followers (on any socket) then see `done` with `cancelled`."""
-        if not live.done and live.request_stream is not None:
-            self.request.app[ROUTER].abort(live.request_stream)
+        self.hub.cancel(live)
 
     async def close(self) -> None:
         for task in list(self.followers):

@@ -23,6 +23,7 @@ import time
 from collections.abc import AsyncIterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 import structlog
 
@@ -190,6 +191,16 @@ class StreamHub:
         if live.followers == 0 and not live.done and live.on_disconnect == "cancel":
             if live.request_stream is not None:
                 self.router.abort(live.request_stream)
+
+    def cancel(self, live: LiveStream) -> None:
+        """Abort the generation; its followers (on any socket or response) then see it end as cancelled."""
+        if not live.done and live.request_stream is not None:
+            self.router.abort(live.request_stream)
+
+    def tokenizer(self, live: LiveStream) -> Any:
+        """The tokenizer of the model that generates `live` (logprob texts), None once it is unloaded."""
+        served = self.router.find(live.fmt.model)
+        return served.tokenizer if served is not None else None
 
     async def _produce(self, live: LiveStream, rs: RequestStream, inserted: Future | None) -> None:
         token_ids = list(live.record.token_ids)
