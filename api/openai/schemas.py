@@ -130,8 +130,8 @@ class SamplingFields(Strict):
 
 
 class ChatCompletionRequest(SamplingFields):
-    model_config = ConfigDict(json_schema_extra={"allOf": [  # for the spec: `_check_logprobs`, and `n` in
-        {"if": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer"}}},  # api.openai.chat
+    model_config = ConfigDict(json_schema_extra={"allOf": [  # for the spec: `_check_logprobs`, and `check_n`
+        {"if": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer"}}},  # of inference
          "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}},
         {"if": {"required": ["conversation_id"], "properties": {"conversation_id": {"type": "string"}}},
          "then": {"properties": {"n": {"const": 1}}}},

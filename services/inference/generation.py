@@ -1,10 +1,13 @@
-"""The generation service: a chat or prompt -> a planned, admitted generation its caller reads.
+"""The generation service: a chat or a prompt -> an admitted generation, answered.
 
-A route's handler parses its body into a `ChatInput` or `PromptInput` and asks this service to
-plan it (tenant checks, conversation history, routing to a model version, prompt ids, sampling
-params), then to submit the plan as one generation, as n choices (`Choices`), or as a live,
-resumable stream (`services.streams.hub`). Every submit goes through `Admission` and the shadow
-mirror; every read goes through the one first-event timeout (`services.inference.events`).
+A route's handler parses its body into a `ChatInput` or `PromptInput` and makes one call:
+`chat`, `complete` (OpenAI) or `generate` (native). Each plans the request (tenant checks,
+conversation history, routing to a model version, prompt ids, sampling params), then answers it
+the first way that applies: n > 1 choices as one parent request (`Choices`), a response-cache
+hit, a collected answer, or a live, resumable stream (`services.streams.hub`). The handler
+renders the `Outcome`. Every submit goes through `Admission` and the shadow mirror; every read
+through the one first-event timeout (`services.inference.events`). The WebSocket starts its
+chats with `start_chat`.
 """
 
 from __future__ import annotations

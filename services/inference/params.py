@@ -6,6 +6,7 @@ fill `SamplingOptions` from their bodies, batch jobs from their stored params.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from engine.types import SamplingParams
@@ -16,7 +17,8 @@ from services.inference.prompts import check_token_ids
 
 @dataclass(frozen=True)
 class SamplingOptions:
-    """The sampling fields a request asked for (the defaults are the API's)."""
+    """The sampling fields a request asked for (the defaults are the API's): `SamplingParams`
+    without the two that depend on the model, the prompt and the caller (`max_tokens`, `logprobs`)."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -52,18 +54,4 @@ def sampling_params(options: SamplingOptions, max_tokens: int | None, prompt_len
     if cap is not None:
         room = min(room, cap)
     check_token_ids(model, list(options.stop_token_ids), "stop_token_ids")
-    return SamplingParams(
-        max_tokens=max_tokens or room,
-        temperature=options.temperature,
-        top_p=options.top_p,
-        top_k=options.top_k,
-        min_p=options.min_p,
-        repetition_penalty=options.repetition_penalty,
-        frequency_penalty=options.frequency_penalty,
-        presence_penalty=options.presence_penalty,
-        seed=options.seed,
-        stop=options.stop,
-        stop_token_ids=options.stop_token_ids,
-        ignore_eos=options.ignore_eos,
-        logprobs=logprobs,
-    )
+    return SamplingParams(max_tokens=max_tokens or room, logprobs=logprobs, **dataclasses.asdict(options))
