@@ -26,12 +26,11 @@ from aiohttp import web
 from api.app import begin_drain, create_app, interrupt
 from api.auth import is_loopback
 from api.batch import BATCH
-from api.context import HUB, ServerState
+from api.context import HUB, MODELS, ServerState
 from config import ConfigError, GalleyConfig, load_config, with_overrides
 from engine.loader import ModelLoadError
 from launch import EngineLoader, check_source, start_workers
 from scheduling.router import Router
-from services.deployments.manager import MODELS
 from services.tenancy import resolve_admin_key
 from storage.db import Database
 from storage.registry import ModelVersion

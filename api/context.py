@@ -11,7 +11,10 @@ from services.deployments.shadow import ShadowMirror
 from services.inference.admission import Admission
 from services.inference.encoders import Encoders
 from services.inference.generation import Inference
+from services.observability.alerts import AlertManager
 from services.observability.metrics import Metrics
+from services.observability.profiling import Profiler
+from services.observability.telemetry import ObservabilityConfig, RecentRequests
 from services.server_state import ServerState
 from services.streams.hub import StreamHub
 
@@ -21,7 +24,12 @@ ADMISSION = web.AppKey("admission", Admission)
 METRICS = web.AppKey("metrics", Metrics)
 MODELS = web.AppKey("models", ModelManager)
 SHADOWS = web.AppKey("shadows", ShadowMirror)
-RESPONSE_CACHE = web.AppKey("response_cache", ResponseCache)
-ENCODERS = web.AppKey("encoders", Encoders)
+RECENT = web.AppKey("recent_requests", RecentRequests)
+ALERTS = web.AppKey("alerts", AlertManager)
+OBSERVABILITY = web.AppKey("observability", ObservabilityConfig)
+TRACING = web.AppKey("tracing", object)  # a telemetry.Tracing, or None when tracing is off
+PROFILER = web.AppKey("profiler", Profiler)
 HUB = web.AppKey("stream_hub", StreamHub)
 INFERENCE = web.AppKey("inference", Inference)
+RESPONSE_CACHE = web.AppKey("response_cache", ResponseCache)
+ENCODERS = web.AppKey("encoders", Encoders)

@@ -16,12 +16,12 @@ from pydantic import BaseModel, Field
 
 from api.auth import caller_of
 from api.errors import json_response
+from api.models import resolve_model
 from api.openai.schemas import MAX_NAME_CHARS, Strict
 from api.quotas import count_creation
 from api.routes import Route
 from api.validation import parse_body
 from services.conversations import Conversation, Conversations, Message
-from services.deployments.manager import resolve_model
 
 CONVERSATIONS = web.AppKey("conversations", Conversations)
 

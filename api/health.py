@@ -1,4 +1,4 @@
-"""Liveness, readiness and the OpenAPI document."""
+"""Liveness and readiness."""
 
 from __future__ import annotations
 
@@ -9,9 +9,7 @@ from api.context import ROUTER, STATE
 from api.errors import json_response
 from api.openai.schemas import Health
 from api.routes import Route
-from scheduling.router import Router
-
-STORAGE_ERROR_HOLD_S = 30.0  # after SQLite refused a write, not ready this long (checkpoints may be failing)
+from services.observability.status import readiness
 
 
 async def health(request: web.Request) -> web.Response:
@@ -20,25 +18,10 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def ready(request: web.Request) -> web.Response:
-    """Readiness: 200 once models are loaded; 503 while loading and while draining."""
-    state = request.app[STATE]
-    if state.draining:
-        return json_response({"status": "draining"}, status=503)
-    if not state.ready:
-        return json_response({"status": "loading"}, status=503)
-    if stalled_devices(request.app[ROUTER]):
-        return json_response({"status": "stalled"}, status=503)
-    if request.app[DATABASE].failed_within(STORAGE_ERROR_HOLD_S):
-        return json_response({"status": "storage_failing"}, status=503)
-    return json_response({"status": "ok"})
-
-
-def stalled_devices(router: Router) -> list[str]:
-    """Devices whose worker thread (serving a loaded model) died or is stuck in one round of steps:
-    its streams make no progress, so this replica must take no more traffic."""
-    workers = {id(r.worker): r.worker for m in router.served_models() for r in m.replicas}
-    workers |= {id(w): w for m in router.served_encoders() if (w := getattr(m.handle, "worker", None)) is not None}
-    return sorted(w.device for w in workers.values() if not w.is_responsive())
+    """Readiness: 200 once models are loaded; 503 while loading, while draining, while a device
+    worker is stuck, and for a while after SQLite refused a write."""
+    state = readiness(request.app[STATE], request.app[ROUTER], request.app[DATABASE])
+    return json_response({"status": state}, status=200 if state == "ok" else 503)
 
 
 ROUTES = [

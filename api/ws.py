@@ -34,10 +34,10 @@ from api.auth import AUTH, caller_of, check_priority_access, current_tenant, ten
 from api.context import HUB, INFERENCE, STATE
 from api.conversations import CONVERSATIONS
 from api.errors import validation_error
+from api.models import resolve_model
 from api.openai.schemas import MAX_NAME_CHARS, ChatCompletionRequest, Strict
 from api.quotas import count_creation
 from api.routes import Route
-from services.deployments.manager import resolve_model
 from services.errors import InvalidRequestError, NotFoundError, RateLimitError, ServiceError
 from services.streams.hub import LiveStream
 

@@ -127,12 +127,18 @@ class RequestStream:
         self.replica = replica
         self.ticket = ticket
         self.events: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        self.watchers: list[Callable[[TokenEvent], None]] = []  # see each event as it is queued (shadow traffic)
         self.finished = False
         self.num_tokens_used = len(request.prompt_token_ids) + len(request.resume_token_ids)
 
     @property
     def request_id(self) -> str:
         return self.request.request_id
+
+    def put(self, event: TokenEvent) -> None:
+        self.events.put_nowait(event)
+        for watcher in self.watchers:
+            watcher(event)
 
     async def __aiter__(self) -> AsyncIterator[TokenEvent]:
         while True:
@@ -157,8 +163,9 @@ class Router:
     streams: dict[str, RequestStream] = field(default_factory=dict)
     admission: Admission = field(default_factory=Admission)
     queue_timeout_s: float = 600.0  # a request not scheduled by then gets 503
-    on_finish: Callable[[RequestStream, TokenEvent], None] | None = None  # canary health, idle clocks
-    on_encoder_finish: OnEncoderFinish | None = None  # the same for encoder submits
+    # called with each finished request (canary health, idle clocks), and each finished encoder submit
+    finish_listeners: list[Callable[[RequestStream, TokenEvent], None]] = field(default_factory=list)
+    encoder_finish_listeners: list[OnEncoderFinish] = field(default_factory=list)
 
     @property
     def num_in_flight(self) -> int:
@@ -223,12 +230,13 @@ class Router:
         return stream
 
     def submit_encoder(self, model: ServedEncoder, items: list[Any], low: bool = False) -> asyncio.Future:
-        """Hand inputs to an encoder version (`EncoderBusy` over its bound); its outcome reaches `on_encoder_finish`."""
+        """Hand inputs to an encoder version (`EncoderBusy` over its bound); its outcome reaches
+        `encoder_finish_listeners`."""
         return encoders.submit(model, items, self._encoder_finished, low)
 
     def _encoder_finished(self, model: ServedEncoder, ok: bool, latency_s: float) -> None:
-        if self.on_encoder_finish is not None:
-            self.on_encoder_finish(model, ok, latency_s)
+        for listener in self.encoder_finish_listeners:
+            listener(model, ok, latency_s)
 
     def abort(self, stream: RequestStream, error: str | None = None, error_code: str | None = None) -> None:
         """Cancel a request nobody wants any more; its blocks free before the next step.
@@ -238,7 +246,7 @@ class Router:
         if self._close(stream):
             stream.replica.worker.abort(stream.replica.engine_id, stream.request_id)
             num_prompt = len(stream.request.prompt_token_ids)
-            stream.events.put_nowait(TokenEvent(
+            stream.put(TokenEvent(
                 request_id=stream.request_id, text="", token_ids=[], num_prompt_tokens=num_prompt,
                 num_output_tokens=stream.num_tokens_used - num_prompt,
                 finish_reason=FinishReason.ABORT if error is None else FinishReason.ERROR, error=error,
@@ -257,11 +265,11 @@ class Router:
             if stream is None:
                 continue  # aborted while the step ran
             stream.num_tokens_used = event.num_prompt_tokens + event.num_output_tokens
-            stream.events.put_nowait(event)
+            stream.put(event)
             if event.finished:
                 self._close(stream)
-                if self.on_finish is not None:
-                    self.on_finish(stream, event)
+                for listener in self.finish_listeners:
+                    listener(stream, event)
 
     def _close(self, stream: RequestStream) -> bool:
         if stream.finished:

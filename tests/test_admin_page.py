@@ -13,10 +13,10 @@ import aiohttp
 import pytest
 
 from api.app import create_app
+from api.context import MODELS
 from engine.model_runner import CacheConfig
 from launch import EngineConfig, EngineLoader, start_workers
 from scheduling.router import Router
-from services.deployments.manager import MODELS
 from storage.registry import ModelVersion
 from storage.tenants import hash_key
 from tests.test_api import wait_blocks_free

@@ -13,12 +13,12 @@ import aiohttp
 import pytest
 
 from api.app import create_app
+from api.context import MODELS
 from engine.model_runner import CacheConfig
 from engine.types import FinishReason, GenerationRequest, SamplingParams
 from launch import EngineConfig, EngineLoader, start_workers
 from scheduling.router import ModelUnavailable, Router
 from services.batch.runner import BatchConfig
-from services.deployments.manager import MODELS
 from storage.registry import ModelVersion
 from storage.tenants import hash_key
 from tests import test_batch, test_deployments

@@ -14,12 +14,12 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from api.app import create_app
-from api.context import METRICS
+from api.context import METRICS, MODELS
 from engine.model_runner import CacheConfig
 from launch import EngineConfig, EngineLoader, start_workers
 from scheduling.deployments import DeploymentsConfig
 from scheduling.router import Router
-from services.deployments.manager import MODELS, LifecycleConfig
+from services.deployments.manager import LifecycleConfig
 from storage import registry
 from storage.registry import ModelVersion
 from storage.tenants import hash_key

@@ -16,10 +16,10 @@ import requests
 from jsonschema import Draft202012Validator
 
 from api.app import create_app
+from api.context import MODELS
 from engine.model_runner import CacheConfig
 from launch import EngineConfig, EngineLoader, start_workers
 from scheduling.router import Router
-from services.deployments.manager import MODELS
 from storage.registry import ModelVersion
 from storage.tenants import hash_key
 

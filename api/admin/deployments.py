@@ -17,15 +17,13 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, RootModel
 
 from api.auth import is_admin, tenant_of
+from api.context import MODELS, SHADOWS
 from api.errors import json_response
 from api.openai.schemas import Strict
 from api.routes import Route
 from api.validation import parse_body
-from services.deployments.manager import MODELS, VersionState
-from services.deployments.shadow import SHADOWS
-from services.errors import ConflictError, InvalidRequestError
-from storage import registry
-from storage.registry import ModelVersion
+from services.deployments.manager import VersionState
+from services.errors import ConflictError
 
 Name = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$",
                             description="Letters, digits and `._:/-`; no `@` (it separates the version).")]
@@ -190,11 +188,8 @@ async def deployment_json(request: web.Request, name: str) -> dict[str, Any]:
 
 async def create_model(request: web.Request) -> web.Response:
     body = await parse_body(request, ModelCreate)
-    spec = ModelVersion(body.name, body.version, body.source, body.kind, body.options.model_dump(exclude_none=True))
-    try:
-        vs = await request.app[MODELS].register(spec)
-    except registry.VersionExistsError as exc:
-        raise ConflictError(f"`{spec.ref}` is already registered.", param="version", code="version_exists") from exc
+    vs = await request.app[MODELS].register(body.name, body.version, body.source, body.kind,
+                                            body.options.model_dump(exclude_none=True))
     return json_response(version_json(vs), status=201)
 
 
@@ -234,16 +229,8 @@ async def create_deployment(request: web.Request) -> web.Response:
 
 async def update_traffic(request: web.Request) -> web.Response:
     name = request.match_info["model_name"]
-    raw = (await parse_body(request, TrafficSplit)).root
-    manager = request.app[MODELS]
-    manager.deployment(name)  # unknown models and versions are 404s before the split's sum is judged
-    for version in raw:
-        manager.get(name, version)
-    try:
-        registry.check_traffic(raw)
-    except ValueError as exc:
-        raise InvalidRequestError(str(exc), param="traffic") from exc
-    await manager.set_traffic(name, raw, "traffic")
+    traffic = (await parse_body(request, TrafficSplit)).root
+    await request.app[MODELS].update_traffic(name, traffic)
     return json_response(await deployment_json(request, name))
 
 

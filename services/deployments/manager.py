@@ -8,11 +8,26 @@ registry, routing, warm-up, drain, health and memory budget.
 `ModelManager` owns the in-memory view of the registry (SQLite is written through the DB
 writer thread after each change; memory is authoritative while the process runs) and the
 router's deployments. Weights load off the loop through an injected `Loader` (launch.py's
-`EngineLoader`: api/ never imports torch). A version becomes routable only after it loaded
+`EngineLoader`: services never import torch). A version becomes routable only after it loaded
 and answered a warm-up (one token, or one input through an encoder's batcher); one being
 unloaded drains first (routing skips it, in-flight requests or inputs finish) and only then
 is detached from its workers or its batcher stopped. Loads and unloads
 run one at a time (`_lock`), so the memory budget is counted exactly.
+
+`route` is the one lookup every endpoint makes for a caller (tenant checks, kind, routing, a
+cold version loading); the HTTP side (api/models.py) wraps it and adds the `X-Model-Version`
+header.
+
+A model has several types along its way, each for one stage:
+- `config.ModelSpec`: a `[[models]]` entry of config.toml, before the registry sees it.
+- `storage.registry.ModelVersion`: a registered version as stored (name, version, source,
+  kind, options); `storage.registry.Deployment`: a model name's stored traffic split.
+- `VersionState` (here): a registered version at runtime: its load state, devices, memory,
+  idle clock and, while loaded, its `Served` handle.
+- `engine.loader.LoadedModel`: what the loader builds on the device (weights, tokenizer).
+- `scheduling.router.ServedModel` / `ServedEncoder` (`Served`): a loaded version as routing
+  sees it (replicas or batcher, limits); `ModelDeployment`: a model name as routing sees
+  it (the live split and the loaded versions).
 """
 
 from __future__ import annotations
@@ -26,12 +41,9 @@ from datetime import datetime
 from typing import Any, Protocol
 
 import structlog
-from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
-from api.auth import AUTH, check_model_access, tenant_of
-from api.context import ROUTER, STATE
 from engine.types import FinishReason, GenerationRequest, SamplingParams, TokenEvent
 from scheduling.deployments import DeploymentsConfig, HealthWindow, parse_model_ref, rollback_reason
 from scheduling.encoders import ServedEncoder
@@ -45,6 +57,8 @@ from services.errors import (
     PermissionDeniedError,
     ServiceUnavailableError,
 )
+from services.server_state import ServerState
+from services.tenancy import Caller
 from storage import registry
 from storage.db import Database
 from storage.registry import Deployment, ModelVersion
@@ -53,10 +67,9 @@ log = structlog.get_logger(__name__)
 
 GIB = 1024**3
 WARMUP_PREFIX = "warmup-"
-SHADOW_PREFIX = "shadow-"  # mirrored copies (api/shadow.py): they keep a version warm but judge nothing
+SHADOW_PREFIX = "shadow-"  # mirrored copies (shadow.py): they keep a version warm but judge nothing
 CANARY_CHECK_INTERVAL_S = 0.1
 DRAINING_RETRY_AFTER_S = 5  # a draining server's Retry-After: about a restart's time
-MODEL_VERSION = "model_version"  # request[MODEL_VERSION]: name@version that served it (X-Model-Version)
 
 
 @dataclass(frozen=True)
@@ -87,7 +100,9 @@ def load_failed(ref: str) -> ServiceUnavailableError:
 
 @dataclass
 class VersionState:
-    """One registered version at runtime. Invariant: `served` is set exactly while attached to workers."""
+    """One registered version at runtime (the stored `ModelVersion` plus what only the running
+    process knows: load state, devices, memory, idle clock). Invariant: `served` (routing's handle
+    on it) is set exactly while attached to workers."""
 
     spec: ModelVersion
     state: str = "unloaded"
@@ -121,6 +136,15 @@ class LifecycleMetrics:
         registry_.register(self)
 
     def collect(self):
+        """`galley_models_loaded{device}`, and `galley_model_state{model,version,state} 1` per version."""
+        yield self.loaded()
+        family = GaugeMetricFamily("galley_model_state", "1 for each model version's state "
+                                   "(unloaded, loading, ready, failed)", labels=["model", "version", "state"])
+        for name, version, state in self.manager.states():
+            family.add_metric([name, version, state], 1)
+        yield family
+
+    def loaded(self) -> GaugeMetricFamily:
         loaded = GaugeMetricFamily("galley_models_loaded", "Model versions loaded, per device", labels=["device"])
         counts: dict[str, int] = {}
         for vs in self.manager.versions.values():
@@ -128,13 +152,15 @@ class LifecycleMetrics:
                 counts[device] = counts.get(device, 0) + 1
         for device, count in sorted(counts.items()):
             loaded.add_metric([device], count)
-        yield loaded
+        return loaded
 
 
 class ModelManager:
     def __init__(self, router: Router, db: Database, metrics_registry: CollectorRegistry, loader: Loader | None = None,
-                 lifecycle: LifecycleConfig | None = None, deployments: DeploymentsConfig | None = None) -> None:
+                 lifecycle: LifecycleConfig | None = None, deployments: DeploymentsConfig | None = None,
+                 server: ServerState | None = None) -> None:
         self.router = router
+        self.server = server or ServerState(ready=True)  # routing refuses new work while it drains
         self.db = db
         self.loader = loader
         self.cfg = lifecycle or LifecycleConfig()
@@ -147,8 +173,8 @@ class ModelManager:
         self.metrics = LifecycleMetrics(metrics_registry, self)
         self._lock = asyncio.Lock()
         self._background = BackgroundTasks()
-        router.on_finish = self.on_finish
-        router.on_encoder_finish = self.on_encoder_finish
+        router.finish_listeners.append(self.on_finish)
+        router.encoder_finish_listeners.append(self.on_encoder_finish)
 
     # ---- startup ------------------------------------------------------------------------
 
@@ -198,6 +224,43 @@ class ModelManager:
 
     # ---- routing ------------------------------------------------------------------------
 
+    async def route(self, caller: Caller, ref: str, *, user: str | None = None, conversation_id: str | None = None,
+                    pinned_version: str | None = None, kinds: tuple[str, ...] = ("generate",)) -> Served:
+        """The one lookup for every endpoint: the served version for `ref` (`name` or `name@version`).
+
+        Routing key: `user`, else the conversation, else the request id. An unknown model is a
+        404 (503 while startup loading runs), then the tenant must be allowed it and an explicit
+        version (403), then it must be of one of `kinds` (else 404: this endpoint has no such model),
+        then a cold version loads."""
+        self.refuse_if_draining()
+        name, version = parse_model_ref(ref)
+        deployment = self.router.deployments.get(name)
+        if deployment is None:
+            if not self.server.ready:
+                raise ServiceUnavailableError("models are still loading", retry_after_s=5)
+            raise ModelNotFoundError(f"The model `{name}` does not exist.", param="model")
+        caller.check_model(name)
+        if version is not None and pinned_version is None:
+            check_version_access(caller, deployment, version)
+        kind = self.kind(name)
+        if kind not in kinds:
+            raise ModelNotFoundError(f"The model `{name}` is a `{kind}` model; this endpoint needs a "
+                                     f"`{' or '.join(kinds)}` model.", param="model", code="wrong_model_kind")
+        served = await self.resolve(ref, user or conversation_id or caller.request_id, pinned_version)
+        self.refuse_if_draining()  # the drain may have begun while a cold version loaded
+        return served
+
+    def refuse_if_draining(self) -> None:
+        """503 for new work once SIGTERM came (every generation, encoder input, batch job and
+        conversation routes its model here): in-flight requests finish, new ones go elsewhere."""
+        if self.server.draining:
+            raise ServiceUnavailableError("the server is shutting down; retry shortly (or on another replica)",
+                                          code="server_draining", retry_after_s=DRAINING_RETRY_AFTER_S)
+
+    def label(self, served: Served) -> str:
+        """The `model` field of responses: `name`, or `name@version` while the model has several versions."""
+        return self.router.label(served)
+
     async def resolve(self, ref: str, key: str, pinned_version: str | None = None) -> Served:
         """The version that serves a request for `ref` (`name` or `name@version`).
 
@@ -221,6 +284,7 @@ class ModelManager:
         return served  # the caller submits before its next await, so a drain counts the request
 
     def touch(self, served: Served) -> None:
+        """`served` was just used: restart its idle (keep_alive) clock."""
         vs = self.versions.get(served.ref)
         if vs is not None:
             vs.last_used_s = time.monotonic()
@@ -422,10 +486,13 @@ class ModelManager:
 
     # ---- registry and deployments -------------------------------------------------------
 
-    async def register(self, spec: ModelVersion) -> VersionState:
-        kind = self.kind(spec.name)
-        if kind is not None and kind != spec.kind:  # routing treats all versions of a name alike
-            raise ConflictError(f"`{spec.name}` is a `{kind}` model: its versions must all be `{kind}`.",
+    async def register(self, name: str, version: str, source: str, kind: str = "generate",
+                       options: dict[str, Any] | None = None) -> VersionState:
+        """Add a version to the registry (the first of a name gets all its traffic); a pinned one loads."""
+        spec = ModelVersion(name, version, source, kind, options or {})
+        existing = self.kind(spec.name)
+        if existing is not None and existing != spec.kind:  # routing treats all versions of a name alike
+            raise ConflictError(f"`{spec.name}` is a `{existing}` model: its versions must all be `{existing}`.",
                                 param="kind", code="kind_mismatch")
         if spec.ref in self.versions:
             raise ConflictError(f"`{spec.ref}` is already registered.", param="version", code="version_exists")
@@ -442,7 +509,11 @@ class ModelManager:
                                                 "deploy", "first version")
             return None
 
-        deployment = await asyncio.wrap_future(self.db.write(add))
+        try:
+            deployment = await asyncio.wrap_future(self.db.write(add))
+        except registry.VersionExistsError as exc:
+            raise ConflictError(f"`{spec.ref}` is already registered.", param="version",
+                                code="version_exists") from exc
         vs = self.versions[spec.ref] = VersionState(spec)
         if deployment is not None:
             self._apply_deployment(deployment)
@@ -473,6 +544,14 @@ class ModelManager:
                           "kind": self.kind(name), "max_model_len": limit, "ready": served is not None})
         return cards
 
+    def states(self) -> list[tuple[str, str, str]]:
+        """(name, version, state) per version: the registry's, and `ready` for versions attached
+        to the router without it (tests)."""
+        states = {(vs.spec.name, vs.spec.version): vs.state for vs in self.versions.values()}
+        for served in [*self.router.served_models(), *self.router.served_encoders()]:
+            states.setdefault((served.name, served.version), "ready")
+        return sorted((name, version, state) for (name, version), state in states.items())
+
     def _registered_at(self, name: str) -> int:
         stamps = [vs.spec.created_at for vs in self.versions.values() if vs.spec.name == name]
         return int(datetime.fromisoformat(min(stamps)).timestamp()) if stamps else 0
@@ -496,6 +575,17 @@ class ModelManager:
         if deployment is None:
             raise ModelNotFoundError(f"The model `{name}` has no deployment.", param="model_name")
         return deployment, self.previous_stable.get(name)
+
+    async def update_traffic(self, name: str, traffic: dict[str, int]) -> None:
+        """An operator's new split: unknown models and versions are 404s before the split's sum is judged."""
+        self.deployment(name)
+        for version in traffic:
+            self.get(name, version)
+        try:
+            registry.check_traffic(traffic)
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc), param="traffic") from exc
+        await self.set_traffic(name, traffic, "traffic")
 
     async def set_traffic(self, name: str, traffic: dict[str, int], kind: str, reason: str | None = None,
                           stable: str | None = None) -> None:
@@ -574,84 +664,16 @@ class ModelManager:
                 vs.served = None
 
 
-MODELS = web.AppKey("models", ModelManager)
-
-
-async def resolve_model(request: web.Request, ref: str, *, user: str | None = None,
-                        conversation_id: str | None = None, pinned_version: str | None = None,
-                        kinds: tuple[str, ...] = ("generate",)) -> Served:
-    """The one lookup for every endpoint: the served version for `ref` (`name` or `name@version`).
-
-    Routing key: `user`, else the conversation, else the request id. An unknown model is a
-    404 (503 while startup loading runs), then the tenant must be allowed it and an explicit
-    version (403), then it must be of one of `kinds` (else 404: this endpoint has no such model),
-    then a cold version loads. Records the version for the `X-Model-Version` header."""
-    refuse_if_draining(request)
-    manager = request.app[MODELS]
-    name, version = parse_model_ref(ref)
-    if name not in manager.router.deployments:
-        if not request.app[STATE].ready:
-            raise ServiceUnavailableError("models are still loading", retry_after_s=5)
-        raise ModelNotFoundError(f"The model `{name}` does not exist.", param="model")
-    check_model_access(request, name)
-    if version is not None and pinned_version is None:
-        check_version_access(request, manager.router.deployments[name], version)
-    kind = manager.kind(name)
-    if kind not in kinds:
-        raise ModelNotFoundError(f"The model `{name}` is a `{kind}` model; this endpoint needs a "
-                                 f"`{' or '.join(kinds)}` model.", param="model", code="wrong_model_kind")
-    served = await manager.resolve(ref, user or conversation_id or request["request_id"], pinned_version)
-    refuse_if_draining(request)  # the drain may have begun while a cold version loaded
-    request[MODEL_VERSION] = served.ref
-    return served
-
-
-def refuse_if_draining(request: web.Request) -> None:
-    """503 for new work once SIGTERM came (every generation, encoder input, batch job and
-    conversation resolves its model here): in-flight requests finish, new ones go elsewhere."""
-    if request.app[STATE].draining:
-        raise ServiceUnavailableError("the server is shutting down; retry shortly (or on another replica)",
-                                      code="server_draining", retry_after_s=DRAINING_RETRY_AFTER_S)
-
-
-def check_version_access(request: web.Request, deployment: ModelDeployment, version: str) -> None:
+def check_version_access(caller: Caller, deployment: ModelDeployment, version: str) -> None:
     """403 unless the split sends `version` traffic or the caller may name any version: auth is off
     (the local operator), or its tenant's allowed models list `name@version` (or `name@*`). Loading
     versions is the operator's call: a tenant that could name any one could load, and by alternating,
     thrash them all under the memory budget."""
-    if deployment.traffic.get(version, 0) > 0 or not request.app[AUTH].enabled:
+    if deployment.traffic.get(version, 0) > 0 or not caller.auth_enabled:
         return
-    tenant = tenant_of(request)
-    granted = tenant.allowed_models or ()
+    granted = caller.tenant.allowed_models or ()
     if f"{deployment.name}@{version}" in granted or f"{deployment.name}@*" in granted:
         return
     raise PermissionDeniedError(
         f"`{deployment.name}@{version}` takes no traffic; naming such a version needs the admin's grant "
         f"(`{deployment.name}@{version}` among the key's allowed models).", param="model", code="version_not_allowed")
-
-
-def model_label(request: web.Request, served: Served) -> str:
-    """The `model` field of responses: `name`, or `name@version` while the model has several versions."""
-    return request.app[ROUTER].label(served)
-
-
-async def add_version_header(request: web.Request, response: web.StreamResponse) -> None:
-    if MODEL_VERSION in request:
-        response.headers["X-Model-Version"] = request[MODEL_VERSION]
-
-
-async def run_lifecycle(app: web.Application):
-    """cleanup_ctx: the keep_alive / canary loop while the app runs; stop loads and unloads at cleanup."""
-    manager = app[MODELS]
-    checker = asyncio.get_running_loop().create_task(manager.run())
-    yield
-    checker.cancel()
-    await manager.close()
-
-
-def setup(app: web.Application, db: Database, metrics_registry: CollectorRegistry, loader: Loader | None,
-          lifecycle: LifecycleConfig | None, deployments: DeploymentsConfig | None) -> None:
-    app[MODELS] = ModelManager(app[ROUTER], db, metrics_registry, loader, lifecycle, deployments)
-    app.on_response_prepare.append(add_version_header)
-    app.cleanup_ctx.append(run_lifecycle)
-

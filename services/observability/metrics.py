@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Protocol
 
 import structlog
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -25,13 +24,6 @@ STATUS = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason
 
 log = structlog.get_logger(__name__)
 Sink = Callable[[RequestRecord], None]
-
-
-class EventTap(Protocol):
-    """Sees one generation's events as its reader gets them (shadow traffic compares outputs)."""
-
-    def on_event(self, event: TokenEvent) -> None: ...
-    def on_end(self, status: str) -> None: ...
 
 
 class EngineCollector:
@@ -189,7 +181,6 @@ class Metrics:
         self.queue_wait = Histogram("galley_queue_wait_seconds", "Arrival to first scheduled step",
                                     ["model", "priority"], buckets=LATENCY_BUCKETS, registry=r)
         self.sinks: list[Sink] = []  # called with each finished RequestRecord (log line, ring, spans)
-        self.taps: dict[str, EventTap] = {}  # generation id -> its tap, until its reader is done
         self.cache_hits = Counter("galley_response_cache_hits", "Response cache hits (encoders: per input)",
                                   ["model"], registry=r)
         self.cache_misses = Counter("galley_response_cache_misses", "Response cache misses (encoders: per input)",
@@ -225,7 +216,6 @@ class Metrics:
         if keep_text:
             record.prompt, record.output = model.tokenizer.decode(req.prompt_token_ids), ""
         events = aiter(stream)
-        tap = self.taps.pop(req.request_id, None)
         try:
             try:
                 event = await asyncio.wait_for(anext(events), first_event_timeout_s)
@@ -235,16 +225,12 @@ class Metrics:
                 raise
             while True:
                 self._on_event(record, event)
-                if tap is not None:
-                    tap.on_event(event)
                 yield event
                 if event.finished:
                     return
                 event = await anext(events)
         finally:
             self._finish(record)
-            if tap is not None:
-                tap.on_end(record.status)
 
     def _on_event(self, record: RequestRecord, event: TokenEvent) -> None:
         now = time.monotonic()
