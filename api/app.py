@@ -14,7 +14,7 @@ from aiohttp import web
 
 from api import batch, conversations, health, models, ws
 from api import streams as stream_api
-from api.admin import dashboard
+from api.admin import dashboard, profiling
 from api.admin import deployments as deployments_api
 from api.admin import tenants as admin
 from api.auth import AUTH, DATABASE, TENANT_ADMIN, auth_middleware
@@ -119,7 +119,7 @@ async def interrupt(app: web.Application) -> None:
 def all_routes() -> list[Route]:
     return [*health.ROUTES, *models_api.ROUTES, *chat_api.ROUTES, *completions_api.ROUTES, *stream_api.ROUTES,
             *admin.ROUTES, *conversations.ROUTES, *ws.ROUTES, *batch.ROUTES, *native.ROUTES, *embeddings_api.ROUTES,
-            *encoders_api.ROUTES, *deployments_api.ROUTES, *dashboard.ROUTES]
+            *encoders_api.ROUTES, *deployments_api.ROUTES, *dashboard.ROUTES, *profiling.ROUTES]
 
 
 def temporary_database(app: web.Application) -> Database:
