@@ -60,6 +60,7 @@ from services.streams.hub import StreamHub, StreamsConfig
 from services.tenancy import Auth, TenantAdmin, TenantDirectory
 from storage.conversations import ConversationStore
 from storage.db import Database
+from storage.streams import StreamStore
 from storage.tenants import TenantStore
 
 log = structlog.get_logger(__name__)
@@ -178,7 +179,7 @@ def create_app(router: Router, state: ServerState | None = None, *, db: Database
                                      deployments_config, app[STATE])
     models.setup(app, manager, ShadowMirror(manager, app[ADMISSION], app[DATABASE], app[METRICS].registry))
     app[ENCODERS] = Encoders(app[RESPONSE_CACHE], app[ADMISSION], app[SHADOWS], app[METRICS])
-    app[HUB] = StreamHub(router, app[DATABASE], app[METRICS], streams_config or StreamsConfig(), app[AUTH])
+    app[HUB] = StreamHub(router, StreamStore(app[DATABASE]), app[METRICS], streams_config or StreamsConfig(), app[AUTH])
     app[INFERENCE] = Inference(router, app[ADMISSION], app[METRICS], app[HUB], app[SHADOWS],
                                app[conversations.CONVERSATIONS], app[RESPONSE_CACHE])
     app.cleanup_ctx.append(run_stream_sweeper)

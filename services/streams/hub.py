@@ -35,10 +35,8 @@ from services.errors import SHUTTING_DOWN, ServiceError
 from services.inference.events import prepend, scheduled_events
 from services.observability.metrics import Metrics
 from services.streams.events import ChunkFormat, StreamEvent
-from services.tenancy import Auth, limits_of
-from storage import conversations, streams
-from storage.db import Database
-from storage.tenants import Tenant
+from services.tenancy import Auth, Tenant, limits_of
+from storage.streams import Answer, StreamRecord, StreamStatus, StreamStore
 
 log = structlog.get_logger(__name__)
 
@@ -73,13 +71,13 @@ class StreamsConfig:
 class LiveStream:
     """Invariant: `events[i].index == i`; once `done`, no event is appended."""
 
-    def __init__(self, record: streams.StreamRecord, fmt: ChunkFormat, on_disconnect: str) -> None:
+    def __init__(self, record: StreamRecord, fmt: ChunkFormat, on_disconnect: str) -> None:
         self.record = record
         self.fmt = fmt
         self.on_disconnect = on_disconnect
         self.events: list[StreamEvent] = []
         self.done = False
-        self.status = "running"
+        self.status: str = StreamStatus.RUNNING  # or "interrupted": left running for a restart to resume
         self.followers = 0
         self.request_stream: RequestStream | None = None
         self.finished_s: float | None = None
@@ -123,13 +121,13 @@ class LiveStream:
             await self._changed.wait()
 
 
-def replayed(record: streams.StreamRecord) -> list[StreamEvent]:
+def replayed(record: StreamRecord) -> list[StreamEvent]:
     """Events rebuilt from a stored record (usage and finish on the last one when finished)."""
     events, offset = [], 0
     for index, text in enumerate(record.texts):
         events.append(StreamEvent(index, text, offset))
         offset += len(text)
-    if events and record.status != "running":
+    if events and record.status != StreamStatus.RUNNING:
         events[-1].finish_reason = record.finish_reason
         prompt, completion = len(record.prompt_token_ids), len(record.token_ids)
         events[-1].usage = {"prompt_tokens": prompt, "completion_tokens": completion,
@@ -148,7 +146,7 @@ def params_from_json(data: dict) -> SamplingParams:
 @dataclass
 class StreamHub:
     router: Router
-    db: Database
+    store: StreamStore
     metrics: Metrics
     config: StreamsConfig = StreamsConfig()
     auth: Auth | None = None  # the tenant directory: owners' ids, and their state at recovery
@@ -159,11 +157,11 @@ class StreamHub:
         return self.auth.directory.tenants.get(name) if self.auth is not None else None
 
     def start(self, request_stream: RequestStream, fmt: ChunkFormat, *, kind: str, conversation_id: str | None,
-              on_disconnect: str, resumed: streams.StreamRecord | None = None) -> LiveStream:
+              on_disconnect: str, resumed: StreamRecord | None = None) -> LiveStream:
         """Register a submitted generation and start recording it."""
         gen = request_stream.request
         owner = self.tenant(gen.tenant)
-        record = resumed or streams.StreamRecord(
+        record = resumed or StreamRecord(
             id=fmt.id, tenant=gen.tenant, conversation_id=conversation_id, kind=kind, model=fmt.model,
             request={"format": fmt.to_dict(), "params": params_to_json(gen.params), "on_disconnect": on_disconnect,
                      "priority": gen.priority.name.lower()},
@@ -177,7 +175,7 @@ class StreamHub:
             for event in replayed(resumed):
                 live.append(event)
         else:
-            inserted = self.db.write(lambda db: streams.insert_stream(db, record))
+            inserted = self.store.insert(record)
         self.live[live.id] = live
         self._background.spawn(self._produce(live, request_stream, inserted))
         return live
@@ -206,7 +204,7 @@ class StreamHub:
         token_ids = list(live.record.token_ids)
         texts = list(live.record.texts)
         checkpointed, checkpoint_s = len(texts), time.monotonic()
-        status, finish, last, stored = "failed", None, None, True
+        status, finish, last, stored = StreamStatus.FAILED, None, None, True
         write = None  # the latest checkpoint, checked before each event is sent
         events = scheduled_events(self.router, self.metrics, rs)
         try:
@@ -218,8 +216,8 @@ class StreamHub:
                 texts.extend([event.text] if event.token_ids else [])
                 raise_if_failed(write)
                 if event.finished:  # sent once the end is stored (below)
-                    status = {FinishReason.ABORT: "cancelled", FinishReason.ERROR: "failed"}.get(
-                        event.finish_reason, "finished")
+                    status = {FinishReason.ABORT: StreamStatus.CANCELLED, FinishReason.ERROR: StreamStatus.FAILED}.get(
+                        event.finish_reason, StreamStatus.FINISHED)
                     finish, last = event.finish_reason.value, event
                     break
                 self._append(live, event)
@@ -259,7 +257,7 @@ class StreamHub:
         except StorageFailed as exc:
             log.error("could not store the end of a stream", stream_id=live.id, error=repr(exc.__cause__))
             if last is not None:
-                status, last = "failed", None
+                status, last = StreamStatus.FAILED, None
                 live.append(StreamEvent(len(live.events), "", live.text_length, finish_reason="error",
                                         error_status=503, error_code="storage_error", error=STORAGE_ERROR))
         if last is not None:
@@ -274,8 +272,7 @@ class StreamHub:
             raise StorageFailed from exc
 
     def _checkpoint(self, stream_id: str, token_ids: list[int], texts: list[str]) -> Future:
-        ids, txt = list(token_ids), list(texts)  # copies: the writer thread reads them later
-        return self.db.write(lambda db: streams.checkpoint_stream(db, stream_id, ids, txt))
+        return self.store.checkpoint(stream_id, token_ids, texts)
 
     def _append(self, live: LiveStream, event: TokenEvent) -> None:
         usage = None
@@ -291,25 +288,17 @@ class StreamHub:
     def _finish(self, live: LiveStream, token_ids: list[int], texts: list[str], status: str,
                 finish: str | None) -> Future:
         record = live.record
-
-        def persist(db) -> None:
-            streams.finish_stream(db, record.id, token_ids, texts, status, finish)
-            if record.conversation_id and status == "finished":
-                try:
-                    conversations.add_message(db, record.conversation_id, "assistant", "".join(texts),
-                                              prompt_tokens=len(record.prompt_token_ids),
-                                              completion_tokens=len(token_ids), stream_id=record.id)
-                except conversations.ConversationNotFoundError:
-                    pass  # deleted while the answer was generated: the stream record still finishes
-
-        return self.db.write(persist)
+        answer = None  # a conversation deleted while the answer was generated gets none; the record still finishes
+        if record.conversation_id and status == StreamStatus.FINISHED:
+            answer = Answer(record.conversation_id, len(record.prompt_token_ids))
+        return self.store.finish(record.id, token_ids, texts, status, finish, answer)
 
     async def find(self, stream_id: str, tenant: str) -> LiveStream | None:
         """The stream, live or rebuilt from SQLite; None if unknown, expired or another tenant's."""
         live = self.live.get(stream_id)
         if live is None:
-            record = await asyncio.to_thread(self.db.read, lambda db: streams.get_stream(db, stream_id))
-            if record is None or record.status == "running":
+            record = await asyncio.to_thread(self.store.get, stream_id)
+            if record is None or record.status == StreamStatus.RUNNING:
                 return None  # running but not live: recovery has not picked it up (yet)
             live = LiveStream(record, ChunkFormat.from_dict(record.request["format"]),
                               record.request.get("on_disconnect", "cancel"))
@@ -318,7 +307,7 @@ class StreamHub:
             live.close(record.status)
         return live if self.owns(tenant, live.record) else None
 
-    def owns(self, tenant: str, record: streams.StreamRecord) -> bool:
+    def owns(self, tenant: str, record: StreamRecord) -> bool:
         """`tenant` (a name) is the record's owner: same name, and the same tenant, not a later one
         created under that name (records from before tenant ids go by name)."""
         if record.tenant != tenant:
@@ -326,7 +315,7 @@ class StreamHub:
         current = self.tenant(tenant)
         return record.tenant_id is None or (current is not None and current.id == record.tenant_id)
 
-    def resume_request(self, record: streams.StreamRecord, owner: Tenant | None) -> GenerationRequest:
+    def resume_request(self, record: StreamRecord, owner: Tenant | None) -> GenerationRequest:
         """The generation that continues `record`, under its owner's current weight and priority cap."""
         priority = record.request.get("priority", "normal")
         if owner is not None and not owner.allows_priority(priority):
@@ -336,34 +325,33 @@ class StreamHub:
                                  priority=Priority[priority.upper()], weight=owner.weight if owner else 1.0,
                                  resume_token_ids=list(record.token_ids))
 
-    def not_resumable(self, record: streams.StreamRecord) -> tuple[str, str] | None:
+    def not_resumable(self, record: StreamRecord) -> tuple[str, str] | None:
         """(final status, why) when `record` must not resume: its model is gone, or its owner is no
         longer who started it (deleted, or its name re-created), holds no key, or may not use the model."""
         if self.router.find(record.model) is None:
-            return "failed", "model gone"
+            return StreamStatus.FAILED, "model gone"
         if self.auth is None:
             return None
         owner = self.tenant(record.tenant)
         if owner is None or not self.owns(record.tenant, record):
-            return "cancelled", "its tenant was deleted"
+            return StreamStatus.CANCELLED, "its tenant was deleted"
         if self.auth.enabled and all(entry[1] != owner.name for entry in self.auth.directory.keys.values()):
-            return "cancelled", "its tenant's keys are revoked"
+            return StreamStatus.CANCELLED, "its tenant's keys are revoked"
         if not owner.allows_model(parse_model_ref(record.model)[0]):
-            return "cancelled", "its tenant may no longer use the model"
+            return StreamStatus.CANCELLED, "its tenant may no longer use the model"
         return None
 
-    async def _give_up(self, record: streams.StreamRecord, status: str, reason: str) -> None:
+    async def _give_up(self, record: StreamRecord, status: str, reason: str) -> None:
         log.warning("not resuming stream", stream_id=record.id, model=record.model, tenant=record.tenant,
                     reason=reason)
         try:
-            await self._stored(self.db.write(lambda db: streams.finish_stream(
-                db, record.id, record.token_ids, record.texts, status, None)))
+            await self._stored(self.store.finish(record.id, record.token_ids, record.texts, status, None))
         except StorageFailed as exc:  # it stays running: the next start judges it again
             log.error("could not store a stream's end", stream_id=record.id, error=repr(exc.__cause__))
 
     async def recover(self) -> int:
         """Resume the streams a crash left running, for their owners as they are now; returns how many."""
-        records = await asyncio.to_thread(self.db.read, lambda db: streams.list_streams(db, "running"))
+        records = await asyncio.to_thread(self.store.with_status, StreamStatus.RUNNING)
         resumed = 0
         for record in records:
             refused = self.not_resumable(record)
@@ -391,7 +379,7 @@ class StreamHub:
             if live.done and live.followers == 0 and now - live.finished_s >= self.config.memory_seconds:
                 del self.live[stream_id]
         cutoff = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() - self.config.stream_retention_seconds))
-        await asyncio.wrap_future(self.db.write(lambda db: streams.delete_streams_finished_before(db, cutoff)))
+        await asyncio.wrap_future(self.store.delete_finished_before(cutoff))
 
     async def run_sweeper(self, interval_s: float = 30.0) -> None:
         while True:
