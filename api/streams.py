@@ -17,7 +17,7 @@ from api.sse import Frame, serve_sse
 from api.validation import parse_params
 from services.errors import NotFoundError
 from services.inference.events import prepend, stream_failed
-from services.streams.hub import LiveStream, StreamHub
+from services.streams.hub import LiveStream, StreamHub, StreamStatus
 
 
 async def serve_live(request: web.Request, live: LiveStream, after: int = -1) -> web.StreamResponse:
@@ -48,7 +48,7 @@ async def live_frames(hub: StreamHub, live: LiveStream, after: int) -> AsyncGene
                     return
                 for chunk in event_chunks(live.fmt, tokenizer, event):
                     yield chunk, event.index
-        if live.status != "cancelled":
+        if live.status != StreamStatus.CANCELLED:
             yield "[DONE]", None
     finally:
         hub.detach(live)

@@ -39,7 +39,7 @@ from api.openai.schemas import MAX_NAME_CHARS, ChatCompletionRequest, Strict
 from api.quotas import count_creation
 from api.routes import Route
 from services.errors import InvalidRequestError, NotFoundError, RateLimitError, ServiceError
-from services.streams.hub import LiveStream
+from services.streams.hub import LiveStream, StreamStatus
 
 log = structlog.get_logger(__name__)
 
@@ -106,7 +106,7 @@ def final_message(live: LiveStream) -> dict:
     last = live.events[-1] if live.events else None
     if last is not None and last.error:
         return error_message(last.error_code or "internal_error", last.error, live.id)
-    if live.status == "failed":
+    if live.status == StreamStatus.FAILED:
         return error_message("internal_error", "the generation failed", live.id)
     reason = last.finish_reason if last is not None else live.record.finish_reason
     return {"type": "done", "stream_id": live.id, "finish_reason": FINISH_REASONS.get(reason, reason),

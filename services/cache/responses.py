@@ -26,7 +26,7 @@ from engine.types import SamplingParams
 from scheduling.router import Served
 from services.inference.admission import Admission
 from services.observability.metrics import Metrics
-from services.streams.hub import LiveStream, params_to_json
+from services.streams.hub import LiveStream, StreamStatus, params_to_json
 from services.tenancy import Caller
 
 SHARED_SCOPE = "*"  # never a tenant name (they start with a letter or digit)
@@ -171,7 +171,7 @@ class ResponseCache:
 
     def remember_live(self, key: str | None, live: LiveStream) -> None:
         """Store a streamed answer once its stream has finished normally."""
-        if key is None or not live.done or live.status != "finished" or not live.events:
+        if key is None or not live.done or live.status != StreamStatus.FINISHED or not live.events:
             return
         last = live.events[-1]
         self.remember_completion(key, "".join(e.text for e in live.events), last.finish_reason, last.usage)
