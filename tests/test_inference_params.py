@@ -13,7 +13,8 @@ MODEL = SimpleNamespace(max_model_len=100, vocab_size=50)
 
 
 def params(max_tokens=None, prompt_len=10, cap=None, default=None, options=None, **kw):
-    return sampling_params(options or SamplingOptions(), max_tokens, prompt_len, MODEL, None, cap=cap, default_max_tokens=default, **kw)
+    return sampling_params(options or SamplingOptions(), max_tokens, prompt_len, MODEL, None, cap=cap,
+                           default_max_tokens=default, **kw)
 
 
 def test_max_tokens_as_asked_else_the_default_else_the_rest_of_the_context():
