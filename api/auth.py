@@ -22,7 +22,6 @@ from services.tenancy import (
     Tenant,
     TenantAdmin,
     TenantDirectory,
-    TenantLimits,
     hash_key,
     key_prefix,
     revoked,
@@ -147,10 +146,6 @@ def caller_of(request: web.Request) -> Caller:
     return caller
 
 
-def request_priority(request: web.Request, asked: str | None) -> str:
-    return caller_of(request).priority(asked)
-
-
 def tenant_of(request: web.Request) -> Tenant:
     """The caller's tenant as it is now (limits, models, priority); 401 once its key is revoked."""
     return caller_of(request).tenant
@@ -159,16 +154,6 @@ def tenant_of(request: web.Request) -> Tenant:
 def is_admin(request: web.Request) -> bool:
     """The caller presented the admin key (on /admin/api/ and /api/v1/deployments)."""
     return request.get(IS_ADMIN, False)
-
-
-def tenant_limits(request: web.Request) -> tuple[TenantLimits, float]:
-    """The caller's tenant's admission limits as they are now, and its fair-share weight."""
-    return caller_of(request).limits()
-
-
-def check_model_access(request: web.Request, model_name: str) -> None:
-    """403 unless the caller's tenant may use `model_name`."""
-    caller_of(request).check_model(model_name)
 
 
 def check_priority_access(request: web.Request, priority: str | None) -> None:

@@ -17,7 +17,7 @@ from aiohttp import web
 from aiohttp.test_utils import make_mocked_request
 
 from api.app import create_app
-from api.auth import AUTH, KEY_PREFIX, TENANT, check_model_access, check_priority_access, tenant_of
+from api.auth import AUTH, KEY_PREFIX, TENANT, caller_of, check_priority_access, tenant_of
 from api.errors import status_of
 from engine.model_runner import CacheConfig
 from launch import EngineConfig
@@ -36,7 +36,7 @@ ADMIN = "gk_admin_test-admin-key-0123456789"
 async def whoami(request: web.Request) -> web.Response:
     """A test-only handler: the caller's tenant, after the model check the OpenAI handlers make."""
     if "model" in request.query:
-        check_model_access(request, request.query["model"])
+        caller_of(request).check_model(request.query["model"])
     return web.json_response({"tenant": tenant_of(request).name})
 
 
@@ -277,9 +277,9 @@ def caller(tenant: Tenant) -> web.Request:
 
 def test_check_model_and_priority_access_read_the_request_tenant():
     request = caller(Tenant("acme", allowed_models=("a",), max_priority="normal"))
-    check_model_access(request, "a")
+    caller_of(request).check_model("a")
     with pytest.raises(PermissionDeniedError, match="acme.*`b`") as raised:
-        check_model_access(request, "b")
+        caller_of(request).check_model("b")
     assert status_of(raised.value) == 403 and raised.value.code == "model_not_allowed"
     check_priority_access(request, "normal")
     check_priority_access(request, "low")
@@ -287,7 +287,7 @@ def test_check_model_and_priority_access_read_the_request_tenant():
         check_priority_access(request, "high")
     assert raised.value.code == "priority_not_allowed"
     request = caller(Tenant("open"))
-    check_model_access(request, "b")
+    caller_of(request).check_model("b")
     check_priority_access(request, "high")
 
 
