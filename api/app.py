@@ -164,7 +164,6 @@ def create_app(router: Router, state: ServerState | None = None, *, db: Database
     tenant_store = TenantStore(app[DATABASE])
     app[AUTH] = Auth(auth_enabled, TenantDirectory.load(tenant_store), admin_key_hash)
     app[TENANT_ADMIN] = TenantAdmin(tenant_store, app[AUTH].directory)
-    app[conversations.CONVERSATIONS] = Conversations(ConversationStore(app[DATABASE]))
     app[ROUTER] = router
     app[STATE] = state or ServerState(ready=True)
     observability = observability or ObservabilityConfig()
@@ -178,6 +177,7 @@ def create_app(router: Router, state: ServerState | None = None, *, db: Database
     manager = lifecycle.ModelManager(router, app[DATABASE], app[METRICS].registry, loader, lifecycle_config,
                                      deployments_config, app[STATE])
     models.setup(app, manager, ShadowMirror(manager, app[ADMISSION], app[DATABASE], app[METRICS].registry))
+    app[conversations.CONVERSATIONS] = Conversations(ConversationStore(app[DATABASE]), manager, router.admission)
     app[ENCODERS] = Encoders(app[RESPONSE_CACHE], app[ADMISSION], app[SHADOWS], app[METRICS])
     app[HUB] = StreamHub(router, StreamStore(app[DATABASE]), app[METRICS], streams_config or StreamsConfig(), app[AUTH])
     app[INFERENCE] = Inference(router, app[ADMISSION], app[METRICS], app[HUB], app[SHADOWS],

@@ -16,9 +16,8 @@ from pydantic import BaseModel, Field
 
 from api.auth import caller_of
 from api.errors import json_response
-from api.models import resolve_model
+from api.models import MODEL_VERSION
 from api.openai.schemas import MAX_NAME_CHARS, Strict
-from api.quotas import count_creation
 from api.routes import Route
 from api.validation import parse_body
 from services.conversations import Conversation, Conversations, Message
@@ -85,9 +84,8 @@ def message_json(message: Message) -> dict[str, Any]:
 
 async def create_conversation(request: web.Request) -> web.Response:
     body = await parse_body(request, ConversationCreate)
-    count_creation(request)  # before resolving: that may load a cold model
-    model = await resolve_model(request, body.model)
-    made = await request.app[CONVERSATIONS].create(caller_of(request), model.name, model.version, body.title)
+    made = await request.app[CONVERSATIONS].create(caller_of(request), body.model, body.title)
+    request[MODEL_VERSION] = f"{made.model}@{made.model_version}"  # the X-Model-Version header
     return json_response(conversation_json(made), status=201)
 
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import uuid
 import weakref
 from typing import Annotated, Any, Literal
 
@@ -206,8 +205,7 @@ class ChatSocket:
         """A conversation pinned to the version HTTP would route it to (the split, by `user` or a
         fresh key; a cold version loads), after the same access checks."""
         check_priority_access(self.request, body.priority)
-        model = await resolve_model(self.request, body.model, user=body.user, conversation_id=uuid.uuid4().hex)
-        made = await self.request.app[CONVERSATIONS].create(caller_of(self.request), model.name, model.version)
+        made = await self.request.app[CONVERSATIONS].create_for_chat(caller_of(self.request), body.model, body.user)
         return made.id
 
     async def find(self, stream_id: str) -> LiveStream:

@@ -10,11 +10,14 @@ assistant's answer is stored by the stream hub, with the stream's end, in one tr
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections.abc import Sequence
 
+from scheduling.admission import Admission as RequestLimits
 from scheduling.deployments import parse_model_ref
+from services.deployments.manager import ModelManager
 from services.errors import ConflictError, NotFoundError
-from services.tenancy import Caller
+from services.tenancy import Caller, count_creation
 from storage.conversations import Conversation, ConversationNotFoundError, ConversationStore, Message
 
 __all__ = ["Conversation", "Conversations", "Message"]
@@ -35,14 +38,26 @@ class Conversations:
     """The conversations service: every read and write of conversations and messages but the
     assistant's answer goes through here."""
 
-    def __init__(self, store: ConversationStore) -> None:
+    def __init__(self, store: ConversationStore, models: ModelManager, limits: RequestLimits) -> None:
         self.store = store
+        self.models = models  # routes a new conversation to the version it is pinned to
+        self.limits = limits  # the tenants' request rates: creating one counts as a request
 
     # ---- a tenant's own ----------------------------------------------------------------
 
-    async def create(self, caller: Caller, model: str, model_version: str, title: str | None = None) -> Conversation:
-        """A new conversation of the caller's, pinned to `model_version` of `model`."""
-        return await asyncio.wrap_future(self.store.create(caller.tenant.name, model, model_version, title))
+    async def create(self, caller: Caller, model_ref: str, title: str | None = None) -> Conversation:
+        """A new conversation of the caller's, pinned to the version `model_ref` routes to now (a cold
+        one loads). It counts as one of the caller's requests, before routing: that may load a model."""
+        count_creation(caller, self.limits)
+        served = await self.models.route(caller, model_ref)
+        return await asyncio.wrap_future(self.store.create(caller.tenant.name, served.name, served.version, title))
+
+    async def create_for_chat(self, caller: Caller, model_ref: str, user: str | None) -> Conversation:
+        """A conversation for a chat that names none (a WebSocket chat), pinned to the version HTTP
+        would route that chat to: the split, by `user` or a fresh key (a cold version loads). The
+        chat itself is the request that counts."""
+        served = await self.models.route(caller, model_ref, user=user, conversation_id=uuid.uuid4().hex)
+        return await asyncio.wrap_future(self.store.create(caller.tenant.name, served.name, served.version))
 
     async def list_for(self, caller: Caller) -> list[Conversation]:
         """The caller's conversations, most recently updated first (at most 100)."""
