@@ -60,6 +60,7 @@ from services.streams.hub import StreamHub, StreamsConfig
 from services.tenancy import Auth, TenantAdmin, TenantDirectory
 from storage.conversations import ConversationStore
 from storage.db import Database
+from storage.registry import RegistryStore
 from storage.streams import StreamStore
 from storage.tenants import TenantStore
 
@@ -174,9 +175,10 @@ def create_app(router: Router, state: ServerState | None = None, *, db: Database
     dashboard.setup(app, observability, tracing or TracingConfig(), alerts, span_exporter)
     app[RESPONSE_CACHE] = ResponseCache(response_cache or ResponseCacheConfig(), app[METRICS], app[ADMISSION])
     app.on_response_prepare.append(add_cache_header)
-    manager = lifecycle.ModelManager(router, app[DATABASE], app[METRICS].registry, loader, lifecycle_config,
+    registry_store = RegistryStore(app[DATABASE])
+    manager = lifecycle.ModelManager(router, registry_store, app[METRICS].registry, loader, lifecycle_config,
                                      deployments_config, app[STATE])
-    models.setup(app, manager, ShadowMirror(manager, app[ADMISSION], app[DATABASE], app[METRICS].registry))
+    models.setup(app, manager, ShadowMirror(manager, app[ADMISSION], registry_store, app[METRICS].registry))
     app[conversations.CONVERSATIONS] = Conversations(ConversationStore(app[DATABASE]), manager, router.admission)
     app[ENCODERS] = Encoders(app[RESPONSE_CACHE], app[ADMISSION], app[SHADOWS], app[METRICS])
     app[HUB] = StreamHub(router, StreamStore(app[DATABASE]), app[METRICS], streams_config or StreamsConfig(), app[AUTH])

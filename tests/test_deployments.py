@@ -74,7 +74,7 @@ class Stack:
             assert time.monotonic() < deadline, f"{ref} is {self.manager.versions[ref].state}, not {state}"
             await asyncio.sleep(0.02)
         # the state's SQLite write is queued on the writer thread: let it land before the test reads the file
-        await asyncio.wrap_future(self.manager.db.write(lambda db: None))
+        await asyncio.wrap_future(self.manager.store.db.write(lambda db: None))
 
     def metric(self, name: str, **labels) -> float:
         """The sum of `name`'s samples with these labels, as /metrics exposes them."""

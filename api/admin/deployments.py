@@ -23,7 +23,6 @@ from api.openai.schemas import Strict
 from api.routes import Route
 from api.validation import parse_body
 from services.deployments.manager import VersionState
-from services.errors import ConflictError
 
 Name = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$",
                             description="Letters, digits and `._:/-`; no `@` (it separates the version).")]
@@ -243,10 +242,7 @@ async def set_shadow(request: web.Request) -> web.Response:
 
 async def rollback(request: web.Request) -> web.Response:
     name = request.match_info["model_name"]
-    manager = request.app[MODELS]
-    if not await manager.rollback(name, "requested"):
-        raise ConflictError(f"`{name}` has no canary and no previous stable version to roll back to.",
-                            param="model_name", code="nothing_to_roll_back")
+    await request.app[MODELS].rollback(name, "requested")
     return json_response(await deployment_json(request, name))
 
 

@@ -1,12 +1,13 @@
 """Model lifecycle on the event loop: registry versions loading and unloading, routing a request
-to a version, canary health with automatic rollback, hot/cold under a per-device memory budget.
+to a version, canary health with automatic rollback (judged in canary.py), hot/cold under a
+per-device memory budget.
 
 Versions are generative (`ServedModel`: engines on the device workers) or encoders
 (`ServedEncoder`: embed/classify behind a batcher handle); both go through the same
 registry, routing, warm-up, drain, health and memory budget.
 
-`ModelManager` owns the in-memory view of the registry (SQLite is written through the DB
-writer thread after each change; memory is authoritative while the process runs) and the
+`ModelManager` owns the in-memory view of the registry (SQLite is written through the
+`RegistryStore` after each change; memory is authoritative while the process runs) and the
 router's deployments. Weights load off the loop through an injected `Loader` (launch.py's
 `EngineLoader`: services never import torch). A version becomes routable only after it loaded
 and answered a warm-up (one token, or one input through an encoder's batcher); one being
@@ -33,7 +34,6 @@ A model has several types along its way, each for one stage:
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -45,10 +45,11 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
 from engine.types import FinishReason, GenerationRequest, SamplingParams, TokenEvent
-from scheduling.deployments import DeploymentsConfig, HealthWindow, parse_model_ref, rollback_reason
+from scheduling.deployments import DeploymentsConfig, HealthWindow, parse_model_ref
 from scheduling.encoders import ServedEncoder
 from scheduling.router import ModelDeployment, RequestStream, Router, Served
 from services.background import BackgroundTasks
+from services.deployments.canary import Canaries
 from services.deployments.offload import in_fresh_thread
 from services.errors import (
     ConflictError,
@@ -60,15 +61,13 @@ from services.errors import (
 from services.server_state import ServerState
 from services.tenancy import Caller
 from storage import registry
-from storage.db import Database
-from storage.registry import Deployment, ModelVersion
+from storage.registry import Deployment, ModelVersion, RegistryStore
 
 log = structlog.get_logger(__name__)
 
 GIB = 1024**3
 WARMUP_PREFIX = "warmup-"
 SHADOW_PREFIX = "shadow-"  # mirrored copies (shadow.py): they keep a version warm but judge nothing
-CANARY_CHECK_INTERVAL_S = 0.1
 DRAINING_RETRY_AFTER_S = 5  # a draining server's Retry-After: about a restart's time
 
 
@@ -156,23 +155,22 @@ class LifecycleMetrics:
 
 
 class ModelManager:
-    def __init__(self, router: Router, db: Database, metrics_registry: CollectorRegistry, loader: Loader | None = None,
-                 lifecycle: LifecycleConfig | None = None, deployments: DeploymentsConfig | None = None,
-                 server: ServerState | None = None) -> None:
+    def __init__(self, router: Router, store: RegistryStore, metrics_registry: CollectorRegistry,
+                 loader: Loader | None = None, lifecycle: LifecycleConfig | None = None,
+                 deployments: DeploymentsConfig | None = None, server: ServerState | None = None) -> None:
         self.router = router
         self.server = server or ServerState(ready=True)  # routing refuses new work while it drains
-        self.db = db
+        self.store = store
         self.loader = loader
         self.cfg = lifecycle or LifecycleConfig()
         self.deploy_cfg = deployments or DeploymentsConfig()
         self.versions: dict[str, VersionState] = {}
-        self.health: dict[str, HealthWindow] = {}  # name@version -> recent outcomes
         self.previous_stable: dict[str, str | None] = {}  # model name -> what a rollback returns to
-        self._rolling_back: set[str] = set()  # model names with an automatic rollback under way
-        self._checked_s: dict[str, float] = {}  # model name -> when its canaries were last judged
         self.metrics = LifecycleMetrics(metrics_registry, self)
         self._lock = asyncio.Lock()
         self._background = BackgroundTasks()
+        self.canaries = Canaries(router, self.deploy_cfg, lambda name, reason: self.rollback(name, reason, True),
+                                 self._background)
         router.finish_listeners.append(self.on_finish)
         router.encoder_finish_listeners.append(self.on_encoder_finish)
 
@@ -182,17 +180,7 @@ class ModelManager:
         """Register the config's models, restore deployments, load what takes traffic.
 
         A seeded (config) version that fails to load raises LoadFailed: the server cannot start."""
-        def prepare(db) -> tuple[list[ModelVersion], list[Deployment]]:
-            registry.reset_states(db)
-            for spec in seed:
-                if registry.get_version(db, spec.name, spec.version) is None:
-                    registry.add_version(db, spec)
-                if registry.get_deployment(db, spec.name) is None:
-                    registry.save_deployment(db, Deployment(spec.name, {spec.version: 100}, spec.version),
-                                             "deploy", "config")
-            return registry.list_versions(db), registry.list_deployments(db)
-
-        versions, deployments = await asyncio.wrap_future(self.db.write(prepare))
+        versions, deployments = await asyncio.wrap_future(self.store.restore(seed, "config"))
         for spec in versions:
             self.versions[spec.ref] = VersionState(spec, spec.state, spec.error)
         for d in deployments:
@@ -420,7 +408,7 @@ class ModelManager:
     def _set_state(self, vs: VersionState, state: str, error: str | None = None) -> None:
         vs.state, vs.error = state, error
         name, version = vs.spec.name, vs.spec.version
-        write = self.db.write(lambda db: registry.set_state(db, name, version, state, error))
+        write = self.store.set_state(name, version, state, error)
         write.add_done_callback(lambda f: f.exception() and log.error(  # memory (authoritative) is right
             "could not store a model version's state", model=vs.ref, state=state, error=repr(f.exception())))
 
@@ -443,33 +431,12 @@ class ModelManager:
         now = time.monotonic()
         if served.ref in self.versions:
             self.versions[served.ref].last_used_s = now
-        self.health.setdefault(served.ref, HealthWindow()).record(now, ok, latency_s)
-        self.check_canaries(served.name)
+        self.canaries.record(served, ok, latency_s, now)
 
-    def check_canaries(self, name: str, force: bool = False) -> None:
-        """Judge `name`'s canaries against its stable version: error rates on every call, p99
-        latencies (which sort the windows, too much for every request) at most every
-        CANARY_CHECK_INTERVAL_S per model unless `force`."""
-        deployment = self.router.deployments.get(name)
-        if deployment is None or name in self._rolling_back:
-            return
-        now, window_s = time.monotonic(), self.deploy_cfg.window_seconds
-        latency = force or now - self._checked_s.get(name, -math.inf) >= CANARY_CHECK_INTERVAL_S
-        if latency:
-            self._checked_s[name] = now
-        stable = self.health.setdefault(f"{name}@{deployment.stable}", HealthWindow())
-        stable.trim(now, window_s)
-        for version, percent in deployment.traffic.items():
-            if version == deployment.stable or percent == 0:
-                continue
-            canary = self.health.setdefault(f"{name}@{version}", HealthWindow())
-            canary.trim(now, window_s)
-            reason = rollback_reason(canary, stable, self.deploy_cfg, latency)
-            if reason is not None:
-                self._rolling_back.add(name)
-                task = self._background.spawn(self.rollback(name, f"canary {version}: {reason}", automatic=True))
-                task.add_done_callback(lambda _: self._rolling_back.discard(name))
-                return
+    @property
+    def health(self) -> dict[str, HealthWindow]:
+        """name@version -> its recent outcomes (the canary window)."""
+        return self.canaries.health
 
     async def run(self) -> None:
         """Background: unload idle versions past their keep_alive; re-judge canaries."""
@@ -482,7 +449,7 @@ class ModelManager:
                         and served.num_in_flight == 0 and now - vs.last_used_s > vs.keep_alive_s):
                     self._background.spawn(self.unload(vs, "keep_alive"))
             for name in list(self.router.deployments):
-                self.check_canaries(name, force=True)
+                self.canaries.check(name, force=True)
 
     # ---- registry and deployments -------------------------------------------------------
 
@@ -501,16 +468,8 @@ class ModelManager:
             raise InvalidRequestError(f"cannot register `{spec.ref}`: {problem}", param="source",
                                       code="model_not_loadable")
         first = not any(v.spec.name == spec.name for v in self.versions.values())
-
-        def add(db) -> Deployment | None:
-            registry.add_version(db, spec)
-            if first:
-                return registry.save_deployment(db, Deployment(spec.name, {spec.version: 100}, spec.version),
-                                                "deploy", "first version")
-            return None
-
-        try:
-            deployment = await asyncio.wrap_future(self.db.write(add))
+        try:  # the first version of a name gets all of its traffic
+            deployment = await asyncio.wrap_future(self.store.register(spec, "first version" if first else None))
         except registry.VersionExistsError as exc:
             raise ConflictError(f"`{spec.ref}` is already registered.", param="version",
                                 code="version_exists") from exc
@@ -617,7 +576,7 @@ class ModelManager:
         await self._save(new, kind, reason)
 
     async def _save(self, new: Deployment, kind: str, reason: str | None) -> None:
-        saved = await asyncio.wrap_future(self.db.write(lambda db: registry.save_deployment(db, new, kind, reason)))
+        saved = await asyncio.wrap_future(self.store.save_deployment(new, kind, reason))
         self._apply_deployment(saved)
         log.info("deployment changed", model=new.model_name, kind=kind, traffic=new.traffic,
                  stable=new.stable_version, reason=reason)
@@ -631,27 +590,29 @@ class ModelManager:
             await self.set_traffic(name, {deployment.stable: 100 - percent, version: percent}, "deploy")
 
     async def rollback(self, name: str, reason: str | None = None, automatic: bool = False) -> bool:
-        """All traffic to the stable version (dropping canaries), or, with none, back to the previous stable."""
+        """All traffic to the stable version (dropping canaries), or, with none, back to the previous
+        stable. Nothing to roll back: False for an automatic one, a ConflictError for an operator's."""
         deployment, previous = self.deployment(name)
         canaries = [v for v, p in deployment.traffic.items() if v != deployment.stable and p > 0]
         if canaries:
             target = deployment.stable
-        elif previous is not None and f"{name}@{previous}" in self.versions:
+        elif previous is not None and f"{name}@{previous}" in self.versions and not automatic:
             target = previous
+        elif automatic:
+            return False
         else:
-            return False
+            raise ConflictError(f"`{name}` has no canary and no previous stable version to roll back to.",
+                                param="model_name", code="nothing_to_roll_back")
         kind = "auto_rollback" if automatic else "rollback"
-        if automatic and not canaries:
-            return False
         await self.set_traffic(name, {target: 100}, kind, reason, stable=target)
         for canary in canaries:
-            self.health.pop(f"{name}@{canary}", None)  # a later canary of the same version starts clean
+            self.canaries.forget(f"{name}@{canary}")
         self.metrics.rollbacks.labels(name, "auto" if automatic else "manual").inc()
         log.warning("deployment rolled back", model=name, to=target, automatic=automatic, reason=reason)
         return True
 
     async def events(self, name: str | None = None, limit: int = 20) -> list[registry.DeploymentEvent]:
-        return await asyncio.to_thread(self.db.read, lambda db: registry.list_events(db, name, limit))
+        return await asyncio.to_thread(self.store.events, name, limit)
 
     # ---- plumbing -----------------------------------------------------------------------
 

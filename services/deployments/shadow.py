@@ -45,9 +45,7 @@ from services.errors import ConflictError, InvalidRequestError, RateLimitError, 
 from services.inference.admission import Admission
 from services.observability.metrics import STATUS
 from services.observability.telemetry import SUCCESS
-from storage import registry
-from storage.db import Database
-from storage.registry import Shadow
+from storage.registry import RegistryStore, Shadow
 
 log = structlog.get_logger(__name__)
 
@@ -87,26 +85,26 @@ def digest(text: str) -> str:
 class ShadowMirror:
     """Invariant: `shadows` holds what SQLite holds (one per model at most, percent 1-100)."""
 
-    def __init__(self, manager: ModelManager, admission: Admission, db: Database,
+    def __init__(self, manager: ModelManager, admission: Admission, store: RegistryStore,
                  metrics_registry: CollectorRegistry) -> None:
         self.manager = manager
         self.router = manager.router
         self.admission = admission
-        self.db = db
+        self.store = store
         self.shadows: dict[str, Shadow] = {}
         self.requests = Counter("galley_shadow_requests", "Requests mirrored to a shadow version, by outcome",
                                 ["model", "version", "outcome"], registry=metrics_registry)
         self._background = BackgroundTasks()
 
     async def restore(self) -> None:
-        self.shadows = {s.model_name: s for s in await asyncio.to_thread(self.db.read, registry.list_shadows)}
+        self.shadows = {s.model_name: s for s in await asyncio.to_thread(self.store.shadows)}
 
     async def set(self, model_name: str, version: str | None, percent: int) -> None:
         """Mirror `percent`% of the stable version's requests to `version`, which starts loading;
         0 stops mirroring. Checks everything before changing anything."""
         deployment, _ = self.manager.deployment(model_name)  # 404 for an unknown model
         if percent == 0:
-            await asyncio.wrap_future(self.db.write(lambda db: registry.clear_shadow(db, model_name)))
+            await asyncio.wrap_future(self.store.clear_shadow(model_name))
             self.shadows.pop(model_name, None)
             log.info("shadow cleared", model=model_name)
             return
@@ -117,7 +115,7 @@ class ShadowMirror:
             raise ConflictError(f"`{vs.ref}` is the stable version: it cannot shadow itself", param="version",
                                 code="shadow_is_stable")
         wanted = Shadow(model_name, version, percent)
-        self.shadows[model_name] = await asyncio.wrap_future(self.db.write(lambda db: registry.set_shadow(db, wanted)))
+        self.shadows[model_name] = await asyncio.wrap_future(self.store.set_shadow(wanted))
         if vs.state != "ready":
             self.manager.load_in_background(vs)
         log.info("shadow set", model=model_name, version=version, percent=percent)
