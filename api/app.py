@@ -58,6 +58,7 @@ from services.observability.metrics import Metrics, StorageCollector
 from services.observability.telemetry import ObservabilityConfig, TracingConfig
 from services.streams.hub import StreamHub, StreamsConfig
 from services.tenancy import Auth, TenantAdmin, TenantDirectory
+from storage.batches import BatchStore
 from storage.conversations import ConversationStore
 from storage.db import Database
 from storage.registry import RegistryStore
@@ -188,8 +189,8 @@ def create_app(router: Router, state: ServerState | None = None, *, db: Database
     tenants = lambda name: app[AUTH].directory.tenants.get(name)  # noqa: E731
     # batch items route like requests (by the job id): a cold or unloaded version loads again
     batch_config = batch_config or BatchConfig()
-    batch.setup(app, BatchRunner(router, app[ADMISSION], app[DATABASE], app[METRICS], tenants, app[STATE],
-                                 webhook_client(batch_config), batch_config, resolve=manager.resolve))
+    batch.setup(app, BatchRunner(router, app[ADMISSION], manager, BatchStore(app[DATABASE]), app[METRICS], tenants,
+                                 app[STATE], webhook_client(batch_config), batch_config))
     ws.setup(app)
     routes = all_routes()
     for route in routes:

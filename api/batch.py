@@ -3,21 +3,20 @@
 Every handler is scoped to the caller's tenant: another tenant's job answers 404 exactly as
 a missing one does. Creating a job counts as one of the tenant's requests, and the tenant's
 unfinished jobs and stored input bytes are capped (429 with Retry-After). The work itself
-happens in `services.batch.runner.BatchRunner`; these handlers validate, store and read.
+happens in `services.batch.runner.BatchRunner`; these handlers parse, make one call and render.
 """
 
 from __future__ import annotations
 
-import asyncio
-import json
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 from urllib.parse import urlparse
 
 from aiohttp import web
 from pydantic import BaseModel, Field, field_validator
 
-from api.auth import tenant_of
+from api.auth import caller_of, tenant_of
 from api.errors import json_response
+from api.models import MODEL_VERSION
 from api.openai.schemas import (
     MAX_CONTEXT_TOKENS,
     MAX_NAME_CHARS,
@@ -29,16 +28,9 @@ from api.openai.schemas import (
     Strict,
     Usage,
 )
-from api.quotas import count_creation
 from api.routes import Route
 from api.validation import parse_body
-from scheduling.encoders import ServedEncoder
-from services.batch.runner import BatchRunner, job_summary
-from services.batch.webhooks import CallbackRefused
-from services.deployments.manager import resolve_model
-from services.errors import InvalidRequestError, NotFoundError, rate_limited
-from storage import batches, registry
-from storage.batches import BatchItem, BatchJob, QuotaExceeded
+from services.batch.runner import BatchRunner
 
 BATCH = web.AppKey("batch_runner", BatchRunner)
 MAX_INPUTS = 100_000  # the schema's bound; [batch] max_inputs is the configured one
@@ -160,115 +152,36 @@ class BatchResults(BaseModel):
     results: list[BatchItemOut] = Field(description="One per input, in input order.")
 
 
-def item_json(job: BatchJob, item: BatchItem) -> dict[str, Any]:
-    usage = None
-    if item.prompt_tokens is not None:
-        usage = {"prompt_tokens": item.prompt_tokens, "completion_tokens": item.completion_tokens,
-                 "total_tokens": item.prompt_tokens + item.completion_tokens}
-    out = {"index": item.idx, "status": item.status, "output": item.output, "finish_reason": item.finish_reason,
-           "usage": usage, "error": item.error}
-    if job.kind != "generate" and item.output is not None:
-        value = json.loads(item.output)
-        out["output"] = None
-        out.update({"embedding": value} if job.kind == "embed" else value)
-    return out
-
-
-def batch_not_found(job_id: str) -> NotFoundError:
-    return NotFoundError(f"No batch job `{job_id}`.", param="batch_id", code="batch_not_found")
-
-
 # ---- handlers --------------------------------------------------------------------------
-
-
-def check_params(request: web.Request, params: BatchParams, vocab_size: int) -> None:
-    cap = tenant_of(request).max_tokens
-    if cap is not None and params.max_tokens is not None and params.max_tokens > cap:
-        raise InvalidRequestError(f"max_tokens is {params.max_tokens}, over this API key's cap of {cap}",
-                                  param="params.max_tokens")
-    if params.stop_token_ids and any(not 0 <= t < vocab_size for t in params.stop_token_ids):
-        raise InvalidRequestError(f"stop_token_ids must be in [0, {vocab_size})", param="params.stop_token_ids")
 
 
 async def create_batch(request: web.Request) -> web.Response:
     body = await parse_body(request, BatchCreate)
-    runner = request.app[BATCH]
-    if len(body.inputs) > runner.config.max_inputs:
-        raise InvalidRequestError(f"{len(body.inputs)} inputs; at most {runner.config.max_inputs} per job",
-                                  param="inputs")
-    if body.callback_url is not None:
-        try:
-            runner.webhooks.policy.check_url(body.callback_url)
-        except CallbackRefused as exc:
-            raise InvalidRequestError(f"callback_url {exc}", param="callback_url") from exc
-    count_creation(request)
-    model = await resolve_model(request, body.model, kinds=registry.KINDS)  # a cold model loads now
-    params = body.params or BatchParams()
-    if isinstance(model, ServedEncoder):
-        kind = model.kind
-        if body.params is not None:
-            raise InvalidRequestError(f"params apply to generative models; `{model.name}` is a `{kind}` model",
-                                      param="params")
-        if not all(isinstance(value, str) for value in body.inputs):
-            raise InvalidRequestError(f"inputs of a `{kind}` model are texts (strings)", param="inputs")
-        inputs = list(body.inputs)
-    else:
-        kind = "generate"
-        check_params(request, params, model.vocab_size)
-        inputs = [value if isinstance(value, str) else [{"role": "system" if m.role == "developer" else m.role,
-                                                         "content": m.text()} for m in value]
-                  for value in body.inputs]
-    estimate = runner.estimate_seconds(model, len(inputs), params.max_tokens)
-    try:
-        job = await runner.submit(tenant_of(request).name, body.model, inputs, params.model_dump(),
-                                  body.callback_url, kind)
-    except QuotaExceeded as exc:
-        raise rate_limited(exc) from exc
-    return json_response({"batch_id": job.id, "object": "batch", "status": job.status, "model": job.model,
-                          "kind": job.kind, "num_inputs": job.num_items, "estimated_time": estimate,
-                          "callback_secret": job.callback_secret})
+    inputs = [value if isinstance(value, str) else [{"role": "system" if m.role == "developer" else m.role,
+                                                     "content": m.text()} for m in value]
+              for value in body.inputs]
+    created = await request.app[BATCH].create(caller_of(request), body.model, inputs,
+                                              (body.params or BatchParams()).model_dump(),
+                                              body.params is not None, body.callback_url)
+    request[MODEL_VERSION] = created.model_ref
+    return json_response(created.view())
 
 
 async def get_batch(request: web.Request) -> web.Response:
-    job_id = request.match_info["batch_id"]
-    summary = await request.app[BATCH].summary(job_id, tenant_of(request).name)
-    if summary is None:
-        raise batch_not_found(job_id)
-    return json_response(summary)
+    return json_response(await request.app[BATCH].job(request.match_info["batch_id"], tenant_of(request).name))
 
 
 async def list_batches(request: web.Request) -> web.Response:
-    tenant = tenant_of(request).name
-
-    def query(db):
-        return [job_summary(job, batches.item_counts(db, job.id)) for job in batches.list_jobs(db, tenant)]
-
-    return json_response({"object": "list", "data": await asyncio.to_thread(request.app[BATCH].db.read, query)})
+    return json_response({"object": "list", "data": await request.app[BATCH].jobs(tenant_of(request).name)})
 
 
 async def batch_results(request: web.Request) -> web.Response:
-    job_id = request.match_info["batch_id"]
-    tenant = tenant_of(request).name
-
-    def query(db):
-        job = batches.get_job(db, job_id, tenant)
-        return None if job is None else (job, batches.list_items(db, job_id))
-
-    found = await asyncio.to_thread(request.app[BATCH].db.read, query)
-    if found is None:
-        raise batch_not_found(job_id)
-    job, items = found
-    return json_response({"batch_id": job.id, "object": "batch.results", "status": job.status,
-                          "results": [item_json(job, item) for item in items]})
+    return json_response(await request.app[BATCH].results(request.match_info["batch_id"], tenant_of(request).name))
 
 
 async def cancel_batch(request: web.Request) -> web.Response:
     job_id = request.match_info["batch_id"]
-    runner = request.app[BATCH]
-    tenant = tenant_of(request).name
-    if await runner.cancel(job_id, tenant) is None:
-        raise batch_not_found(job_id)
-    return json_response(await runner.summary(job_id, tenant))
+    return json_response(await request.app[BATCH].cancel_job(job_id, tenant_of(request).name))
 
 
 def setup(app: web.Application, runner: BatchRunner) -> None:

@@ -11,7 +11,7 @@ a restart `recover()` reruns only the unfinished items. When a job ends, its cal
 the job summary by a signed POST (`services.batch.webhooks`: public addresses only unless allow-listed, no
 redirects), retried with exponential backoff. Finished jobs expire after `retention_seconds`.
 While the server drains, no new item starts (in-flight ones finish and are stored).
-Must not block the loop: SQLite reads run in a thread, writes on the DB writer thread.
+Must not block the loop: store reads (`storage.batches.BatchStore`) run in a thread, writes on the DB writer thread.
 """
 
 from __future__ import annotations
@@ -21,9 +21,10 @@ import json
 import math
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import structlog
 from prometheus_client import Counter
@@ -33,25 +34,37 @@ from scheduling.encoders import ServedEncoder
 from scheduling.router import RequestStream, Router, Served, ServedModel
 from services.background import BackgroundTasks
 from services.batch.webhooks import CallbackRefused, WebhookClient, new_secret
+from services.deployments.manager import ModelManager
 from services.errors import (
     InvalidRequestError,
+    NotFoundError,
     QueueFullError,
     RateLimitError,
     ServiceError,
     ServiceUnavailableError,
+    rate_limited,
 )
 from services.inference.admission import Admission
 from services.inference.encoders import prediction
 from services.inference.prompts import encode_chat, encode_text
 from services.observability.metrics import Metrics
 from services.server_state import ServerState
-from services.tenancy import limits_of
-from storage import batches
-from storage.batches import BatchItem, BatchJob, ItemResult, ItemStatus, JobStatus
-from storage.db import Database
+from services.tenancy import Caller, count_creation, limits_of
+from storage import batches, registry
+from storage.batches import (
+    BatchItem,
+    BatchJob,
+    BatchStore,
+    CallbackStatus,
+    ItemResult,
+    ItemStatus,
+    JobStatus,
+    QuotaExceeded,
+)
 from storage.tenants import Tenant
 
 log = structlog.get_logger(__name__)
+T = TypeVar("T")
 
 DEFAULT_COMPLETION_TOKENS = 16  # as /v1/completions
 DEFAULT_SECONDS_PER_TOKEN = 0.02  # for estimated_time until a model has finished items
@@ -128,6 +141,50 @@ def encoder_result(model: ServedEncoder, output: Any) -> ItemResult:
                       completion_tokens=0)
 
 
+def item_view(job: BatchJob, item: BatchItem) -> dict[str, Any]:
+    """One stored result as GET /api/v1/batch/{id}/results shows it (encoders: the decoded vector or prediction)."""
+    usage = None
+    if item.prompt_tokens is not None:
+        usage = {"prompt_tokens": item.prompt_tokens, "completion_tokens": item.completion_tokens,
+                 "total_tokens": item.prompt_tokens + item.completion_tokens}
+    out = {"index": item.idx, "status": item.status, "output": item.output, "finish_reason": item.finish_reason,
+           "usage": usage, "error": item.error}
+    if job.kind != "generate" and item.output is not None:
+        value = json.loads(item.output)
+        out["output"] = None
+        out.update({"embedding": value} if job.kind == "embed" else value)
+    return out
+
+
+def batch_not_found(job_id: str) -> NotFoundError:
+    return NotFoundError(f"No batch job `{job_id}`.", param="batch_id", code="batch_not_found")
+
+
+def check_params(tenant: Tenant, params: dict[str, Any], vocab_size: int) -> None:
+    """A generative job's params against the caller's max_tokens cap and the model's vocabulary."""
+    cap, max_tokens, stop_ids = tenant.max_tokens, params.get("max_tokens"), params.get("stop_token_ids")
+    if cap is not None and max_tokens is not None and max_tokens > cap:
+        raise InvalidRequestError(f"max_tokens is {max_tokens}, over this API key's cap of {cap}",
+                                  param="params.max_tokens")
+    if stop_ids and any(not 0 <= t < vocab_size for t in stop_ids):
+        raise InvalidRequestError(f"stop_token_ids must be in [0, {vocab_size})", param="params.stop_token_ids")
+
+
+@dataclass(frozen=True)
+class Created:
+    """A stored job as POST /api/v1/batch answers it, and the model version that will run it."""
+
+    job: BatchJob
+    estimated_time: float
+    model_ref: str  # name@version (X-Model-Version)
+
+    def view(self) -> dict[str, Any]:
+        job = self.job
+        return {"batch_id": job.id, "object": "batch", "status": job.status, "model": job.model, "kind": job.kind,
+                "num_inputs": job.num_items, "estimated_time": self.estimated_time,
+                "callback_secret": job.callback_secret}
+
+
 def job_summary(job: BatchJob, counts: dict[str, int]) -> dict[str, Any]:
     """The job as GET /api/v1/batch/{id} and the callback show it."""
     callback = None
@@ -141,15 +198,13 @@ def job_summary(job: BatchJob, counts: dict[str, int]) -> dict[str, Any]:
 
 
 class BatchRunner:
-    def __init__(self, router: Router, admission: Admission, db: Database, metrics: Metrics,
-                 tenants: Callable[[str], Tenant | None], state: ServerState, webhooks: WebhookClient,
-                 config: BatchConfig = BatchConfig(),
-                 resolve: Callable[[str, str], Awaitable[Served]] | None = None) -> None:
+    def __init__(self, router: Router, admission: Admission, models: ModelManager, store: BatchStore,
+                 metrics: Metrics, tenants: Callable[[str], Tenant | None], state: ServerState,
+                 webhooks: WebhookClient, config: BatchConfig = BatchConfig()) -> None:
         self.router = router
         self.admission = admission  # items are admitted as requests are, uncounted: a refusal is waited out
-        # (ref, routing key) -> the version to use, loading it if cold; None: the router's loaded default
-        self.resolve = resolve
-        self.db = db
+        self.models = models  # routes a job's model ref to a version, loading it if cold
+        self.store = store
         self.metrics = metrics
         self.tenants = tenants
         self.state = state
@@ -167,14 +222,76 @@ class BatchRunner:
                                      "by reason (queue_full, model_unavailable, or the tenant limit)", ["reason"],
                                      registry=metrics.registry)
 
+    # ---- what the API asks -----------------------------------------------------------------
+
+    async def create(self, caller: Caller, ref: str, inputs: list[Any], params: dict[str, Any],
+                     params_given: bool, callback_url: str | None) -> Created:
+        """Check, count and store a job of the caller's, in this order: its size and callback URL,
+        then one of the tenant's requests (before a cold model loads or inputs are stored), then its
+        model (routed by this request; a cold version loads now) and the inputs and params for that
+        model's kind. `params` are every sampling field (the defaults where not given); `inputs`
+        are prompts (str) or chat messages ([{"role", "content"}])."""
+        if len(inputs) > self.config.max_inputs:
+            raise InvalidRequestError(f"{len(inputs)} inputs; at most {self.config.max_inputs} per job",
+                                      param="inputs")
+        if callback_url is not None:
+            try:
+                self.webhooks.policy.check_url(callback_url)
+            except CallbackRefused as exc:
+                raise InvalidRequestError(f"callback_url {exc}", param="callback_url") from exc
+        count_creation(caller, self.router.admission)
+        model = await self.models.route(caller, ref, kinds=registry.KINDS)
+        if isinstance(model, ServedEncoder):
+            kind = model.kind
+            if params_given:
+                raise InvalidRequestError(f"params apply to generative models; `{model.name}` is a `{kind}` model",
+                                          param="params")
+            if not all(isinstance(value, str) for value in inputs):
+                raise InvalidRequestError(f"inputs of a `{kind}` model are texts (strings)", param="inputs")
+        else:
+            kind = "generate"
+            check_params(caller.tenant, params, model.vocab_size)
+        estimate = self.estimate_seconds(model, len(inputs), params.get("max_tokens"))
+        try:
+            job = await self.submit(caller.tenant.name, ref, inputs, params, callback_url, kind)
+        except QuotaExceeded as exc:
+            raise rate_limited(exc) from exc
+        return Created(job, estimate, model.ref)
+
+    async def jobs(self, tenant: str) -> list[dict[str, Any]]:
+        """The tenant's jobs, newest first, as GET /api/v1/batch lists them."""
+        return [job_summary(job, counts) for job, counts in await self._read(self.store.jobs_with_counts, tenant)]
+
+    async def job(self, job_id: str, tenant: str) -> dict[str, Any]:
+        """The tenant's job; NotFoundError for another tenant's exactly as for a missing one."""
+        summary = await self.summary(job_id, tenant)
+        if summary is None:
+            raise batch_not_found(job_id)
+        return summary
+
+    async def results(self, job_id: str, tenant: str) -> dict[str, Any]:
+        """The tenant's job's results, one per input in input order."""
+        found = await self._read(self.store.job_with_items, job_id, tenant)
+        if found is None:
+            raise batch_not_found(job_id)
+        job, items = found
+        return {"batch_id": job.id, "object": "batch.results", "status": job.status,
+                "results": [item_view(job, item) for item in items]}
+
+    async def cancel_job(self, job_id: str, tenant: str) -> dict[str, Any]:
+        """Cancel the tenant's job (idempotent) and show it."""
+        if await self.cancel(job_id, tenant) is None:
+            raise batch_not_found(job_id)
+        return await self.job(job_id, tenant)
+
     # ---- lifecycle -----------------------------------------------------------------------
 
     async def submit(self, tenant: str, model: str, inputs: list[Any], params: dict,
                      callback_url: str | None, kind: str = "generate") -> BatchJob:
         """Store and start a job (its `callback_secret` is new); `batches.QuotaExceeded` over a tenant's caps."""
         secret = new_secret() if callback_url else None
-        job = await self._write(lambda db: batches.create_job(db, tenant, model, inputs, params, callback_url, kind,
-                                                              secret, self.config.quota))
+        job = await self._write(self.store.create(tenant, model, inputs, params, callback_url, kind, secret,
+                                                  self.config.quota))
         self.jobs_total.labels(JobStatus.QUEUED.value).inc()
         self._start(job)
         log.info("batch job queued", batch_id=job.id, model=model, tenant=tenant, num_items=job.num_items)
@@ -182,10 +299,10 @@ class BatchRunner:
 
     async def recover(self) -> int:
         """Continue the jobs a stop left unfinished, and their undelivered callbacks; returns how many jobs."""
-        unfinished = await self._read(batches.list_unfinished_jobs)
+        unfinished = await self._read(self.store.unfinished)
         for job in unfinished:
             self._start(job)
-        for job in await self._read(batches.list_undelivered_callbacks):
+        for job in await self._read(self.store.undelivered_callbacks):
             self._background.spawn(self._deliver(job.id))
         if unfinished:
             log.info("resumed batch jobs after restart", count=len(unfinished))
@@ -193,7 +310,7 @@ class BatchRunner:
 
     async def cancel(self, job_id: str, tenant: str) -> BatchJob | None:
         """Cancel the tenant's job: pending items are cancelled, items in flight aborted. None if not theirs."""
-        outcome = await self._write(lambda db: batches.cancel_job(db, job_id, tenant))
+        outcome = await self._write(self.store.cancel(job_id, tenant))
         if outcome is None:
             return None
         if outcome.changed:
@@ -218,7 +335,7 @@ class BatchRunner:
 
     async def expire(self) -> int:
         retention_s = self.config.retention_seconds
-        expired = await self._write(lambda db: batches.expire_jobs(db, retention_s))
+        expired = await self._write(self.store.expire(retention_s))
         if expired:
             log.info("batch jobs expired", count=expired, retention_s=retention_s)
         return expired
@@ -264,9 +381,9 @@ class BatchRunner:
         if model is None:
             await self._finish(job, JobStatus.FAILED, f"the model {job.model!r} is not served")
             return
-        items = await self._read(lambda db: batches.list_items(db, job.id, ItemStatus.PENDING))
+        items = await self._read(self.store.items, job.id, ItemStatus.PENDING)
         run.remaining = len(items)
-        await self._write(lambda db: batches.start_job(db, job.id))
+        await self._write(self.store.start(job.id))
         if isinstance(model, ServedEncoder):
             await self._encode_all(run, model, items)
         else:
@@ -275,7 +392,7 @@ class BatchRunner:
             await asyncio.gather(*(self._work(run, todo) for _ in range(num_workers)))
         if run.cancelled or self.state.draining:
             return  # a cancel has written the final state; a drain leaves the job to resume after restart
-        counts = await self._read(lambda db: batches.item_counts(db, job.id))
+        counts = await self._read(self.store.item_counts, job.id)
         if counts[ItemStatus.COMPLETED] == 0:
             await self._finish(job, JobStatus.FAILED, "every item failed")
         else:
@@ -284,10 +401,8 @@ class BatchRunner:
     async def find_model(self, job: BatchJob) -> Served | None:
         """The job's model version for `name` or `name@version`, of any kind (routed by the job id,
         so a job's items stay on one version while the split is unchanged)."""
-        if self.resolve is None:
-            return self.router.find(job.model)
         try:
-            return await self.resolve(job.model, job.id)
+            return await self.models.resolve(job.model, job.id)
         except Exception as exc:
             log.warning("batch job's model unavailable", batch_id=job.id, model=job.model, error=str(exc))
             return None
@@ -304,7 +419,7 @@ class BatchRunner:
                 result = ItemResult(ItemStatus.FAILED.value, error=f"internal error: {type(exc).__name__}")
             if result is None:
                 continue  # aborted: the job was cancelled
-            stored = await self._write(lambda db, i=item.idx, r=result: batches.finish_item(db, run.job.id, i, r))
+            [stored] = await self._write(self.store.finish_items(run.job.id, [(item.idx, result)]))
             run.remaining -= 1
             if stored:
                 self.items_total.labels(result.status).inc()
@@ -409,8 +524,8 @@ class BatchRunner:
             if results is None:
                 return  # cancelled or draining
             self._observe_item(model.name, time.monotonic() - started)
-            stored = await self._write(lambda db, c=chunk, r=results: [
-                batches.finish_item(db, run.job.id, item.idx, result) for item, result in zip(c, r)])
+            stored = await self._write(self.store.finish_items(
+                run.job.id, [(item.idx, result) for item, result in zip(chunk, results)]))
             run.remaining -= len(chunk)
             for result, was_stored in zip(results, stored):
                 if was_stored:
@@ -450,7 +565,7 @@ class BatchRunner:
         self.item_seconds[model] = seconds if old is None else 0.8 * old + 0.2 * seconds
 
     async def _finish(self, job: BatchJob, status: JobStatus, error: str | None = None) -> None:
-        if await self._write(lambda db: batches.finish_job(db, job.id, status.value, error)):
+        if await self._write(self.store.finish(job.id, status.value, error)):
             self.jobs_total.labels(status.value).inc()
             log.info("batch job finished", batch_id=job.id, status=status.value, error=error)
             self._background.spawn(self._deliver(job.id))
@@ -458,16 +573,13 @@ class BatchRunner:
     # ---- callbacks -------------------------------------------------------------------------
 
     async def summary(self, job_id: str, tenant: str | None = None) -> dict[str, Any] | None:
-        def query(db):
-            job = batches.get_job(db, job_id, tenant)
-            return None if job is None else job_summary(job, batches.item_counts(db, job_id))
-
-        return await self._read(query)
+        found = await self._read(self.store.job_with_counts, job_id, tenant)
+        return None if found is None else job_summary(*found)
 
     async def _deliver(self, job_id: str) -> None:
         """POST the summary of a finished job to its callback URL until it answers 2xx or attempts run out."""
-        job = await self._read(lambda db: batches.get_job(db, job_id))
-        if job is None or job.callback_url is None or job.callback_status != batches.CallbackStatus.PENDING:
+        job = await self._read(self.store.job, job_id)
+        if job is None or job.callback_url is None or job.callback_status != CallbackStatus.PENDING:
             return
         body = json.dumps(await self.summary(job_id), separators=(",", ":")).encode()
         attempts = job.callback_attempts
@@ -476,10 +588,10 @@ class BatchRunner:
                 await asyncio.sleep(self.config.callback_backoff_seconds * 2 ** (attempts - 1))
             attempts += 1
             if await self._post(job, body, attempts):
-                await self._write(lambda db, n=attempts: batches.set_callback(db, job_id, "delivered", n))
+                await self._write(self.store.set_callback(job_id, CallbackStatus.DELIVERED, attempts))
                 return
-            await self._write(lambda db, n=attempts: batches.set_callback(db, job_id, "pending", n))
-        await self._write(lambda db: batches.set_callback(db, job_id, "failed", attempts))
+            await self._write(self.store.set_callback(job_id, CallbackStatus.PENDING, attempts))
+        await self._write(self.store.set_callback(job_id, CallbackStatus.FAILED, attempts))
         log.warning("batch callback failed", batch_id=job_id, attempts=attempts)
 
     async def _post(self, job: BatchJob, body: bytes, attempt: int) -> bool:
@@ -501,9 +613,13 @@ class BatchRunner:
 
     # ---- plumbing --------------------------------------------------------------------------
 
-    async def _write(self, fn):
-        return await asyncio.wrap_future(self.db.write(fn))
+    @staticmethod
+    async def _write(future: Future[T]) -> T:
+        """A store write's result, awaited on the loop (the write runs on the DB writer thread)."""
+        return await asyncio.wrap_future(future)
 
-    async def _read(self, fn):
-        return await asyncio.to_thread(self.db.read, fn)
+    @staticmethod
+    async def _read(read: Callable[..., T], *args: Any) -> T:
+        """A store read, run in a thread (SQLite reads block)."""
+        return await asyncio.to_thread(read, *args)
 
