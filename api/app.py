@@ -17,9 +17,10 @@ from api import streams as stream_api
 from api.admin import dashboard, profiling
 from api.admin import deployments as deployments_api
 from api.admin import tenants as admin
-from api.auth import AUTH, DATABASE, TENANT_ADMIN, auth_middleware
+from api.auth import AUTH, TENANT_ADMIN, auth_middleware
 from api.context import (
     ADMISSION,
+    DATABASE,
     ENCODERS,
     HUB,
     INFERENCE,

@@ -26,7 +26,6 @@ from services.tenancy import (
     key_prefix,
     revoked,
 )
-from storage.db import Database
 
 TENANT = "tenant"  # request[TENANT]: the caller's Tenant as authenticated (handlers use `tenant_of`)
 KEY_PREFIX = "api_key_prefix"  # request[KEY_PREFIX]: the prefix of the key it came with; None: no key
@@ -40,7 +39,6 @@ DEPLOYMENTS_PATH = "/api/v1/deployments"  # reads: a tenant key (its models, in 
 
 AUTH = web.AppKey("auth", Auth)
 TENANT_ADMIN = web.AppKey("tenant_admin", TenantAdmin)
-DATABASE = web.AppKey("database", Database)
 
 
 def bearer_token(request: web.Request) -> str:

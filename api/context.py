@@ -17,6 +17,7 @@ from services.observability.profiling import Profiler
 from services.observability.telemetry import ObservabilityConfig, RecentRequests
 from services.server_state import ServerState
 from services.streams.hub import StreamHub
+from storage.db import Database
 
 ROUTER = web.AppKey("router", Router)
 STATE = web.AppKey("state", ServerState)
@@ -33,3 +34,4 @@ HUB = web.AppKey("stream_hub", StreamHub)
 INFERENCE = web.AppKey("inference", Inference)
 RESPONSE_CACHE = web.AppKey("response_cache", ResponseCache)
 ENCODERS = web.AppKey("encoders", Encoders)
+DATABASE = web.AppKey("database", Database)  # the wiring's, and readiness reads its write errors

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from api.auth import DATABASE
-from api.context import ROUTER, STATE
+from api.context import DATABASE, ROUTER, STATE
 from api.errors import json_response
 from api.openai.schemas import Health
 from api.routes import Route
