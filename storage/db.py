@@ -5,7 +5,9 @@ caller gets a `concurrent.futures.Future` (asyncio code awaits `asyncio.wrap_fut
 so the event loop never blocks on a write). Reads use a second connection behind a lock.
 A write that SQLite refuses (disk full, `database is locked`, I/O error) is also counted
 here, so no failure goes unseen even where a caller does not wait: readiness and metrics
-read `num_write_errors` and `last_write_error_s`.
+read `num_write_errors` and `last_write_error_s`. The rest of galley reaches the tables
+through the store classes beside this module (`TenantStore`, `ConversationStore`,
+`StreamStore`, `BatchStore`, `RegistryStore`), each wrapping one module's functions.
 Must not import anything but the standard library and sqlite_utils.
 """
 
