@@ -14,7 +14,6 @@ import structlog
 
 from engine.encoders import resolve_encoder_path, start_encoder
 from engine.engine import LLMEngine
-from engine.faults import FaultyEncoderHandle, FaultyRunner
 from engine.kv_cache import KVCacheManager
 from engine.loader import LoadedModel, ModelLoadError, check_model_source, load_model, max_token_chars
 from engine.model_runner import GIB, CacheConfig, ModelRunner, num_kv_blocks
@@ -140,9 +139,7 @@ class EngineLoader:
                 if worker.device not in labels:
                     continue
                 loaded = load_model(spec.source, device=device, dtype=dtype)
-                engine = build_engine(loaded, self.cfg)
-                if spec.options.get("fault") == "raise":
-                    engine.runner = FaultyRunner(engine.runner)
+                engine = self.new_engine(spec, loaded)
                 self.measured_bytes[spec.ref] = engine_bytes(engine)
                 worker.attach(spec.ref, engine).result()
                 attached.append(worker)
@@ -157,6 +154,10 @@ class EngineLoader:
             vocab_size=loaded.model.shape.vocab_size, max_token_chars=max_token_chars(loaded.tokenizer),
             version=spec.version, created=int(time.time()),
         )
+
+    def new_engine(self, spec: ModelVersion, loaded: LoadedModel) -> LLMEngine:
+        """One replica's engine for `spec` (tests override it to inject faults: tests/faults.py)."""
+        return build_engine(loaded, self.cfg)
 
     def _load_encoder(self, spec: ModelVersion) -> ServedEncoder:
         label = self.devices_for(spec)[0]
@@ -185,8 +186,7 @@ def load_encoder(spec: ModelVersion, device: str, dtype: str, max_waiting: int =
                  worker: DeviceWorker | None = None) -> ServedEncoder:
     """Load one encoder version onto the device's worker (blocking: run it off the event loop).
 
-    Batching from the options `max_batch` (32) and `max_wait_ms` (5); `fault = "raise"` (test only)
-    fails every submit after the first (the lifecycle's warm-up). Without a `worker` (tests,
+    Batching from the options `max_batch` (32) and `max_wait_ms` (5). Without a `worker` (tests,
     scripts) the encoder gets one of its own, stopped with it."""
     started = time.monotonic()
     max_batch, max_wait_ms = spec.options.get("max_batch", 32), spec.options.get("max_wait_ms", 5.0)
@@ -202,11 +202,10 @@ def load_encoder(spec: ModelVersion, device: str, dtype: str, max_waiting: int =
             worker.stop()
         raise
     client.owns_worker = own_worker
-    handle = FaultyEncoderHandle(client) if spec.options.get("fault") == "raise" else client
     log.info("model loaded", model=spec.ref, kind=spec.kind, source=spec.source, device=device,
              load_s=round(time.monotonic() - started, 2), max_batch=max_batch)
     return ServedEncoder(
-        name=spec.name, kind=spec.kind, handle=handle, dimensions=encoder.dimensions,
+        name=spec.name, kind=spec.kind, handle=client, dimensions=encoder.dimensions,
         max_seq_len=encoder.max_seq_len, vocab_size=encoder.config.vocab_size, labels=encoder.labels,
         multi_label=encoder.multi_label, max_waiting=max_waiting, version=spec.version,
         created=int(time.time()), mem_bytes=weights_bytes(encoder.model),

@@ -30,7 +30,6 @@ KINDS = ("generate", "embed", "classify")
 STATES = ("unloaded", "loading", "ready", "failed")
 EVENT_KINDS = ("deploy", "traffic", "rollback", "auto_rollback")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-FAULTS = ("raise",)
 # option -> (accepted types, what it means); anything else is rejected
 OPTIONS: dict[str, tuple[tuple[type, ...], str]] = {
     "dtype": ((str,), "auto | float32 | bfloat16 | float16"),
@@ -39,7 +38,6 @@ OPTIONS: dict[str, tuple[tuple[type, ...], str]] = {
     "keep_alive": ((int, float), "seconds idle before it unloads; 0: never"),
     "max_batch": ((int,), "encoders: most inputs in one forward"),
     "max_wait_ms": ((int, float), "encoders: how long a batch waits to fill"),
-    "fault": ((str,), "TEST ONLY: 'raise' makes every engine step (or encoder submit) after the warm-up raise"),
 }
 
 
@@ -61,8 +59,6 @@ def validate_options(options: Mapping[str, Any]) -> dict[str, Any]:
             raise ValueError(f"option {name!r} must be {' or '.join(t.__name__ for t in types)}")
     if options.get("dtype", "auto") not in DTYPES:
         raise ValueError(f"option 'dtype' must be one of {DTYPES}")
-    if options.get("fault") is not None and options["fault"] not in FAULTS:
-        raise ValueError(f"option 'fault' must be one of {FAULTS}")
     for name in ("keep_alive", "max_wait_ms"):
         if options.get(name, 0) < 0:
             raise ValueError(f"option {name!r} must be >= 0")

@@ -16,13 +16,14 @@ from prometheus_client.parser import text_string_to_metric_families
 from api.app import create_app
 from api.context import METRICS, MODELS
 from engine.model_runner import CacheConfig
-from launch import EngineConfig, EngineLoader, start_workers
+from launch import EngineConfig, start_workers
 from scheduling.deployments import DeploymentsConfig
 from scheduling.router import Router
 from services.deployments.manager import LifecycleConfig
 from storage import registry
 from storage.registry import ModelVersion
 from storage.tenants import hash_key
+from tests.faults import FaultyLoader
 from tests.models import save_tiny_model
 from tests.test_api import wait_blocks_free
 from tests.test_auth import ADMIN, Client, assert_error
@@ -90,13 +91,14 @@ async def start_stack(aiohttp_server, db, seed: list[ModelVersion], lifecycle: L
                       deployments: DeploymentsConfig | None = None, kv_cache_gib: float = KV_GIB,
                       stack_class: type[Stack] = Stack) -> tuple[Stack, object]:
     """The real app with a model manager over real device workers, its seed versions loaded, on a
-    loopback server; a tenant key for acme. Returns the stack and its test server."""
+    loopback server; a tenant key for acme. Returns the stack and its test server. The loader breaks
+    the versions a test adds to `stack.manager.loader.faulty` (tests/faults.py)."""
     loop = asyncio.get_running_loop()
     router = Router()
     cfg = EngineConfig(max_num_seqs=16, cache=CacheConfig(kv_cache_gib=kv_cache_gib))
     workers = start_workers(cfg, lambda events: loop.call_soon_threadsafe(router.dispatch, events))
     app = create_app(router, db=db, auth_enabled=True, admin_key_hash=hash_key(ADMIN),
-                     loader=EngineLoader(cfg, 64, workers), lifecycle_config=lifecycle,
+                     loader=FaultyLoader(cfg, 64, workers), lifecycle_config=lifecycle,
                      deployments_config=deployments)
     await app[MODELS].start(seed)
     server = await aiohttp_server(app)
@@ -264,7 +266,8 @@ async def test_rollout_under_load_keeps_every_request_and_the_split(make_stack, 
 async def test_faulty_canary_rolls_back_automatically_and_stable_clients_see_no_errors(make_stack, versions, db):
     cfg = DeploymentsConfig(window_seconds=30.0, max_error_rate=0.2, min_requests=5)
     stack = await make_stack([ModelVersion("tiny", "1", versions["1"])], deployments=cfg)
-    await register(stack, "tiny", "2", versions["2"], fault="raise")
+    stack.manager.loader.faulty.add("tiny@2")
+    await register(stack, "tiny", "2", versions["2"])
     status, _ = await stack.client.call("POST", DEPLOYMENTS, ADMIN,
                                         json={"model_name": "tiny", "version": "2", "traffic_percent": 30})
     assert status == 201

@@ -169,7 +169,8 @@ async def test_encoder_canary_split_is_sticky_per_user_and_rolls_back(make_stack
 async def test_failing_encoder_canary_rolls_back_automatically(make_stack, encoder_versions, db):
     cfg = DeploymentsConfig(window_seconds=30.0, max_error_rate=0.2, min_requests=5)
     stack = await make_stack([ModelVersion("emb", "1", encoder_versions["emb1"], "embed")], deployments=cfg)
-    assert (await stack.register("emb", "2", encoder_versions["emb2"], fault="raise"))[0] == 201
+    stack.manager.loader.faulty.add("emb@2")
+    assert (await stack.register("emb", "2", encoder_versions["emb2"]))[0] == 201
     status, _ = await stack.client.call("POST", DEPLOYMENTS, ADMIN,
                                         json={"model_name": "emb", "version": "2", "traffic_percent": 30})
     assert status == 201

@@ -35,8 +35,6 @@ class VersionOptions(Strict):
     keep_alive: float | None = Field(None, ge=0, le=10**9, description="Seconds idle before it unloads; 0: never.")
     max_batch: int | None = Field(None, ge=1, le=65536, description="Encoders: most inputs in one forward.")
     max_wait_ms: float | None = Field(None, ge=0, le=1000, description="Encoders: how long a batch waits to fill.")
-    fault: Literal["raise"] | None = Field(
-        None, description="TEST ONLY: after the warm-up, every engine step or encoder submit raises.")
 
 
 class ModelCreate(Strict):
