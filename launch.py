@@ -162,7 +162,7 @@ class EngineLoader:
     def _load_encoder(self, spec: ModelVersion) -> ServedEncoder:
         label = self.devices_for(spec)[0]
         worker, device = next((w, d) for w, d in zip(self.workers, self.cfg.devices) if w.device == label)
-        served = load_encoder(spec, device, spec.options.get("dtype", self.cfg.dtype), 4 * self.max_waiting, worker)
+        served = load_encoder(spec, device, spec.options.get("dtype", self.cfg.dtype), worker, 4 * self.max_waiting)
         self.measured_bytes[spec.ref] = served.mem_bytes
         return served
 
@@ -182,26 +182,14 @@ def start_workers(cfg: EngineConfig, emit: Emit) -> list[DeviceWorker]:
     return workers
 
 
-def load_encoder(spec: ModelVersion, device: str, dtype: str, max_waiting: int = 1024,
-                 worker: DeviceWorker | None = None) -> ServedEncoder:
+def load_encoder(spec: ModelVersion, device: str, dtype: str, worker: DeviceWorker,
+                 max_waiting: int = 1024) -> ServedEncoder:
     """Load one encoder version onto the device's worker (blocking: run it off the event loop).
 
-    Batching from the options `max_batch` (32) and `max_wait_ms` (5). Without a `worker` (tests,
-    scripts) the encoder gets one of its own, stopped with it."""
+    Batching from the options `max_batch` (32) and `max_wait_ms` (5)."""
     started = time.monotonic()
     max_batch, max_wait_ms = spec.options.get("max_batch", 32), spec.options.get("max_wait_ms", 5.0)
-    own_worker = worker is None
-    if own_worker:
-        worker = DeviceWorker(f"{device}-{spec.ref}", emit=lambda events: None)
-        worker.start()
-    try:
-        encoder, client = start_encoder(spec.ref, spec.source, spec.kind, worker, device, dtype, max_batch,
-                                        max_wait_ms)
-    except BaseException:
-        if own_worker:
-            worker.stop()
-        raise
-    client.owns_worker = own_worker
+    encoder, client = start_encoder(spec.ref, spec.source, spec.kind, worker, device, dtype, max_batch, max_wait_ms)
     log.info("model loaded", model=spec.ref, kind=spec.kind, source=spec.source, device=device,
              load_s=round(time.monotonic() - started, 2), max_batch=max_batch)
     return ServedEncoder(

@@ -9,7 +9,8 @@ from engine.kv_cache import KVCacheManager
 from engine.loader import load_model
 from engine.types import GenerationRequest, SamplingParams, Sequence
 from engine.worker import DeviceWorker, Emit
-from launch import EngineConfig, EngineLoader, build_engine, start_workers
+from launch import EngineConfig, EngineLoader, build_engine, load_encoder, start_workers
+from scheduling.encoders import ServedEncoder
 from scheduling.router import Router
 from storage.registry import ModelVersion
 
@@ -73,6 +74,20 @@ def start_models(models: list[tuple[str, str]], cfg: EngineConfig, max_waiting: 
     for name, source in models:
         router.add_model(loader.load(ModelVersion(name, "1", source)))
     return workers
+
+
+def load_encoder_alone(spec: ModelVersion, device: str = "cpu", dtype: str = "auto") -> ServedEncoder:
+    """An encoder version on a device worker of its own, stopped when the encoder is unloaded
+    (for tests that serve encoders outside the registry). Blocking: loads weights."""
+    worker = DeviceWorker(f"{device}-{spec.ref}", emit=lambda events: None)
+    worker.start()
+    try:
+        served = load_encoder(spec, device, dtype, worker)
+    except BaseException:
+        worker.stop()
+        raise
+    served.handle.owns_worker = True
+    return served
 
 
 async def metric(session, name: str, labels: dict | None = None, **more) -> float:

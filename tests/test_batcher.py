@@ -38,7 +38,7 @@ def recorder():
 
 
 def make(recorder: Recorder, max_batch: int = 4, max_wait_ms: float = 50.0) -> EncoderClient:
-    """An encoder on a worker of its own (stopped with it), as launch.load_encoder does without one."""
+    """An encoder on a worker of its own (stopped with it), as tests.helpers.load_encoder_alone does."""
     worker = DeviceWorker("cpu#test", emit=lambda events: None)
     worker.start()
     client = worker.attach_encoder("m", DynamicBatcher("m", recorder, max_batch, max_wait_ms))

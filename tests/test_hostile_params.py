@@ -327,11 +327,12 @@ async def test_token_ids_past_the_embedding_are_refused(aiohttp_server, db, shor
 async def test_a_huge_embedding_input_is_cut_before_tokenizing(aiohttp_server):
     """Embeddings truncate to the model's length, but the whole input used to be tokenized first, on
     the device's worker thread: 6 MB took ~7 s there, every stream on that device stalled."""
-    from launch import load_encoder, unload_encoder
+    from launch import unload_encoder
     from storage.registry import ModelVersion
+    from tests.helpers import load_encoder_alone
     from tests.test_encoders import MINILM
 
-    minilm = load_encoder(ModelVersion("minilm", "1", MINILM, "embed", {}), "cpu", "auto")
+    minilm = load_encoder_alone(ModelVersion("minilm", "1", MINILM, "embed", {}))
     try:
         router = Router()
         router.add_model(minilm)
