@@ -15,7 +15,7 @@ import pytest
 
 from launch import checkpoint_bytes
 from scheduling.deployments import DeploymentsConfig
-from services.deployments.manager import GIB, LifecycleConfig
+from services.deployments.loading import GIB, LifecycleConfig
 from storage import registry
 from storage.registry import ModelVersion
 from tests.encoder_models import save_tiny_classifier, save_tiny_embedder

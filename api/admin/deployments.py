@@ -22,7 +22,7 @@ from api.errors import json_response
 from api.openai.schemas import Strict
 from api.routes import Route
 from api.validation import parse_body
-from services.deployments.manager import VersionState
+from services.deployments.loading import VersionState
 
 Name = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$",
                             description="Letters, digits and `._:/-`; no `@` (it separates the version).")]

@@ -1,6 +1,6 @@
-"""Model lifecycle on the event loop: registry versions loading and unloading, routing a request
-to a version, canary health with automatic rollback (judged in canary.py), hot/cold under a
-per-device memory budget.
+"""Model lifecycle on the event loop: the registry's versions, routing a request to a version,
+traffic splits and rollbacks, idle unloading. Loading and unloading (warm-up, drain, memory
+budget) are in loading.py, canary judging in canary.py.
 
 Versions are generative (`ServedModel`: engines on the device workers) or encoders
 (`ServedEncoder`: embed/classify behind a batcher handle); both go through the same
@@ -8,12 +8,7 @@ registry, routing, warm-up, drain, health and memory budget.
 
 `ModelManager` owns the in-memory view of the registry (SQLite is written through the
 `RegistryStore` after each change; memory is authoritative while the process runs) and the
-router's deployments. Weights load off the loop through an injected `Loader` (launch.py's
-`EngineLoader`: services never import torch). A version becomes routable only after it loaded
-and answered a warm-up (one token, or one input through an encoder's batcher); one being
-unloaded drains first (routing skips it, in-flight requests or inputs finish) and only then
-is detached from its workers or its batcher stopped. Loads and unloads
-run one at a time (`_lock`), so the memory budget is counted exactly.
+router's deployments.
 
 `route` is the one lookup every endpoint makes for a caller (tenant checks, kind, routing, a
 cold version loading); the HTTP side (api/models.py) wraps it and adds the `X-Model-Version`
@@ -35,21 +30,28 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
-from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, Protocol
+from typing import Any
 
 import structlog
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
-from engine.types import FinishReason, GenerationRequest, SamplingParams, TokenEvent
+from engine.types import FinishReason, TokenEvent
 from scheduling.deployments import DeploymentsConfig, HealthWindow, parse_model_ref
 from scheduling.encoders import ServedEncoder
 from scheduling.router import ModelDeployment, RequestStream, Router, Served
 from services.background import BackgroundTasks
 from services.deployments.canary import Canaries
+from services.deployments.loading import (
+    WARMUP_PREFIX,
+    LifecycleConfig,
+    Loader,
+    LoadFailed,
+    Loading,
+    VersionState,
+    load_failed,
+)
 from services.deployments.offload import in_fresh_thread
 from services.errors import (
     ConflictError,
@@ -65,61 +67,8 @@ from storage.registry import Deployment, ModelVersion, RegistryStore
 
 log = structlog.get_logger(__name__)
 
-GIB = 1024**3
-WARMUP_PREFIX = "warmup-"
 SHADOW_PREFIX = "shadow-"  # mirrored copies (shadow.py): they keep a version warm but judge nothing
 DRAINING_RETRY_AFTER_S = 5  # a draining server's Retry-After: about a restart's time
-
-
-@dataclass(frozen=True)
-class LifecycleConfig:
-    memory_budget_gib: float = 0.0  # per device: weights + KV cache of loaded versions; 0: no budget
-    load_timeout_seconds: float = 300.0  # a request waiting for a cold model gets 503 after this
-    check_interval_seconds: float = 1.0  # how often idle versions (keep_alive) are looked for
-
-
-class Loader(Protocol):
-    def registration_problem(self, spec: ModelVersion) -> str | None: ...  # blocking: call from a thread
-    def devices_for(self, spec: ModelVersion) -> list[str]: ...
-    def estimate_bytes(self, spec: ModelVersion) -> int: ...
-    def load(self, spec: ModelVersion) -> Served: ...
-    def unload(self, served: Served) -> None: ...
-
-
-class LoadFailed(Exception):
-    pass
-
-
-def load_failed(ref: str) -> ServiceUnavailableError:
-    """The client's error for a version that failed to load: the loader's text (paths, stack
-    details) is for the logs and the admin API only."""
-    return ServiceUnavailableError(f"`{ref}` failed to load; the admin API has the details",
-                                   code="model_load_failed")
-
-
-@dataclass
-class VersionState:
-    """One registered version at runtime (the stored `ModelVersion` plus what only the running
-    process knows: load state, devices, memory, idle clock). Invariant: `served` (routing's handle
-    on it) is set exactly while attached to workers."""
-
-    spec: ModelVersion
-    state: str = "unloaded"
-    error: str | None = None
-    served: Served | None = None
-    devices: list[str] = field(default_factory=list)
-    mem_bytes: int = 0
-    last_used_s: float = field(default_factory=time.monotonic)
-    loading: asyncio.Task | None = None
-    num_waiters: int = 0  # requests waiting for it to load: it is not evicted before they submit
-
-    @property
-    def ref(self) -> str:
-        return self.spec.ref
-
-    @property
-    def keep_alive_s(self) -> float:
-        return float(self.spec.options.get("keep_alive", 0))
 
 
 class LifecycleMetrics:
@@ -167,8 +116,8 @@ class ModelManager:
         self.versions: dict[str, VersionState] = {}
         self.previous_stable: dict[str, str | None] = {}  # model name -> what a rollback returns to
         self.metrics = LifecycleMetrics(metrics_registry, self)
-        self._lock = asyncio.Lock()
         self._background = BackgroundTasks()
+        self.loading = Loading(router, store, loader, self.cfg, self.versions, self.metrics, self._background)
         self.canaries = Canaries(router, self.deploy_cfg, lambda name, reason: self.rollback(name, reason, True),
                                  self._background)
         router.finish_listeners.append(self.on_finish)
@@ -188,11 +137,11 @@ class ModelManager:
         seeded = {s.ref for s in seed}
         wanted = [vs for vs in self.versions.values() if vs.state != "failed" and self._has_traffic(vs)]
         for vs in sorted(wanted, key=lambda v: (not v.spec.pinned, v.ref not in seeded)):
-            if not self._fits(vs):
+            if not self.loading.fits(vs):
                 log.info("left cold: over the memory budget", model=vs.ref)
                 continue
             try:
-                await self._load_task(vs)
+                await self.loading.task(vs)
             except LoadFailed:
                 if vs.ref in seeded:
                     raise
@@ -285,7 +234,7 @@ class ModelManager:
             raise load_failed(ref)
         vs.num_waiters += 1
         try:
-            return await asyncio.wait_for(asyncio.shield(self._load_task(vs)), self.cfg.load_timeout_seconds)
+            return await asyncio.wait_for(asyncio.shield(self.loading.task(vs)), self.cfg.load_timeout_seconds)
         except TimeoutError:
             raise ServiceUnavailableError(f"`{ref}` is still loading; retry shortly", code="model_loading",
                                           retry_after_s=5) from None
@@ -297,120 +246,7 @@ class ModelManager:
     def _warm_in_background(self, ref: str) -> None:
         vs = self.versions.get(ref)
         if vs is not None and vs.state == "unloaded" and self.loader is not None:
-            self._load_task(vs).add_done_callback(lambda t: t.cancelled() or t.exception())
-
-    # ---- load and unload ----------------------------------------------------------------
-
-    def _load_task(self, vs: VersionState) -> asyncio.Task:
-        if vs.loading is None or vs.loading.done():
-            vs.loading = self._background.spawn(self._load(vs))
-        return vs.loading
-
-    async def _load(self, vs: VersionState) -> Served:
-        async with self._lock:
-            if vs.served is not None and not vs.served.draining:
-                return vs.served
-            if vs.served is not None:  # draining: let it finish unloading before loading anew
-                await self._unload_locked(vs, "reload")
-            return await self._load_locked(vs)
-
-    async def _load_locked(self, vs: VersionState) -> Served:
-        started = time.monotonic()
-        served = None
-        try:
-            vs.devices = self.loader.devices_for(vs.spec)
-            await self._make_room(vs)
-            self._set_state(vs, "loading")
-            served = await in_fresh_thread(self.loader.load, vs.spec)
-            await self._warm_up(served)
-        except Exception as exc:
-            if served is not None:
-                await in_fresh_thread(self.loader.unload, served)
-            self._set_state(vs, "failed", f"{type(exc).__name__}: {exc}")
-            log.error("model version failed to load", model=vs.ref, error=vs.error)
-            raise LoadFailed(vs.error) from exc
-        vs.served, vs.mem_bytes, vs.last_used_s = served, self.loader.estimate_bytes(vs.spec), time.monotonic()
-        self.router.add_model(served)
-        self._set_state(vs, "ready")
-        load_s = time.monotonic() - started
-        self.metrics.load_seconds.labels(vs.spec.name).observe(load_s)
-        log.info("model version ready", model=vs.ref, load_s=round(load_s, 2), devices=vs.devices,
-                 mem_bytes=vs.mem_bytes)
-        return served
-
-    async def _warm_up(self, served: Served) -> None:
-        """One token through the real engine path, or one input through the encoder's real batcher,
-        before the version gets any traffic (not counted in its health)."""
-        if isinstance(served, ServedEncoder):
-            future = served.handle.submit(["Hello"])
-            outputs = await asyncio.wait_for(asyncio.wrap_future(future), self.cfg.load_timeout_seconds)
-            if len(outputs) != 1:
-                raise RuntimeError(f"warm-up failed: {len(outputs)} outputs for 1 input")
-            return
-        prompt = served.tokenizer.encode("Hello", add_special_tokens=False)[:4] or [0]
-        request = GenerationRequest(WARMUP_PREFIX + uuid.uuid4().hex, prompt,
-                                    SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True),
-                                    tenant="galley-warmup")
-        last = None
-        async for event in self.router.submit(served, request):
-            last = event
-        if last is None or last.finish_reason == FinishReason.ERROR:
-            raise RuntimeError(f"warm-up failed: {last.error if last else 'no event'}")
-
-    async def _unload_locked(self, vs: VersionState, reason: str) -> None:
-        served = vs.served
-        if served is None:
-            return
-        served.draining = True
-        while served.num_in_flight:
-            await asyncio.sleep(0.02)
-        self.router.remove_model(served)
-        await in_fresh_thread(self.loader.unload, served)
-        vs.served, vs.mem_bytes = None, 0
-        self._set_state(vs, "unloaded")
-        self.metrics.unloads.labels(vs.spec.name, reason).inc()
-        log.info("model version unloaded", model=vs.ref, reason=reason)
-
-    async def unload(self, vs: VersionState, reason: str) -> None:
-        async with self._lock:
-            await self._unload_locked(vs, reason)
-
-    def _used_bytes(self, device: str, exclude: VersionState) -> int:
-        return sum(v.mem_bytes for v in self.versions.values()
-                   if v is not exclude and v.served is not None and device in v.devices)
-
-    def _fits(self, vs: VersionState) -> bool:
-        budget = self.cfg.memory_budget_gib * GIB
-        if not budget or self.loader is None:
-            return True
-        need = self.loader.estimate_bytes(vs.spec)
-        return all(self._used_bytes(d, vs) + need <= budget for d in self.loader.devices_for(vs.spec))
-
-    async def _make_room(self, vs: VersionState) -> None:
-        """Under the budget, unload least recently used unpinned versions until `vs` fits."""
-        budget = self.cfg.memory_budget_gib * GIB
-        if not budget:
-            return
-        need = self.loader.estimate_bytes(vs.spec)
-        for device in vs.devices:
-            while self._used_bytes(device, vs) + need > budget:
-                victims = [v for v in self.versions.values() if v is not vs and v.served is not None
-                           and device in v.devices and not v.spec.pinned]
-                if not victims:
-                    raise MemoryError(f"{vs.ref} needs {need} bytes on {device}: over the memory budget "
-                                      f"({self.cfg.memory_budget_gib:g} GiB) with only pinned models left")
-                free = [v for v in victims if not v.num_waiters]
-                if not free:  # its callers are about to submit: let them, then it drains
-                    await asyncio.sleep(0.005)
-                    continue
-                await self._unload_locked(min(free, key=lambda v: v.last_used_s), "memory_budget")
-
-    def _set_state(self, vs: VersionState, state: str, error: str | None = None) -> None:
-        vs.state, vs.error = state, error
-        name, version = vs.spec.name, vs.spec.version
-        write = self.store.set_state(name, version, state, error)
-        write.add_done_callback(lambda f: f.exception() and log.error(  # memory (authoritative) is right
-            "could not store a model version's state", model=vs.ref, state=state, error=repr(f.exception())))
+            self.loading.task(vs).add_done_callback(lambda t: t.cancelled() or t.exception())
 
     # ---- health and idleness ------------------------------------------------------------
 
@@ -447,7 +283,7 @@ class ModelManager:
                 served = vs.served
                 if (served is not None and not served.draining and not vs.spec.pinned and vs.keep_alive_s > 0
                         and served.num_in_flight == 0 and now - vs.last_used_s > vs.keep_alive_s):
-                    self._background.spawn(self.unload(vs, "keep_alive"))
+                    self._background.spawn(self.loading.unload(vs, "keep_alive"))
             for name in list(self.router.deployments):
                 self.canaries.check(name, force=True)
 
@@ -527,7 +363,7 @@ class ModelManager:
         self._warm_in_background(vs.ref)
 
     def unload_in_background(self, vs: VersionState) -> None:
-        self._background.spawn(self.unload(vs, "admin"))
+        self._background.spawn(self.loading.unload(vs, "admin"))
 
     def deployment(self, name: str) -> tuple[ModelDeployment, str | None]:
         deployment = self.router.deployments.get(name)
@@ -569,7 +405,7 @@ class ModelManager:
 
     async def _switch_when_ready(self, target: VersionState, new: Deployment, kind: str, reason: str | None) -> None:
         try:
-            await self._load_task(target)
+            await self.loading.task(target)
         except LoadFailed:
             log.error("deployment not applied: its new stable version failed to load", model=target.ref)
             return
