@@ -14,6 +14,7 @@ from services.inference.generation import Inference
 from services.observability.alerts import AlertManager
 from services.observability.metrics import Metrics
 from services.observability.profiling import Profiler
+from services.observability.status import ServerStatus
 from services.observability.telemetry import ObservabilityConfig, RecentRequests
 from services.server_state import ServerState
 from services.streams.hub import StreamHub
@@ -30,6 +31,7 @@ ALERTS = web.AppKey("alerts", AlertManager)
 OBSERVABILITY = web.AppKey("observability", ObservabilityConfig)
 TRACING = web.AppKey("tracing", object)  # a telemetry.Tracing, or None when tracing is off
 PROFILER = web.AppKey("profiler", Profiler)
+STATUS = web.AppKey("status", ServerStatus)  # readiness and the admin page's live stats
 HUB = web.AppKey("stream_hub", StreamHub)
 INFERENCE = web.AppKey("inference", Inference)
 RESPONSE_CACHE = web.AppKey("response_cache", ResponseCache)

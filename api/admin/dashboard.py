@@ -19,15 +19,15 @@ from aiohttp import web
 from pydantic import BaseModel, Field
 
 from api.auth import AUTH
-from api.context import ALERTS, METRICS, OBSERVABILITY, PROFILER, RECENT, ROUTER, STATE, TRACING
+from api.context import ALERTS, DATABASE, METRICS, OBSERVABILITY, PROFILER, RECENT, ROUTER, STATE, STATUS, TRACING
 from api.conversations import CONVERSATIONS
 from api.errors import json_response
 from api.routes import Route
 from api.validation import parse_params
 from services.conversations import Conversation
-from services.observability import status
 from services.observability.alerts import AlertManager, AlertRule, MetricsWindow
 from services.observability.profiling import Profiler
+from services.observability.status import ServerStatus
 from services.observability.telemetry import (
     ObservabilityConfig,
     RecentRequests,
@@ -53,6 +53,8 @@ def setup(app: web.Application, observability: ObservabilityConfig, tracing: Tra
     keep_s = max([observability.stats_window_seconds, *(r.window_seconds for r in alert_rules)])
     window = MetricsWindow(metrics.registry, keep_s + observability.alert_interval_seconds)
     app[ALERTS] = AlertManager(alert_rules, window)
+    app[STATUS] = ServerStatus(app[STATE], app[ROUTER], app[DATABASE], metrics.registry, app[ALERTS],
+                               observability.stats_window_seconds, app[AUTH].enabled)
     app[PROFILER] = Profiler(app[ROUTER], observability.max_profile_seconds)
     app.cleanup_ctx.append(run_alerts)
     app.router.add_static("/admin/static/", STATIC_DIR, append_version=False)
@@ -78,9 +80,7 @@ async def admin_page(request: web.Request) -> web.FileResponse:
 
 
 async def admin_stats(request: web.Request) -> web.Response:
-    app = request.app
-    return json_response(status.stats(app[ROUTER], app[METRICS].registry, app[ALERTS], app[STATE],
-                                      app[OBSERVABILITY].stats_window_seconds, app[AUTH].enabled))
+    return json_response(request.app[STATUS].stats())
 
 
 # ---- recent requests, alerts -----------------------------------------------------------

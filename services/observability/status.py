@@ -1,5 +1,6 @@
 """The server's state as operators see it: readiness (`GET /ready`) and the live summary the
-admin page charts (`GET /admin/api/stats`), read from the router, the metrics and the alerts."""
+admin page charts (`GET /admin/api/stats`), read from the router, the database, the metrics and
+the alerts (`ServerStatus`)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,24 @@ from services.server_state import ServerState
 from storage.db import Database
 
 STORAGE_ERROR_HOLD_S = 30.0  # after SQLite refused a write, not ready this long (checkpoints may be failing)
+
+
+class ServerStatus:
+    def __init__(self, state: ServerState, router: Router, db: Database, registry: CollectorRegistry,
+                 alerts: AlertManager, stats_window_s: float, auth_enabled: bool) -> None:
+        self.state = state
+        self.router = router
+        self.db = db
+        self.registry = registry
+        self.alerts = alerts
+        self.stats_window_s = stats_window_s
+        self.auth_enabled = auth_enabled
+
+    def readiness(self) -> str:
+        return readiness(self.state, self.router, self.db)
+
+    def stats(self) -> dict[str, Any]:
+        return stats(self.router, self.registry, self.alerts, self.state, self.stats_window_s, self.auth_enabled)
 
 
 def readiness(state: ServerState, router: Router, db: Database) -> str:
