@@ -1,6 +1,6 @@
 """Which model version serves a request, for handlers: `resolve_model` (the caller's checks and
-routing, in `ModelManager.route`) and `model_label`; shadow traffic's hooks; the
-`X-Model-Version` response header; and the model lifecycle's app hooks."""
+routing, in `ModelManager.route`) and `model_label`; the `X-Model-Version` response header; and
+the model lifecycle's and shadow traffic's app hooks."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import asyncio
 from aiohttp import web
 
 from api.auth import caller_of
-from api.context import METRICS, MODELS, SHADOWS
+from api.context import MODELS, SHADOWS
 from services.deployments.manager import ModelManager, Served
 from services.deployments.shadow import ShadowMirror
 
@@ -29,16 +29,6 @@ async def resolve_model(request: web.Request, ref: str, *, user: str | None = No
 def model_label(request: web.Request, served: Served) -> str:
     """The `model` field of responses: `name`, or `name@version` while the model has several versions."""
     return request.app[MODELS].label(served)
-
-
-def mirror_request(request: web.Request, primary) -> None:
-    """Shadow traffic's hook for the submitting handlers: maybe copy `primary` (a RequestStream)."""
-    request.app[SHADOWS].mirror(primary, request.app[METRICS].log_prompts)
-
-
-def mirror_inputs(request: web.Request, model: Served, items: list, outputs: list) -> None:
-    """Shadow traffic's hook for the encoder handlers, once the served version answered."""
-    request.app[SHADOWS].mirror_inputs(model, request["request_id"], items, outputs, request.app[METRICS].log_prompts)
 
 
 async def add_version_header(request: web.Request, response: web.StreamResponse) -> None:
