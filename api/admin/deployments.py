@@ -256,7 +256,7 @@ def deployment_summary(request: web.Request, name: str) -> dict[str, Any]:
 
 
 async def list_deployments(request: web.Request) -> web.Response:
-    names = sorted(request.app[MODELS].router.deployments)
+    names = request.app[MODELS].names()
     if is_admin(request):
         data = [await deployment_json(request, name) for name in names]
     else:

@@ -351,6 +351,10 @@ class ModelManager:
         stamps = [vs.spec.created_at for vs in self.versions.values() if vs.spec.name == name]
         return int(datetime.fromisoformat(min(stamps)).timestamp()) if stamps else 0
 
+    def names(self) -> list[str]:
+        """Every model name with a deployment (registered or attached), sorted."""
+        return sorted(self.router.deployments)
+
     def get(self, name: str, version: str) -> VersionState:
         vs = self.versions.get(f"{name}@{version}")
         if vs is None:
