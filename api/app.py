@@ -20,6 +20,7 @@ from api.admin import tenants as admin
 from api.auth import AUTH, TENANT_ADMIN, auth_middleware
 from api.context import (
     ADMISSION,
+    BATCH,
     DATABASE,
     ENCODERS,
     HUB,
@@ -115,7 +116,7 @@ def begin_drain(app: web.Application) -> None:
 async def interrupt(app: web.Application) -> None:
     """The drain's time is up: end what is left, each client with a final error. Batch items and
     streams are left unfinished in SQLite (checkpointed), so a restart resumes them."""
-    await app[batch.BATCH].close()
+    await app[BATCH].close()
     await app[HUB].close()  # producers checkpoint; followers send `server_shutting_down` and end
     app[ROUTER].fail_all("the server shut down before this request finished; retry it", SHUTTING_DOWN)
 

@@ -15,6 +15,7 @@ from aiohttp import web
 from pydantic import BaseModel, Field, field_validator
 
 from api.auth import caller_of, tenant_of
+from api.context import BATCH
 from api.errors import json_response
 from api.models import MODEL_VERSION
 from api.openai.schemas import (
@@ -32,7 +33,6 @@ from api.routes import Route
 from api.validation import parse_body
 from services.batch.runner import BatchRunner
 
-BATCH = web.AppKey("batch_runner", BatchRunner)
 MAX_INPUTS = 100_000  # the schema's bound; [batch] max_inputs is the configured one
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from scheduling.router import Router
+from services.batch.runner import BatchRunner
 from services.cache.responses import ResponseCache
 from services.deployments.manager import ModelManager
 from services.deployments.shadow import ShadowMirror
@@ -36,4 +37,5 @@ HUB = web.AppKey("stream_hub", StreamHub)
 INFERENCE = web.AppKey("inference", Inference)
 RESPONSE_CACHE = web.AppKey("response_cache", ResponseCache)
 ENCODERS = web.AppKey("encoders", Encoders)
+BATCH = web.AppKey("batch_runner", BatchRunner)
 DATABASE = web.AppKey("database", Database)  # the wiring's, and readiness reads its write errors

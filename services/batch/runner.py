@@ -3,15 +3,18 @@
 Owns one task per job that is running or waiting for a job slot (`max_running_jobs`). A job
 keeps at most `max_in_flight_per_job` items submitted to its model, each a `GenerationRequest`
 of the job's tenant in the `low` priority class, so interactive requests overtake queued
-batch items and a big job never floods the queue; a refusal at admission (the model's queue
-bound, the tenant's limits, a version being unloaded) is retried later, resolving the model
-again after every wait, never failed; an admitted item without a first token by
-`first_token_timeout_seconds` fails. Each result is written to SQLite as it arrives, so after
-a restart `recover()` reruns only the unfinished items. When a job ends, its callback URL gets
-the job summary by a signed POST (`services.batch.webhooks`: public addresses only unless allow-listed, no
-redirects), retried with exponential backoff. Finished jobs expire after `retention_seconds`.
-While the server drains, no new item starts (in-flight ones finish and are stored).
-Must not block the loop: store reads (`storage.batches.BatchStore`) run in a thread, writes on the DB writer thread.
+batch items and a big job never floods the queue. Items pass the one admission path
+(`services.inference.admission`) uncounted: a refusal (the model's queue bound, the tenant's
+limits, a version being unloaded) is no 429 to anyone, but a wait counted in
+`galley_batch_item_retries`, after which the item is retried, its model resolved again, never
+failed. An admitted item without a first token by `first_token_timeout_seconds` fails.
+
+Each result is written to SQLite as it arrives, so after a restart `recover()` reruns only the
+unfinished items. When a job ends, its callback URL gets the job summary by a signed POST
+(`services.batch.webhooks`: public addresses only unless allow-listed, no redirects), retried
+with exponential backoff. Finished jobs expire after `retention_seconds`. While the server
+drains, no new item starts (in-flight ones finish and are stored). Must not block the loop:
+store reads (`storage.batches.BatchStore`) run in a thread, writes on the DB writer thread.
 """
 
 from __future__ import annotations
