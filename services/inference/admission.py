@@ -67,7 +67,7 @@ class Admission:
                 future = self.router.submit_encoder(model, list(items), low=low)
             except EncoderBusy as exc:
                 if counted:
-                    self.metrics.rejected.labels(model.name, "queue_full").inc()
+                    self.metrics.refused(model.name, "queue_full")
                 else:
                     used = 0
                 raise QueueFullError(f"{exc}; retry shortly", retry_after_s=1) from exc
@@ -97,5 +97,5 @@ class Admission:
             return self.router.admission.admit(limits, estimate)
         except Rejected as exc:
             if counted:
-                self.metrics.rejected.labels(model_name, exc.reason).inc()
+                self.metrics.refused(model_name, exc.reason)
             raise rate_limited(exc) from exc

@@ -191,10 +191,15 @@ class Metrics:
         self.registry.register(EngineCollector(router))
         self.registry.register(EncoderCollector(router))
 
+    def refused(self, model_name: str, reason: str) -> None:
+        """Any refusal (queue full, a tenant limit, not scheduled in time): `galley_rejected_total`."""
+        self.rejected.labels(model_name, reason).inc()
+
     def reject(self, model: ServedModel, reason: str, tenant: str = "default", priority: str = "normal",
                request_id: str | None = None) -> None:
-        """A request refused at admission (queue full, a tenant limit): counted and recorded."""
-        self.rejected.labels(model.name, reason).inc()
+        """A generation refused at admission: counted as a refusal and as a request that ended
+        `rejected`, and recorded (encoder calls and cache hits are only `refused`)."""
+        self.refused(model.name, reason)
         self.requests.labels(model.name, model.version, "rejected").inc()
         now = time.monotonic()
         record = RequestRecord(request_id or current_request_id() or "", "", tenant, model.name, model.version,
@@ -221,7 +226,7 @@ class Metrics:
                 event = await asyncio.wait_for(anext(events), first_event_timeout_s)
             except TimeoutError:
                 record.status = "timeout"
-                self.rejected.labels(model.name, "queue_timeout").inc()
+                self.refused(model.name, "queue_timeout")
                 raise
             while True:
                 self._on_event(record, event)
