@@ -25,12 +25,14 @@ from aiohttp import web
 
 from api.app import begin_drain, create_app, interrupt
 from api.auth import is_loopback
-from api.context import BATCH, HUB, MODELS, ServerState
+from api.context import SERVICES
 from config import ConfigError, GalleyConfig, load_config, with_overrides
 from engine.loader import ModelLoadError
 from launch import EngineLoader, check_source, start_workers
 from scheduling.router import Router
+from services.server_state import ServerState
 from services.tenancy import resolve_admin_key
+from services.wiring import Settings
 from storage.db import Database
 from storage.registry import ModelVersion
 from storage.tenants import TenantStore
@@ -131,11 +133,11 @@ async def serve(cfg: GalleyConfig, db: Database, admin_key_hash: str) -> int:
     loader = EngineLoader(cfg.engine, cfg.scheduling.max_waiting, workers)
     observability = dataclasses.replace(cfg.observability, metrics_token=os.environ.get(
         "GALLEY_METRICS_TOKEN") or cfg.observability.metrics_token)
-    app = create_app(router, state, db=db, auth_enabled=cfg.auth.enabled, admin_key_hash=admin_key_hash,
-                     streams_config=cfg.streams, batch_config=cfg.batch,
-                     response_cache=cfg.response_cache, observability=observability, tracing=cfg.tracing,
-                     alerts=cfg.alerts, loader=loader, lifecycle_config=cfg.lifecycle,
-                     deployments_config=cfg.deployments, bind_host=cfg.server.host)
+    settings = Settings(auth_enabled=cfg.auth.enabled, admin_key_hash=admin_key_hash, bind_host=cfg.server.host,
+                        streams=cfg.streams, batch=cfg.batch, response_cache=cfg.response_cache,
+                        lifecycle=cfg.lifecycle, deployments=cfg.deployments, observability=observability,
+                        tracing=cfg.tracing, alerts=cfg.alerts)
+    app = create_app(router, state, db=db, settings=settings, loader=loader)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S)
     await runner.setup()
     site = web.TCPSite(runner, cfg.server.host, cfg.server.port)
@@ -147,7 +149,7 @@ async def serve(cfg: GalleyConfig, db: Database, admin_key_hash: str) -> int:
         loop.add_signal_handler(sig, stop.set)
 
     seed = [ModelVersion(m.name, m.version, m.path, m.kind, m.options) for m in cfg.models]
-    loading = asyncio.ensure_future(app[MODELS].start(seed))  # the registry: config models, deployments, loads
+    loading = asyncio.ensure_future(app[SERVICES].models.start(seed))  # the registry: config models, deployments, loads
     done, _ = await asyncio.wait([loading, asyncio.ensure_future(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
     if loading not in done:
         loading.cancel()
@@ -161,8 +163,8 @@ async def serve(cfg: GalleyConfig, db: Database, admin_key_hash: str) -> int:
         await runner.cleanup()
         stop_workers(workers)
         return 1
-    await app[HUB].recover()  # streams a crash left running continue from their checkpoint
-    await app[BATCH].recover()  # so do batch jobs, from their unfinished items
+    await app[SERVICES].streams.recover()  # streams a crash left running continue from their checkpoint
+    await app[SERVICES].batch.recover()  # so do batch jobs, from their unfinished items
     state.ready = True
     log.info("ready")
 

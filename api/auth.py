@@ -15,12 +15,12 @@ import ipaddress
 
 from aiohttp import web
 
+from api.context import services
 from services.errors import AuthenticationError, PermissionDeniedError
 from services.tenancy import (
     Auth,
     Caller,
     Tenant,
-    TenantAdmin,
     TenantDirectory,
     hash_key,
     key_prefix,
@@ -37,8 +37,6 @@ DEPLOYMENTS_PATH = "/api/v1/deployments"  # reads: a tenant key (its models, in 
 # writes: the admin key (when auth is on)
 
 
-AUTH = web.AppKey("auth", Auth)
-TENANT_ADMIN = web.AppKey("tenant_admin", TenantAdmin)
 
 
 def bearer_token(request: web.Request) -> str:
@@ -108,7 +106,7 @@ def authenticate_admin(request: web.Request, auth: Auth) -> None:
 
 @web.middleware
 async def auth_middleware(request: web.Request, handler):
-    auth = request.app[AUTH]
+    auth = services(request).auth
     request[TENANT] = auth.directory.default
     request[KEY_PREFIX] = None
     if request.path.startswith(ADMIN_PATH):
@@ -126,7 +124,7 @@ async def auth_middleware(request: web.Request, handler):
 
 def current_tenant(request: web.Request) -> Tenant | None:
     """The caller's tenant as the directory has it now; None once its key is revoked or it is deleted."""
-    return request.app[AUTH].directory.current(request[TENANT].name, request[KEY_PREFIX])
+    return services(request).auth.directory.current(request[TENANT].name, request[KEY_PREFIX])
 
 
 CALLER = "caller"  # request[CALLER]: the `Caller` services receive
@@ -136,7 +134,7 @@ def caller_of(request: web.Request) -> Caller:
     """Who the request is for, as services see it (built once per request)."""
     caller = request.get(CALLER)
     if caller is None:
-        auth = request.app[AUTH]
+        auth = services(request).auth
         name, prefix = request[TENANT].name, request[KEY_PREFIX]
         caller = Caller(lambda: auth.directory.current(name, prefix), request["request_id"], is_admin(request),
                         auth.enabled)

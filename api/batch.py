@@ -15,7 +15,7 @@ from aiohttp import web
 from pydantic import BaseModel, Field, field_validator
 
 from api.auth import caller_of, tenant_of
-from api.context import BATCH
+from api.context import services
 from api.errors import json_response
 from api.models import MODEL_VERSION
 from api.openai.schemas import (
@@ -31,7 +31,6 @@ from api.openai.schemas import (
 )
 from api.routes import Route
 from api.validation import parse_body
-from services.batch.runner import BatchRunner
 
 MAX_INPUTS = 100_000  # the schema's bound; [batch] max_inputs is the configured one
 
@@ -160,7 +159,7 @@ async def create_batch(request: web.Request) -> web.Response:
     inputs = [value if isinstance(value, str) else [{"role": "system" if m.role == "developer" else m.role,
                                                      "content": m.text()} for m in value]
               for value in body.inputs]
-    created = await request.app[BATCH].create(caller_of(request), body.model, inputs,
+    created = await services(request).batch.create(caller_of(request), body.model, inputs,
                                               (body.params or BatchParams()).model_dump(),
                                               body.params is not None, body.callback_url)
     request[MODEL_VERSION] = created.model_ref
@@ -168,33 +167,20 @@ async def create_batch(request: web.Request) -> web.Response:
 
 
 async def get_batch(request: web.Request) -> web.Response:
-    return json_response(await request.app[BATCH].job(request.match_info["batch_id"], tenant_of(request).name))
+    return json_response(await services(request).batch.job(request.match_info["batch_id"], tenant_of(request).name))
 
 
 async def list_batches(request: web.Request) -> web.Response:
-    return json_response({"object": "list", "data": await request.app[BATCH].jobs(tenant_of(request).name)})
+    return json_response({"object": "list", "data": await services(request).batch.jobs(tenant_of(request).name)})
 
 
 async def batch_results(request: web.Request) -> web.Response:
-    return json_response(await request.app[BATCH].results(request.match_info["batch_id"], tenant_of(request).name))
+    return json_response(await services(request).batch.results(request.match_info["batch_id"], tenant_of(request).name))
 
 
 async def cancel_batch(request: web.Request) -> web.Response:
     job_id = request.match_info["batch_id"]
-    return json_response(await request.app[BATCH].cancel_job(job_id, tenant_of(request).name))
-
-
-def setup(app: web.Application, runner: BatchRunner) -> None:
-    """Register the runner; finished jobs expire while the app runs; its tasks stop (and its
-    callback client closes) at cleanup."""
-    app[BATCH] = runner
-
-    async def lifecycle(app: web.Application):
-        app[BATCH].start_expiry()
-        yield
-        await app[BATCH].close()
-
-    app.cleanup_ctx.append(lifecycle)
+    return json_response(await services(request).batch.cancel_job(job_id, tenant_of(request).name))
 
 
 BATCHES_PATH = "/api/v1/batch"

@@ -15,14 +15,13 @@ from aiohttp import web
 from pydantic import BaseModel, Field
 
 from api.auth import caller_of
+from api.context import services
 from api.errors import json_response
 from api.models import MODEL_VERSION
 from api.openai.schemas import MAX_NAME_CHARS, Strict
 from api.routes import Route
 from api.validation import parse_body
-from services.conversations import Conversation, Conversations, Message
-
-CONVERSATIONS = web.AppKey("conversations", Conversations)
+from services.conversations import Conversation, Message
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 
@@ -84,25 +83,25 @@ def message_json(message: Message) -> dict[str, Any]:
 
 async def create_conversation(request: web.Request) -> web.Response:
     body = await parse_body(request, ConversationCreate)
-    made = await request.app[CONVERSATIONS].create(caller_of(request), body.model, body.title)
+    made = await services(request).conversations.create(caller_of(request), body.model, body.title)
     request[MODEL_VERSION] = f"{made.model}@{made.model_version}"  # the X-Model-Version header
     return json_response(conversation_json(made), status=201)
 
 
 async def list_conversations(request: web.Request) -> web.Response:
-    listed = await request.app[CONVERSATIONS].list_for(caller_of(request))
+    listed = await services(request).conversations.list_for(caller_of(request))
     return json_response({"object": "list", "data": [conversation_json(c) for c in listed]})
 
 
 async def get_conversation(request: web.Request) -> web.Response:
-    conversation, messages = await request.app[CONVERSATIONS].get(caller_of(request),
+    conversation, messages = await services(request).conversations.get(caller_of(request),
                                                                   request.match_info["conversation_id"])
     return json_response({**conversation_json(conversation), "messages": [message_json(m) for m in messages]})
 
 
 async def delete_conversation(request: web.Request) -> web.Response:
     conversation_id = request.match_info["conversation_id"]
-    await request.app[CONVERSATIONS].delete(caller_of(request), conversation_id)
+    await services(request).conversations.delete(caller_of(request), conversation_id)
     return json_response({"id": conversation_id, "deleted": True})
 
 

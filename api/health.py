@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from api.context import STATUS
+from api.context import services
 from api.errors import json_response
 from api.openai.schemas import Health
 from api.routes import Route
@@ -18,7 +18,7 @@ async def health(request: web.Request) -> web.Response:
 async def ready(request: web.Request) -> web.Response:
     """Readiness: 200 once models are loaded; 503 while loading, while draining, while a device
     worker is stuck, and for a while after SQLite refused a write."""
-    state = request.app[STATUS].readiness()
+    state = services(request).status.readiness()
     return json_response({"status": state}, status=200 if state == "ok" else 503)
 
 

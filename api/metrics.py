@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from api.auth import AUTH, is_loopback, presents_admin_key, unauthorized
-from api.context import METRICS
+from api.auth import is_loopback, presents_admin_key, unauthorized
+from api.context import services
 
 
 @dataclass(frozen=True)
@@ -26,7 +26,7 @@ class MetricsAccess:
         return cls(auth_enabled and not is_loopback(bind_host), token)
 
     def allows(self, request: web.Request) -> bool:
-        if not self.protected or presents_admin_key(request, request.app[AUTH]):
+        if not self.protected or presents_admin_key(request, services(request).auth):
             return True
         scheme, _, presented = request.headers.get("Authorization", "").partition(" ")
         return bool(self.token) and scheme.lower() == "bearer" and hmac.compare_digest(
@@ -40,5 +40,5 @@ async def metrics_endpoint(request: web.Request) -> web.Response:
     if not request.app[METRICS_ACCESS].allows(request):
         raise unauthorized("/metrics needs the metrics token (`[observability] metrics_token`) or the admin key "
                            "as `Authorization: Bearer <token>`.", "metrics_token_required")
-    body = generate_latest(request.app[METRICS].registry)
+    body = generate_latest(services(request).metrics.registry)
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})

@@ -8,10 +8,10 @@ from __future__ import annotations
 from aiohttp import web
 
 from api.auth import caller_of
-from api.context import ROUTER
+from api.context import services
 from services import tenancy
 
 
 def count_creation(request: web.Request) -> None:
     """Count this creation as one of the caller's requests; 429 (changing nothing) over its rate."""
-    tenancy.count_creation(caller_of(request), request.app[ROUTER].admission)
+    tenancy.count_creation(caller_of(request), services(request).router.admission)

@@ -10,7 +10,7 @@ from typing import Any
 from aiohttp import web
 
 from api.auth import caller_of
-from api.context import RESPONSE_CACHE
+from api.context import services
 from engine.types import SamplingParams
 from services.deployments.manager import Served
 
@@ -31,7 +31,7 @@ def generation_key(request: web.Request, body: Any, model: Served, prompt_ids: l
     """The cache key of a generation request (`body`: its `galley` options and conversation), or
     None when its answer must not come from or go to the cache."""
     asked = cache_flag(request, body.galley)
-    return request.app[RESPONSE_CACHE].generation_key(caller_of(request), model, prompt_ids, params, asked, api,
+    return services(request).cache.generation_key(caller_of(request), model, prompt_ids, params, asked, api,
                                                       getattr(body, "conversation_id", None))
 
 
@@ -39,7 +39,7 @@ def lookup(request: web.Request, model: Served, key: str | None) -> Any | None:
     """The cached answer for `key` (None: not cacheable, or a miss), marked for the X-Cache header."""
     if key is None:
         return None
-    found = request.app[RESPONSE_CACHE].lookup(caller_of(request), model.name, key)
+    found = services(request).cache.lookup(caller_of(request), model.name, key)
     mark_lookup(request, found is not None)
     return found
 

@@ -9,7 +9,7 @@ from aiohttp import web
 from pydantic import BaseModel, Field
 
 from api.auth import tenant_of
-from api.context import HUB
+from api.context import services
 from api.openai.chunks import error_chunk, event_chunks, role_chunk
 from api.quotas import count_creation
 from api.routes import Route
@@ -27,7 +27,7 @@ async def serve_live(request: web.Request, live: LiveStream, after: int = -1) ->
     token (queue timeout, engine error) still gets a plain HTTP error.
     """
     headers = {"X-Stream-Id": live.id, "X-Request-Id": request["request_id"]}
-    return await serve_sse(request, live_frames(request.app[HUB], live, after), headers)
+    return await serve_sse(request, live_frames(services(request).streams, live, after), headers)
 
 
 async def live_frames(hub: StreamHub, live: LiveStream, after: int) -> AsyncGenerator[Frame, None]:
@@ -73,7 +73,7 @@ async def resume_stream(request: web.Request) -> web.StreamResponse:
     after = resume_point(request)
     count_creation(request)  # a replay is work: it counts as a request
     stream_id = request.match_info["stream_id"]
-    live = await request.app[HUB].find(stream_id, tenant_of(request).name)
+    live = await services(request).streams.find(stream_id, tenant_of(request).name)
     if live is None:
         raise NotFoundError(f"no stream {stream_id!r} (unknown, expired, or not yours)", param="stream_id")
     return await serve_live(request, live, after)

@@ -29,9 +29,8 @@ import structlog
 from aiohttp import WSCloseCode, WSMsgType, web
 from pydantic import Field, TypeAdapter, ValidationError, model_validator
 
-from api.auth import AUTH, caller_of, check_priority_access, current_tenant, tenant_of
-from api.context import HUB, INFERENCE, STATE
-from api.conversations import CONVERSATIONS
+from api.auth import caller_of, check_priority_access, current_tenant, tenant_of
+from api.context import SERVICES, services
 from api.errors import validation_error
 from api.models import resolve_model
 from api.openai.schemas import MAX_NAME_CHARS, ChatCompletionRequest, Strict
@@ -122,7 +121,7 @@ class ChatSocket:
     def __init__(self, request: web.Request, ws: web.WebSocketResponse) -> None:
         self.request = request
         self.ws = ws
-        self.hub = request.app[HUB]
+        self.hub = services(request).streams
         self.tenant = tenant_of(request).name
         self.followers: set[asyncio.Task] = set()
         self._write = asyncio.Lock()
@@ -193,11 +192,11 @@ class ChatSocket:
             created = await self.new_conversation(body)
             body = body.model_copy(update={"conversation_id": created})
         try:
-            live = await self.request.app[INFERENCE].start_chat(caller_of(self.request), body.chat_input(),
+            live = await services(self.request).inference.start_chat(caller_of(self.request), body.chat_input(),
                                                                  functools.partial(resolve_model, self.request))
         except Exception:
             if created is not None:  # nothing was said in it: leave no empty conversation behind
-                await self.request.app[CONVERSATIONS].discard(self.tenant, created)
+                await services(self.request).conversations.discard(self.tenant, created)
             raise
         await self.follow(live, -1)
 
@@ -205,7 +204,8 @@ class ChatSocket:
         """A conversation pinned to the version HTTP would route it to (the split, by `user` or a
         fresh key; a cold version loads), after the same access checks."""
         check_priority_access(self.request, body.priority)
-        made = await self.request.app[CONVERSATIONS].create_for_chat(caller_of(self.request), body.model, body.user)
+        conversations = services(self.request).conversations
+        made = await conversations.create_for_chat(caller_of(self.request), body.model, body.user)
         return made.id
 
     async def find(self, stream_id: str) -> LiveStream:
@@ -227,7 +227,7 @@ class ChatSocket:
     def _ended(self, live: LiveStream, task: asyncio.Task) -> None:
         self.followers.discard(task)
         self.hub.detach(live)
-        if not self.followers and self.request.app[STATE].draining:
+        if not self.followers and services(self.request).state.draining:
             self.close_soon(WSCloseCode.GOING_AWAY, "server shutting down")
 
     async def forward(self, live: LiveStream, after: int) -> None:
@@ -258,7 +258,7 @@ async def ws_chat(request: web.Request) -> web.WebSocketResponse:
     await ws.prepare(request)
     socket = ChatSocket(request, ws)
     request.app[SOCKETS].add(socket)
-    if request.app[STATE].draining:  # opened as the drain began
+    if services(request).state.draining:  # opened as the drain began
         socket.close_soon(WSCloseCode.GOING_AWAY, "server shutting down")
     try:
         async for message in ws:
@@ -295,7 +295,7 @@ async def close_sockets(app: web.Application) -> None:
 
 def setup(app: web.Application) -> None:
     app[SOCKETS] = weakref.WeakSet()
-    app[AUTH].directory.listeners.append(functools.partial(check_keys, app))
+    app[SERVICES].auth.directory.listeners.append(functools.partial(check_keys, app))
     app.on_shutdown.append(close_sockets)
 
 

@@ -102,3 +102,15 @@ async def metric(session, name: str, labels: dict | None = None, **more) -> floa
             if sample.name == name and all(sample.labels.get(k) == v for k, v in wanted.items()):
                 return sample.value
     return 0.0
+
+
+def make_app(router=None, *, state=None, db=None, loader=None, span_exporter=None, **settings):
+    """The one way tests build the app: `create_app` over `router` (an empty Router when None)
+    with `services.wiring.Settings(**settings)` (auth_enabled, admin_key_hash, streams, batch,
+    response_cache, lifecycle, deployments, observability, tracing, alerts, bind_host)."""
+    from api.app import create_app
+    from scheduling.router import Router
+    from services.wiring import Settings
+
+    return create_app(router if router is not None else Router(), state, db=db, settings=Settings(**settings),
+                      loader=loader, span_exporter=span_exporter)

@@ -12,13 +12,13 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from api.app import create_app
-from api.context import MODELS
+from api.context import SERVICES
 from engine.model_runner import CacheConfig
 from launch import EngineConfig, EngineLoader, start_workers
 from scheduling.router import Router
 from storage.registry import ModelVersion
 from storage.tenants import hash_key
+from tests.helpers import make_app
 from tests.test_api import wait_blocks_free
 from tests.test_auth import ADMIN
 
@@ -39,8 +39,8 @@ async def site(aiohttp_server, db):
     router = Router()
     cfg = EngineConfig(max_num_seqs=8, cache=CacheConfig(kv_cache_gib=0.02))
     workers = start_workers(cfg, lambda events: loop.call_soon_threadsafe(router.dispatch, events))
-    app = create_app(router, db=db, admin_key_hash=hash_key(ADMIN), loader=EngineLoader(cfg, 16, workers))
-    await app[MODELS].start([ModelVersion("demo", "1", DEMO), ModelVersion("demo", "2", DEMO)])
+    app = make_app(router, db=db, admin_key_hash=hash_key(ADMIN), loader=EngineLoader(cfg, 16, workers))
+    await app[SERVICES].models.start([ModelVersion("demo", "1", DEMO), ModelVersion("demo", "2", DEMO)])
     server = await aiohttp_server(app)
     yield server, router
     await wait_blocks_free(router, timeout_s=10)

@@ -11,10 +11,9 @@ import pytest
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from transformers import AutoTokenizer
 
-from api.app import create_app
 from api.openai import schemas
 from scheduling.router import Router
-from tests.helpers import metric, start_tiny_engines
+from tests.helpers import make_app, metric, start_tiny_engines
 from tests.test_reference import hf_greedy, prompts
 
 
@@ -37,7 +36,7 @@ async def wait_blocks_free(router: Router, timeout_s: float = 5.0) -> None:
 
 async def start_server(aiohttp_server, path, devices=("cpu",), max_num_seqs=32, max_waiting=64, **engine_kw):
     router, workers = await start_tiny_engines(path, max_num_seqs, max_waiting, devices=devices, **engine_kw)
-    server = await aiohttp_server(create_app(router))  # TestServer cancels handlers on disconnect
+    server = await aiohttp_server(make_app(router))  # TestServer cancels handlers on disconnect
     return server, router, workers
 
 

@@ -8,6 +8,7 @@ import re
 import sqlite3
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import aiohttp
 import httpx2 as httpx
@@ -16,8 +17,8 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import make_mocked_request
 
-from api.app import create_app
-from api.auth import AUTH, KEY_PREFIX, TENANT, caller_of, check_priority_access, tenant_of
+from api.auth import KEY_PREFIX, TENANT, caller_of, check_priority_access, tenant_of
+from api.context import SERVICES
 from api.errors import status_of
 from engine.model_runner import CacheConfig
 from launch import EngineConfig
@@ -27,7 +28,7 @@ from services.errors import PermissionDeniedError
 from services.tenancy import Auth, TenantDirectory, resolve_admin_key
 from storage.db import Database
 from storage.tenants import Tenant, TenantStore, hash_key
-from tests.helpers import start_models
+from tests.helpers import make_app, start_models
 from tests.test_server_process import ROOT, ServerProcess
 
 ADMIN = "gk_admin_test-admin-key-0123456789"
@@ -40,9 +41,10 @@ async def whoami(request: web.Request) -> web.Response:
     return web.json_response({"tenant": tenant_of(request).name})
 
 
-def make_app(db: Database | None, router: Router | None = None, auth_enabled: bool = True) -> web.Application:
-    app = create_app(router or Router(), db=db, auth_enabled=auth_enabled,
-                     admin_key_hash=hash_key(ADMIN) if db is not None else None)
+def auth_app(db: Database | None, router: Router | None = None, auth_enabled: bool = True) -> web.Application:
+    """The app with auth (and a test route that says whose the request is)."""
+    app = make_app(router or Router(), db=db, auth_enabled=auth_enabled,
+                   admin_key_hash=hash_key(ADMIN) if db is not None else None)
     app.router.add_get("/v1/test/whoami", whoami)
     app.router.add_get("/api/test/whoami", whoami)
     return app
@@ -50,7 +52,7 @@ def make_app(db: Database | None, router: Router | None = None, auth_enabled: bo
 
 @pytest.fixture
 async def api(aiohttp_server, db):
-    server = await aiohttp_server(make_app(db))
+    server = await aiohttp_server(auth_app(db))
     async with aiohttp.ClientSession(base_url=server.make_url("/")) as session:
         yield Client(session)
 
@@ -218,7 +220,7 @@ async def test_concurrent_admin_writes_all_land(api):
 async def test_a_restart_reloads_tenants_and_keys_from_the_file(aiohttp_server, tmp_path):
     path = tmp_path / "galley.db"
     first = Database(path)
-    server = await aiohttp_server(make_app(first))
+    server = await aiohttp_server(auth_app(first))
     async with aiohttp.ClientSession(base_url=server.make_url("/")) as session:
         client = Client(session)
         key = await client.new_key("acme", max_priority="low")
@@ -229,7 +231,7 @@ async def test_a_restart_reloads_tenants_and_keys_from_the_file(aiohttp_server, 
 
     second = Database(path)
     try:
-        server = await aiohttp_server(make_app(second))
+        server = await aiohttp_server(auth_app(second))
         async with aiohttp.ClientSession(base_url=server.make_url("/")) as session:
             client = Client(session)
             assert await client.call("GET", "/v1/test/whoami", key) == (200, {"tenant": "acme"})
@@ -241,7 +243,7 @@ async def test_a_restart_reloads_tenants_and_keys_from_the_file(aiohttp_server, 
 
 
 async def test_auth_off_every_request_is_the_default_tenant(aiohttp_server):
-    server = await aiohttp_server(make_app(None, auth_enabled=False))  # create_app's throwaway DB
+    server = await aiohttp_server(auth_app(None, auth_enabled=False))  # create_app's throwaway DB
     async with aiohttp.ClientSession(base_url=server.make_url("/")) as session:
         client = Client(session)
         assert await client.call("GET", "/v1/test/whoami") == (200, {"tenant": "default"})
@@ -269,7 +271,7 @@ async def test_openapi_lists_the_admin_routes(api):
 def caller(tenant: Tenant) -> web.Request:
     """A request from `tenant` (auth off: no key), its tenant as the app's directory has it."""
     app = web.Application()
-    app[AUTH] = Auth(False, TenantDirectory({tenant.name: tenant}), None)
+    app[SERVICES] = SimpleNamespace(auth=Auth(False, TenantDirectory({tenant.name: tenant}), None))  # only auth is read
     request = make_mocked_request("POST", "/v1/chat/completions", app=app)
     request[TENANT], request[KEY_PREFIX], request["request_id"] = tenant, None, "r1"
     return request
@@ -315,7 +317,7 @@ async def test_openai_sdk_with_a_tenant_key(aiohttp_server, llama_path, db):
     workers = await loop.run_in_executor(None, start_models, [("tiny", str(llama_path))], cfg, 8, router,
                                          lambda events: loop.call_soon_threadsafe(router.dispatch, events))
     try:
-        server = await aiohttp_server(make_app(db, router))
+        server = await aiohttp_server(auth_app(db, router))
         async with aiohttp.ClientSession(base_url=server.make_url("/")) as session:
             client = Client(session)
             key = await client.new_key("acme")

@@ -9,14 +9,13 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from api.app import create_app
 from engine.model_runner import CacheConfig
 from launch import EngineConfig, unload_encoder
 from scheduling.router import Router
 from services.batch.runner import BatchConfig
 from storage.tenants import hash_key
 from tests.encoder_models import save_tiny_classifier
-from tests.helpers import metric, start_models
+from tests.helpers import make_app, metric, start_models
 from tests.test_api import wait_blocks_free
 from tests.test_auth import ADMIN, Client
 from tests.test_encoders import router_with, start_test_encoders
@@ -31,7 +30,7 @@ async def start_stack(aiohttp_server, path, db, batch: BatchConfig, max_num_seqs
     cfg = EngineConfig(max_num_seqs=max_num_seqs, cache=CacheConfig(kv_cache_gib=0.05))
     workers = await loop.run_in_executor(None, start_models, [("tiny", str(path))], cfg, max_waiting, router,
                                          lambda events: loop.call_soon_threadsafe(router.dispatch, events))
-    app = create_app(router, db=db, auth_enabled=True, admin_key_hash=hash_key(ADMIN), batch_config=batch)
+    app = make_app(router, db=db, auth_enabled=True, admin_key_hash=hash_key(ADMIN), batch=batch)
     return await aiohttp_server(app), router, workers
 
 
@@ -251,8 +250,8 @@ def encoders(tmp_path_factory):
 
 
 async def test_embed_and_classify_jobs_equal_the_direct_endpoints(aiohttp_server, db, encoders):
-    app = create_app(router_with(encoders), db=db, auth_enabled=True, admin_key_hash=hash_key(ADMIN),
-                     batch_config=BatchConfig(max_in_flight_per_job=8))
+    app = make_app(router_with(encoders), db=db, auth_enabled=True, admin_key_hash=hash_key(ADMIN),
+                     batch=BatchConfig(max_in_flight_per_job=8))
     server = await aiohttp_server(app)
     texts = [f"sentence {i}: the quick brown fox" for i in range(20)]
     async with aiohttp.ClientSession(base_url=server.make_url("/")) as session:

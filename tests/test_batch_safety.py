@@ -12,8 +12,7 @@ import time
 import aiohttp
 import pytest
 
-from api.app import create_app
-from api.context import MODELS
+from api.context import SERVICES
 from engine.model_runner import CacheConfig
 from engine.types import FinishReason, GenerationRequest, SamplingParams
 from launch import EngineConfig, EngineLoader, start_workers
@@ -22,7 +21,7 @@ from services.batch.runner import BatchConfig
 from storage.registry import ModelVersion
 from storage.tenants import hash_key
 from tests import test_batch, test_deployments
-from tests.helpers import start_tiny_engines
+from tests.helpers import make_app, start_tiny_engines
 from tests.test_api import wait_blocks_free
 from tests.test_auth import ADMIN, Client
 from tests.test_deployments import Stack
@@ -40,9 +39,9 @@ async def lifecycle_stack(aiohttp_server, db, versions):
     router = Router()
     cfg = EngineConfig(max_num_seqs=16, cache=CacheConfig(kv_cache_gib=0.05))
     workers = start_workers(cfg, lambda events: loop.call_soon_threadsafe(router.dispatch, events))
-    app = create_app(router, db=db, auth_enabled=True, admin_key_hash=hash_key(ADMIN),
-                     loader=EngineLoader(cfg, 64, workers), batch_config=BatchConfig(retry_seconds=2.0))
-    await app[MODELS].start([ModelVersion("tiny", "1", versions["1"])])
+    app = make_app(router, db=db, auth_enabled=True, admin_key_hash=hash_key(ADMIN),
+                     loader=EngineLoader(cfg, 64, workers), batch=BatchConfig(retry_seconds=2.0))
+    await app[SERVICES].models.start([ModelVersion("tiny", "1", versions["1"])])
     server = await aiohttp_server(app)
     client = Client(aiohttp.ClientSession(base_url=server.make_url("/")))
     stack = Stack(app, router, client, await client.new_key("acme"), workers)

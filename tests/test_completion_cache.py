@@ -6,6 +6,7 @@ from __future__ import annotations
 import openai
 import pytest
 
+from api.context import SERVICES
 from tests.helpers import metric
 from tests.test_streams import auth_stack
 
@@ -125,11 +126,10 @@ async def test_another_tenant_never_gets_a_cached_answer(stack):
 
 
 async def test_shared_across_tenants_lets_one_tenants_answer_serve_another(aiohttp_server, llama_path, db):
-    from api.context import RESPONSE_CACHE
     from services.cache.responses import ResponseCacheConfig
 
     async with auth_stack(aiohttp_server, llama_path, db) as (server, client, app, key):
-        app[RESPONSE_CACHE].config = ResponseCacheConfig(shared_across_tenants=True)  # as [response_cache] sets it
+        app[SERVICES].cache.config = ResponseCacheConfig(shared_across_tenants=True)  # as [response_cache] sets it
         alice, bob = sdk(server, key), sdk(server, await client.new_key("bob"))
         miss, first = await complete(alice, temperature=0)
         hit, second = await complete(bob, temperature=0)

@@ -12,7 +12,7 @@ from launch import EngineConfig
 from scheduling.router import Router
 from storage import conversations
 from tests.helpers import start_models
-from tests.test_auth import Client, assert_error, make_app
+from tests.test_auth import Client, assert_error, auth_app
 
 PATH = "/api/v1/conversations"
 FIELDS = {"id", "object", "tenant", "model", "model_version", "title", "created_at", "updated_at"}
@@ -31,7 +31,7 @@ async def router(llama_path):
 
 
 async def open_client(aiohttp_server, db, router, auth_enabled=True):
-    server = await aiohttp_server(make_app(db, router, auth_enabled=auth_enabled))
+    server = await aiohttp_server(auth_app(db, router, auth_enabled=auth_enabled))
     return aiohttp.ClientSession(base_url=server.make_url("/"))
 
 

@@ -13,8 +13,7 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from api.app import create_app
-from api.context import METRICS, MODELS
+from api.context import SERVICES
 from engine.model_runner import CacheConfig
 from launch import EngineConfig, start_workers
 from scheduling.deployments import DeploymentsConfig
@@ -24,6 +23,7 @@ from storage import registry
 from storage.registry import ModelVersion
 from storage.tenants import hash_key
 from tests.faults import FaultyLoader
+from tests.helpers import make_app
 from tests.models import save_tiny_model
 from tests.test_api import wait_blocks_free
 from tests.test_auth import ADMIN, Client, assert_error
@@ -44,7 +44,7 @@ class Stack:
 
     @property
     def manager(self):
-        return self.app[MODELS]
+        return self.app[SERVICES].models
 
     async def complete(self, model: str, user: str | None = None, stream: bool = False,
                        **extra) -> tuple[int, str, dict]:
@@ -80,7 +80,7 @@ class Stack:
     def metric(self, name: str, **labels) -> float:
         """The sum of `name`'s samples with these labels, as /metrics exposes them."""
         total = 0.0
-        for family in text_string_to_metric_families(generate_latest(self.app[METRICS].registry).decode()):
+        for family in text_string_to_metric_families(generate_latest(self.app[SERVICES].metrics.registry).decode()):
             for sample in family.samples:
                 if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
                     total += sample.value
@@ -97,10 +97,10 @@ async def start_stack(aiohttp_server, db, seed: list[ModelVersion], lifecycle: L
     router = Router()
     cfg = EngineConfig(max_num_seqs=16, cache=CacheConfig(kv_cache_gib=kv_cache_gib))
     workers = start_workers(cfg, lambda events: loop.call_soon_threadsafe(router.dispatch, events))
-    app = create_app(router, db=db, auth_enabled=True, admin_key_hash=hash_key(ADMIN),
-                     loader=FaultyLoader(cfg, 64, workers), lifecycle_config=lifecycle,
-                     deployments_config=deployments)
-    await app[MODELS].start(seed)
+    app = make_app(router, db=db, auth_enabled=True, admin_key_hash=hash_key(ADMIN),
+                     loader=FaultyLoader(cfg, 64, workers), lifecycle=lifecycle,
+                     deployments=deployments)
+    await app[SERVICES].models.start(seed)
     server = await aiohttp_server(app)
     client = Client(aiohttp.ClientSession(base_url=server.make_url("/")))
     return stack_class(app, router, client, await client.new_key("acme"), workers), server

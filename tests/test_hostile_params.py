@@ -23,7 +23,7 @@ from scheduling.router import Router
 from tests.helpers import start_tiny_engines
 from tests.models import build_tokenizer, model_for
 from tests.test_api import wait_blocks_free
-from tests.test_auth import Client, make_app
+from tests.test_auth import Client, auth_app
 
 PROMPT = "The quick brown fox"
 GREEDY = {"model": "tiny", "prompt": PROMPT, "max_tokens": 24, "temperature": 0, "ignore_eos": True}
@@ -63,7 +63,7 @@ async def sse_events(resp: aiohttp.ClientResponse):
 
 async def open_stack(aiohttp_server, db, path, **engine_kw):
     router, workers = await start_tiny_engines(path, **engine_kw)
-    server = await aiohttp_server(make_app(db, router))
+    server = await aiohttp_server(auth_app(db, router))
     session = aiohttp.ClientSession(base_url=server.make_url("/"))
     admin = Client(session)
     keys = {tenant: await admin.new_key(tenant) for tenant in ("alice", "mallory")}
@@ -336,7 +336,7 @@ async def test_a_huge_embedding_input_is_cut_before_tokenizing(aiohttp_server):
     try:
         router = Router()
         router.add_model(minilm)
-        server = await aiohttp_server(make_app(None, router, auth_enabled=False))
+        server = await aiohttp_server(auth_app(None, router, auth_enabled=False))
         huge = "the quick brown fox jumps over the lazy dog " * (6_000_000 // 44)
         async with aiohttp.ClientSession(base_url=server.make_url("/")) as session:
 

@@ -17,7 +17,7 @@ from yarl import URL
 
 from tests.helpers import start_tiny_engines
 from tests.test_api import wait_blocks_free
-from tests.test_auth import ADMIN, Client, make_app
+from tests.test_auth import ADMIN, Client, auth_app
 from tests.test_hostile_params import GREEDY, Stack
 from tests.test_server_process import demo_server  # noqa: F401, F811 (a fixture)
 
@@ -27,7 +27,7 @@ CHAT = {"model": "tiny", "max_tokens": 4, "temperature": 0}
 @pytest.fixture
 async def server(aiohttp_server, llama_path, db):
     router, workers = await start_tiny_engines(llama_path, max_num_seqs=8)
-    server = await aiohttp_server(make_app(db, router))
+    server = await aiohttp_server(auth_app(db, router))
     server.router, server.workers = router, workers
     yield server
     await wait_blocks_free(router, timeout_s=30)

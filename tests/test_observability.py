@@ -15,14 +15,13 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry, Counter
 
-from api.app import create_app
 from engine.model_runner import CacheConfig, kv_bytes_per_block
 from launch import EngineConfig
 from scheduling.router import Router
 from services.observability.alerts import DEFAULT_ALERTS, AlertManager, AlertRule, MetricsWindow
 from services.observability.telemetry import ObservabilityConfig, TracingConfig
 from storage.tenants import hash_key
-from tests.helpers import start_models
+from tests.helpers import make_app, start_models
 from tests.test_api import scrape, wait_blocks_free
 from tests.test_auth import ADMIN
 
@@ -44,7 +43,7 @@ async def serve(aiohttp_server, path, *, max_num_seqs=8, max_waiting=64, num_blo
     cfg = EngineConfig(max_num_seqs=max_num_seqs, cache=cache)
     workers = await loop.run_in_executor(None, start_models, [("tiny", str(path))], cfg, max_waiting, router,
                                          lambda events: loop.call_soon_threadsafe(router.dispatch, events))
-    app = create_app(router, admin_key_hash=hash_key(ADMIN), **app_kw)
+    app = make_app(router, admin_key_hash=hash_key(ADMIN), **app_kw)
     server = await aiohttp_server(app)
     return server, router, workers, app
 

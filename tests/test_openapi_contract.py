@@ -15,13 +15,13 @@ import pytest
 import requests
 from jsonschema import Draft202012Validator
 
-from api.app import create_app
-from api.context import MODELS
+from api.context import SERVICES
 from engine.model_runner import CacheConfig
 from launch import EngineConfig, EngineLoader, start_workers
 from scheduling.router import Router
 from storage.registry import ModelVersion
 from storage.tenants import hash_key
+from tests.helpers import make_app
 
 ROOT = Path(__file__).resolve().parents[1]
 ADMIN = "gk_admin_openapi-contract-0123456789"
@@ -46,9 +46,9 @@ class LiveServer:
         loop, router = asyncio.get_running_loop(), Router()
         cfg = EngineConfig(max_num_seqs=8, cache=CacheConfig(kv_cache_gib=0.05))
         self.workers = start_workers(cfg, lambda events: loop.call_soon_threadsafe(router.dispatch, events))
-        app = create_app(router, auth_enabled=self.auth, admin_key_hash=hash_key(ADMIN),
+        app = make_app(router, auth_enabled=self.auth, admin_key_hash=hash_key(ADMIN),
                          loader=EngineLoader(cfg, 64, self.workers))
-        await app[MODELS].start([ModelVersion("tiny", "1", self.model_path)])
+        await app[SERVICES].models.start([ModelVersion("tiny", "1", self.model_path)])
         self.runner = aiohttp.web.AppRunner(app)
         await self.runner.setup()
         site = aiohttp.web.TCPSite(self.runner, "127.0.0.1", 0)

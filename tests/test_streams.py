@@ -10,11 +10,10 @@ import aiohttp
 import pytest
 from transformers import AutoTokenizer
 
-from api.app import create_app
-from api.context import HUB
+from api.context import SERVICES
 from services.streams.hub import StreamsConfig
 from storage.tenants import hash_key
-from tests.helpers import start_tiny_engines
+from tests.helpers import make_app, start_tiny_engines
 from tests.test_api import wait_blocks_free
 from tests.test_auth import ADMIN, Client
 
@@ -26,8 +25,8 @@ async def auth_stack(aiohttp_server, path, db):
     """The real app with auth on, the tiny model on real workers, an admin client and a tenant key;
     finished streams leave memory at once (replays come from SQLite)."""
     router, workers = await start_tiny_engines(path)
-    app = create_app(router, db=db, auth_enabled=True, admin_key_hash=hash_key(ADMIN),
-                     streams_config=StreamsConfig(memory_seconds=0.0))
+    app = make_app(router, db=db, auth_enabled=True, admin_key_hash=hash_key(ADMIN),
+                     streams=StreamsConfig(memory_seconds=0.0))
     server = await aiohttp_server(app)
     try:
         async with aiohttp.ClientSession(base_url=server.make_url("/")) as session:
@@ -122,8 +121,8 @@ async def test_plain_completion_resumes_when_asked_to_continue_and_replays_from_
     plain = {k: v for k, v in body.items() if k not in ("stream", "galley")}
     async with session.post("/v1/completions", json=plain, headers=auth(key)) as r:
         assert whole == (await r.json())["choices"][0]["text"]
-    await app[HUB].sweep()  # memory_seconds=0: the finished stream now replays from SQLite
-    assert stream_id not in app[HUB].live
+    await app[SERVICES].streams.sweep()  # memory_seconds=0: the finished stream now replays from SQLite
+    assert stream_id not in app[SERVICES].streams.live
     async with session.get(f"/api/v1/streams/{stream_id}", headers=auth(key)) as r:
         replay = await read_events(r)
     assert text_of(replay, "completion") == whole

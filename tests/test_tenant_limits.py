@@ -11,13 +11,13 @@ import pytest
 
 from tests.helpers import start_tiny_engines
 from tests.test_api import wait_blocks_free
-from tests.test_auth import Client, make_app
+from tests.test_auth import Client, auth_app
 
 
 @pytest.fixture
 async def stack(aiohttp_server, llama_path, db):
     router, workers = await start_tiny_engines(llama_path)
-    server = await aiohttp_server(make_app(db, router))
+    server = await aiohttp_server(auth_app(db, router))
     async with aiohttp.ClientSession(base_url=server.make_url("/")) as session:
         yield server, Client(session), router
     await wait_blocks_free(router)

@@ -16,11 +16,10 @@ import threading
 import aiohttp
 import pytest
 
-from api.app import create_app
 from engine.model_runner import CacheConfig
 from launch import EngineConfig
 from scheduling.router import Router
-from tests.helpers import metric, start_models
+from tests.helpers import make_app, metric, start_models
 
 SECRET = "/srv/secret/path"  # must never reach a client
 
@@ -49,7 +48,7 @@ async def stack(aiohttp_server, llama_path):
     emit = SwitchedEmit(loop, router)
     cfg = EngineConfig(max_num_seqs=8, cache=CacheConfig(kv_cache_gib=0.05), worker_stall_seconds=0.5)
     workers = await loop.run_in_executor(None, start_models, [("tiny", str(llama_path))], cfg, 64, router, emit)
-    server = await aiohttp_server(create_app(router))
+    server = await aiohttp_server(make_app(router))
     async with aiohttp.ClientSession(base_url=server.make_url("/")) as session:
         yield session, emit, workers[0]
     emit.release.set()

@@ -7,9 +7,9 @@ import asyncio
 import aiohttp
 import pytest
 
-from api.app import create_app
-from api.context import HUB
+from api.context import SERVICES
 from scheduling.router import Router
+from tests.helpers import make_app
 from tests.test_auth import Client
 from tests.test_streams import auth_stack
 
@@ -141,7 +141,7 @@ async def test_closing_the_socket_cancels_a_stream_that_asked_for_it(stack):
     async with connect(client, key) as ws:
         started = await start(ws, "Tell me a story", params)
         await receive(ws)
-    live = app[HUB].live[started["stream_id"]]
+    live = app[SERVICES].streams.live[started["stream_id"]]
     for _ in range(200):
         if live.done:
             break
@@ -203,8 +203,8 @@ async def test_another_tenant_cannot_resume_or_cancel(stack):
         await ws.send_json({"type": "chat", "model": "tiny", "content": "hi", "params": GREEDY,
                             "conversation_id": started["conversation_id"]})
         assert (await receive(ws))["code"] == "conversation_not_found"
-    await app[HUB].sweep()  # memory_seconds=0: alice's finished stream now replays from SQLite
-    assert stream_id not in app[HUB].live
+    await app[SERVICES].streams.sweep()  # memory_seconds=0: alice's finished stream now replays from SQLite
+    assert stream_id not in app[SERVICES].streams.live
     async with connect(client, key) as ws:
         await ws.send_json({"type": "resume", "stream_id": stream_id, "after": 1})
         assert (await receive(ws))["type"] == "start"
@@ -251,7 +251,7 @@ async def test_bad_messages_get_errors_and_the_socket_stays_usable(stack):
 
 
 async def test_shutdown_closes_open_sockets_with_going_away(aiohttp_server, db):
-    server = await aiohttp_server(create_app(Router(), db=db))  # auth off: the default tenant
+    server = await aiohttp_server(make_app(Router(), db=db))  # auth off: the default tenant
     async with aiohttp.ClientSession() as session, session.ws_connect(server.make_url("/ws/chat")) as ws:
         await server.close()
         closed = await asyncio.wait_for(ws.receive(), 10)

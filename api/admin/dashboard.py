@@ -11,62 +11,23 @@ no data; the page asks for the key).
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 from typing import Any
 
 from aiohttp import web
 from pydantic import BaseModel, Field
 
-from api.auth import AUTH
-from api.context import ALERTS, DATABASE, METRICS, OBSERVABILITY, PROFILER, RECENT, ROUTER, STATE, STATUS, TRACING
-from api.conversations import CONVERSATIONS
+from api.context import services
 from api.errors import json_response
 from api.routes import Route
 from api.validation import parse_params
 from services.conversations import Conversation
-from services.observability.alerts import AlertManager, AlertRule, MetricsWindow
-from services.observability.profiling import Profiler
-from services.observability.status import ServerStatus
-from services.observability.telemetry import (
-    ObservabilityConfig,
-    RecentRequests,
-    Tracing,
-    TracingConfig,
-    build_tracing,
-    log_request,
-)
 
 STATIC_DIR = Path(__file__).resolve().parents[2] / "static"
 
 
-def setup(app: web.Application, observability: ObservabilityConfig, tracing: TracingConfig,
-          alert_rules: tuple[AlertRule, ...], span_exporter: Any = None) -> None:
-    metrics = app[METRICS]
-    app[OBSERVABILITY] = observability
-    app[RECENT] = RecentRequests(observability.recent_requests)
-    metrics.log_prompts = observability.log_prompts
-    metrics.sinks += [log_request, app[RECENT]]
-    app[TRACING] = build_tracing(tracing, span_exporter)
-    if app[TRACING] is not None:
-        metrics.sinks.append(app[TRACING])
-    keep_s = max([observability.stats_window_seconds, *(r.window_seconds for r in alert_rules)])
-    window = MetricsWindow(metrics.registry, keep_s + observability.alert_interval_seconds)
-    app[ALERTS] = AlertManager(alert_rules, window)
-    app[STATUS] = ServerStatus(app[STATE], app[ROUTER], app[DATABASE], metrics.registry, app[ALERTS],
-                               observability.stats_window_seconds, app[AUTH].enabled)
-    app[PROFILER] = Profiler(app[ROUTER], observability.max_profile_seconds)
-    app.cleanup_ctx.append(run_alerts)
+def setup(app: web.Application) -> None:
     app.router.add_static("/admin/static/", STATIC_DIR, append_version=False)
-
-
-async def run_alerts(app: web.Application):
-    task = asyncio.get_running_loop().create_task(app[ALERTS].run(app[OBSERVABILITY].alert_interval_seconds))
-    yield
-    task.cancel()
-    tracing = app[TRACING]
-    if isinstance(tracing, Tracing):
-        tracing.shutdown()
 
 
 # ---- the page --------------------------------------------------------------------------
@@ -80,7 +41,7 @@ async def admin_page(request: web.Request) -> web.FileResponse:
 
 
 async def admin_stats(request: web.Request) -> web.Response:
-    return json_response(request.app[STATUS].stats())
+    return json_response(services(request).status.stats())
 
 
 # ---- recent requests, alerts -----------------------------------------------------------
@@ -94,12 +55,12 @@ class RequestsQuery(BaseModel):
 
 async def admin_requests(request: web.Request) -> web.Response:
     query = parse_params(request.query, RequestsQuery)
-    data = request.app[RECENT].latest(query.limit, query.tenant, query.status)
+    data = services(request).recent.latest(query.limit, query.tenant, query.status)
     return json_response({"object": "list", "data": data})
 
 
 async def admin_alerts(request: web.Request) -> web.Response:
-    return json_response(request.app[ALERTS].to_dict())
+    return json_response(services(request).alerts.to_dict())
 
 
 # ---- conversations across tenants ------------------------------------------------------
@@ -118,12 +79,12 @@ class ConversationsQuery(BaseModel):
 
 async def admin_list_conversations(request: web.Request) -> web.Response:
     params = parse_params(request.query, ConversationsQuery)
-    rows = await request.app[CONVERSATIONS].across_tenants(params.limit, params.tenant or None)
+    rows = await services(request).conversations.across_tenants(params.limit, params.tenant or None)
     return json_response({"object": "list", "data": [conversation_json(c, n) for c, n in rows]})
 
 
 async def admin_get_conversation(request: web.Request) -> web.Response:
-    found, messages = await request.app[CONVERSATIONS].find(request.match_info["conversation_id"])
+    found, messages = await services(request).conversations.find(request.match_info["conversation_id"])
     body = conversation_json(found, len(messages))
     body["messages"] = [{"role": m.role, "content": m.content, "prompt_tokens": m.prompt_tokens,
                          "completion_tokens": m.completion_tokens, "stream_id": m.stream_id,

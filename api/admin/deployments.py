@@ -17,7 +17,7 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, RootModel
 
 from api.auth import is_admin, tenant_of
-from api.context import MODELS, SHADOWS
+from api.context import services
 from api.errors import json_response
 from api.openai.schemas import Strict
 from api.routes import Route
@@ -162,7 +162,7 @@ def version_json(vs: VersionState) -> dict[str, Any]:
 
 
 async def deployment_json(request: web.Request, name: str) -> dict[str, Any]:
-    manager, shadows = request.app[MODELS], request.app[SHADOWS]
+    manager, shadows = services(request).models, services(request).shadows
     deployment, previous = manager.deployment(name)
     versions = {vs.spec.version: version_json(vs) for vs in manager.versions.values() if vs.spec.name == name}
     health = {}
@@ -185,25 +185,25 @@ async def deployment_json(request: web.Request, name: str) -> dict[str, Any]:
 
 async def create_model(request: web.Request) -> web.Response:
     body = await parse_body(request, ModelCreate)
-    vs = await request.app[MODELS].register(body.name, body.version, body.source, body.kind,
+    vs = await services(request).models.register(body.name, body.version, body.source, body.kind,
                                             body.options.model_dump(exclude_none=True))
     return json_response(version_json(vs), status=201)
 
 
 async def list_models(request: web.Request) -> web.Response:
-    manager = request.app[MODELS]
+    manager = services(request).models
     return json_response({"object": "list", "data": [version_json(vs) for vs in manager.versions.values()]})
 
 
 async def load_version(request: web.Request) -> web.Response:
-    manager = request.app[MODELS]
+    manager = services(request).models
     vs = manager.get(request.match_info["name"], request.match_info["version"])
     manager.load_in_background(vs)
     return accepted(vs, "load")
 
 
 async def unload_version(request: web.Request) -> web.Response:
-    manager = request.app[MODELS]
+    manager = services(request).models
     vs = manager.get(request.match_info["name"], request.match_info["version"])
     manager.unload_in_background(vs)
     return accepted(vs, "unload")
@@ -219,7 +219,7 @@ def accepted(vs: VersionState, action: str) -> web.Response:
 
 async def create_deployment(request: web.Request) -> web.Response:
     body = await parse_body(request, DeploymentCreate)
-    manager = request.app[MODELS]
+    manager = services(request).models
     await manager.deploy(body.model_name, body.version, body.traffic_percent)
     return json_response(await deployment_json(request, body.model_name), status=201)
 
@@ -227,28 +227,28 @@ async def create_deployment(request: web.Request) -> web.Response:
 async def update_traffic(request: web.Request) -> web.Response:
     name = request.match_info["model_name"]
     traffic = (await parse_body(request, TrafficSplit)).root
-    await request.app[MODELS].update_traffic(name, traffic)
+    await services(request).models.update_traffic(name, traffic)
     return json_response(await deployment_json(request, name))
 
 
 async def set_shadow(request: web.Request) -> web.Response:
     name = request.match_info["model_name"]
     body = await parse_body(request, ShadowSet)
-    await request.app[SHADOWS].set(name, body.version, body.percent)
+    await services(request).shadows.set(name, body.version, body.percent)
     return json_response(await deployment_json(request, name))
 
 
 async def rollback(request: web.Request) -> web.Response:
     name = request.match_info["model_name"]
-    await request.app[MODELS].rollback(name, "requested")
+    await services(request).models.rollback(name, "requested")
     return json_response(await deployment_json(request, name))
 
 
 def deployment_summary(request: web.Request, name: str) -> dict[str, Any]:
-    deployment, _ = request.app[MODELS].deployment(name)
+    deployment, _ = services(request).models.deployment(name)
     versions = {}
     for version in deployment.traffic:
-        vs = request.app[MODELS].versions.get(f"{name}@{version}")
+        vs = services(request).models.versions.get(f"{name}@{version}")
         if vs is not None:
             versions[version] = VersionSummary(version=version, kind=vs.spec.kind, state=vs.state)
     return DeploymentSummary(model_name=name, traffic=deployment.traffic, stable_version=deployment.stable,
@@ -256,7 +256,7 @@ def deployment_summary(request: web.Request, name: str) -> dict[str, Any]:
 
 
 async def list_deployments(request: web.Request) -> web.Response:
-    names = request.app[MODELS].names()
+    names = services(request).models.names()
     if is_admin(request):
         data = [await deployment_json(request, name) for name in names]
     else:

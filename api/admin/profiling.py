@@ -7,7 +7,7 @@ import time
 from aiohttp import web
 from pydantic import BaseModel, Field
 
-from api.context import PROFILER
+from api.context import services
 from api.routes import Route
 from api.validation import parse_params
 
@@ -22,7 +22,7 @@ class ProfileQuery(BaseModel):
 async def admin_profile(request: web.Request) -> web.Response:
     """Record a torch profiler trace of one device worker's engine steps for N seconds."""
     query = parse_params(request.query, ProfileQuery)
-    device, trace = await request.app[PROFILER].record(query.seconds, query.device)
+    device, trace = await services(request).profiler.record(query.seconds, query.device)
     filename = f"galley-profile-{device.replace(':', '_').replace('#', '-')}-{int(time.time())}.json"
     return web.Response(body=trace, content_type="application/json",
                         headers={"Content-Disposition": f'attachment; filename="{filename}"',

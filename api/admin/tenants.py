@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field
 
-from api.auth import TENANT_ADMIN
+from api.context import services
 from api.errors import json_response
 from api.routes import Route
 from api.validation import parse_body
@@ -112,44 +112,44 @@ def key_json(key: ApiKey) -> dict[str, Any]:
 
 async def create_tenant(request: web.Request) -> web.Response:
     body = await parse_body(request, TenantCreate)
-    saved = await request.app[TENANT_ADMIN].create(body.model_dump(exclude_unset=True))
+    saved = await services(request).tenants.create(body.model_dump(exclude_unset=True))
     return json_response(tenant_json(saved), status=201)
 
 
 async def list_tenants(request: web.Request) -> web.Response:
-    listed = await request.app[TENANT_ADMIN].tenants()
+    listed = await services(request).tenants.tenants()
     return json_response({"object": "list", "data": [tenant_json(t) for t in listed]})
 
 
 async def get_tenant(request: web.Request) -> web.Response:
-    return json_response(tenant_json(await request.app[TENANT_ADMIN].get(request.match_info["name"])))
+    return json_response(tenant_json(await services(request).tenants.get(request.match_info["name"])))
 
 
 async def update_tenant(request: web.Request) -> web.Response:
     name = request.match_info["name"]
     changes = (await parse_body(request, TenantPatch)).model_dump(exclude_unset=True)
-    return json_response(tenant_json(await request.app[TENANT_ADMIN].update(name, changes)))
+    return json_response(tenant_json(await services(request).tenants.update(name, changes)))
 
 
 async def delete_tenant(request: web.Request) -> web.Response:
     name = request.match_info["name"]
-    await request.app[TENANT_ADMIN].delete(name)
+    await services(request).tenants.delete(name)
     return json_response({"name": name, "deleted": True})
 
 
 async def create_key(request: web.Request) -> web.Response:
-    plaintext, key = await request.app[TENANT_ADMIN].create_key(request.match_info["name"])
+    plaintext, key = await services(request).tenants.create_key(request.match_info["name"])
     body = {"key": plaintext, "prefix": key.prefix, "tenant": key.tenant, "created_at": key.created_at}
     return json_response(body, status=201, headers={"Cache-Control": "no-store"})
 
 
 async def list_keys(request: web.Request) -> web.Response:
-    keys = await request.app[TENANT_ADMIN].keys_of(request.match_info["name"])
+    keys = await services(request).tenants.keys_of(request.match_info["name"])
     return json_response({"object": "list", "data": [key_json(k) for k in keys]})
 
 
 async def revoke_key(request: web.Request) -> web.Response:
-    return json_response(key_json(await request.app[TENANT_ADMIN].revoke_key(request.match_info["prefix"])))
+    return json_response(key_json(await services(request).tenants.revoke_key(request.match_info["prefix"])))
 
 
 TENANT_PATH = "/admin/api/tenants/{name}"

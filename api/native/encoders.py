@@ -13,7 +13,7 @@ import time
 from aiohttp import web
 
 from api.auth import caller_of
-from api.context import ENCODERS
+from api.context import services
 from api.errors import json_response
 from api.models import model_label, resolve_model
 from api.native.generate import named_model
@@ -33,7 +33,7 @@ from api.validation import parse_body
 async def embed(request: web.Request) -> web.Response:
     body = await parse_body(request, EmbedRequest)
     model = await resolve_model(request, body.model, user=body.user, kinds=("embed",))
-    outputs = await request.app[ENCODERS].embed(caller_of(request), model, body.texts(),
+    outputs = await services(request).encoders.embed(caller_of(request), model, body.texts(),
                                                 cache_flag(request, body.galley),
                                                 on_lookup=lambda hit: mark_lookup(request, hit))
     tokens = sum(out.num_tokens for out in outputs)
@@ -49,9 +49,9 @@ async def predict(request: web.Request) -> web.Response:
     model = await resolve_model(request, name or body.model, user=body.user, kinds=("classify",))
     params = body.params or PredictParams()
     texts = [body.input] if body.input is not None else list(body.inputs)
-    results = await request.app[ENCODERS].classify(caller_of(request), model, texts, cache_flag(request, body.galley),
-                                                   params.function_to_apply, params.top_k,
-                                                   on_lookup=lambda hit: mark_lookup(request, hit))
+    results = await services(request).encoders.classify(caller_of(request), model, texts,
+                                                        cache_flag(request, body.galley), params.function_to_apply,
+                                                        params.top_k, on_lookup=lambda hit: mark_lookup(request, hit))
     if body.input is not None:
         fields = results[0]
     else:

@@ -15,7 +15,7 @@ from collections.abc import AsyncGenerator
 from aiohttp import web
 
 from api.auth import caller_of
-from api.context import INFERENCE
+from api.context import services
 from api.errors import error_body, json_response
 from api.models import resolve_model
 from api.native.schemas import GenerateEvent, GenerateRequest, GenerateResponse, NamedGenerateRequest
@@ -45,7 +45,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     started = time.monotonic()
     name = named_model(request)
     body = await parse_body(request, GenerateRequest if name is None else NamedGenerateRequest)
-    inference = request.app[INFERENCE]
+    inference = services(request).inference
     generated = await inference.generate(
         caller_of(request), prompt_input(body, name), functools.partial(resolve_model, request), stream=body.stream,
         cache_asked=cache_flag(request, body.galley), looked_up=functools.partial(mark_lookup, request))

@@ -14,7 +14,7 @@ from typing import Any
 
 from aiohttp import web
 
-from api.context import RESPONSE_CACHE
+from api.context import services
 from api.openai.chunks import event_chunks, role_chunk
 from api.response_cache import generation_key, lookup
 from api.sse import Frame, serve_sse
@@ -34,12 +34,12 @@ def completion_key(request: web.Request, body: Any, model: Served, prompt_ids: l
 
 
 def remember(request: web.Request, key: str | None, text: str, finish: str | None, usage: dict | None) -> None:
-    request.app[RESPONSE_CACHE].remember_completion(key, text, finish, usage)
+    services(request).cache.remember_completion(key, text, finish, usage)
 
 
 def remember_live(request: web.Request, key: str | None, live: LiveStream) -> None:
     """Store a streamed answer once its stream has finished normally."""
-    request.app[RESPONSE_CACHE].remember_live(key, live)
+    services(request).cache.remember_live(key, live)
 
 
 async def replay(request: web.Request, fmt: ChunkFormat, answer: CachedCompletion) -> web.StreamResponse:

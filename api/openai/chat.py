@@ -11,7 +11,7 @@ from typing import Any
 from aiohttp import web
 
 from api.auth import caller_of
-from api.context import INFERENCE
+from api.context import services
 from api.openai.answer import Shape, how, resolver, respond
 from api.openai.chunks import chat_logprobs
 from api.openai.schemas import ChatCompletion, ChatCompletionChunk, ChatCompletionRequest
@@ -32,7 +32,7 @@ CHAT = Shape("chat.completion", chat_choice, resumable=True)
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = await parse_body(request, ChatCompletionRequest)
-    outcome = await request.app[INFERENCE].chat(caller_of(request), body.chat_input(), resolver(request),
+    outcome = await services(request).inference.chat(caller_of(request), body.chat_input(), resolver(request),
                                                 **how(request, body))
     return await respond(request, outcome, CHAT)
 

@@ -15,7 +15,7 @@ from aiohttp import web
 from pydantic import BaseModel, Discriminator, Field, Tag
 
 from api.auth import caller_of
-from api.context import ENCODERS
+from api.context import services
 from api.errors import json_response
 from api.models import model_label, resolve_model
 from api.openai.schemas import MAX_NAME_CHARS, Strict, TokenId
@@ -96,7 +96,7 @@ def base64_floats(values: list[float]) -> str:
 async def embeddings(request: web.Request) -> web.Response:
     body = await parse_body(request, EmbeddingRequest)
     model = await resolve_model(request, body.model, user=body.user, kinds=("embed",))
-    outputs = await request.app[ENCODERS].embed(caller_of(request), model, body.inputs(),
+    outputs = await services(request).encoders.embed(caller_of(request), model, body.inputs(),
                                                 cache_flag(request, body.galley), body.dimensions,
                                                 on_lookup=lambda hit: mark_lookup(request, hit))
     encode = base64_floats if body.encoding_format == "base64" else (lambda v: v)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from api.auth import tenant_of
-from api.context import MODELS
+from api.context import services
 from api.errors import json_response
 from api.openai.schemas import ModelList
 from api.routes import Route
@@ -14,7 +14,7 @@ from api.routes import Route
 async def list_models(request: web.Request) -> web.Response:
     """Every registered model (generate, embed, classify) the caller's tenant may use, loaded or cold."""
     tenant = tenant_of(request)
-    data = [card for card in request.app[MODELS].catalog() if tenant.allows_model(card["id"])]
+    data = [card for card in services(request).models.catalog() if tenant.allows_model(card["id"])]
     return json_response({"object": "list", "data": data})
 
 
