@@ -1,6 +1,6 @@
 """Builds `/openapi.json` from the route table and the pydantic models it names.
 
-The document is the contract the handlers keep (a schemathesis run in tests/test_openapi_contract.py
+The document is the contract the handlers keep (a schemathesis run in tests/api/test_openapi_contract.py
 holds them to it): bodies, query strings and headers are the models `api.validation` parses them
 with, path parameters come from the route's template, each operation lists the statuses it can
 answer and the key it needs under this server's auth setting (see `api.auth.auth_middleware`).

@@ -1,0 +1,353 @@
+"""Hostile sampling parameters and prompts through the real server (issue 11, items 2 and 5).
+
+Every parameter is range-checked at the boundary: a value the engine could choke on is a 400
+that names the parameter, never a failed step that takes other tenants' streams with it. A
+prompt too long for the context is refused before it is tokenized, and long ones are tokenized
+off the event loop. Token ids are checked against the model's embedding rows, not the
+tokenizer's length.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import aiohttp
+import pytest
+import torch
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+
+from scheduling.router import Router
+from tests.api.test_api import wait_blocks_free
+from tests.api.test_auth import Client, auth_app
+from tests.helpers import start_tiny_engines
+from tests.models import build_tokenizer, model_for
+
+PROMPT = "The quick brown fox"
+GREEDY = {"model": "tiny", "prompt": PROMPT, "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+
+
+class Stack:
+    def __init__(self, session: aiohttp.ClientSession, router: Router, keys: dict[str, str]) -> None:
+        self.session = session
+        self.router = router
+        self.keys = keys
+
+    def headers(self, tenant: str) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.keys[tenant]}", "Content-Type": "application/json"}
+
+    async def post(self, tenant: str, path: str, body: bytes | dict) -> tuple[int, dict]:
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        async with self.session.post(path, data=data, headers=self.headers(tenant)) as resp:
+            return resp.status, await resp.json()
+
+    async def stream_text(self, tenant: str, body: dict) -> str:
+        """A streamed completion's text; an error event fails the test."""
+        text = ""
+        async with self.session.post("/v1/completions", json={**body, "stream": True},
+                                     headers=self.headers(tenant)) as resp:
+            assert resp.status == 200, await resp.text()
+            async for event in sse_events(resp):
+                assert "error" not in event, event
+                text += event["choices"][0]["text"] if event["choices"] else ""
+        return text
+
+
+async def sse_events(resp: aiohttp.ClientResponse):
+    async for line in resp.content:
+        if line.startswith(b"data: ") and line.strip() != b"data: [DONE]":
+            yield json.loads(line[6:])
+
+
+async def open_stack(aiohttp_server, db, path, **engine_kw):
+    router, workers = await start_tiny_engines(path, **engine_kw)
+    server = await aiohttp_server(auth_app(db, router))
+    session = aiohttp.ClientSession(base_url=server.make_url("/"))
+    admin = Client(session)
+    keys = {tenant: await admin.new_key(tenant) for tenant in ("alice", "mallory")}
+    return Stack(session, router, keys), workers
+
+
+@pytest.fixture
+async def stack(aiohttp_server, llama_path, db):
+    stack, workers = await open_stack(aiohttp_server, db, llama_path, max_num_seqs=32)
+    yield stack
+    await stack.session.close()
+    await wait_blocks_free(stack.router, timeout_s=30)
+    for worker in workers:
+        worker.stop()
+
+
+# ---- item 2: every parameter range-checked at the boundary -----------------------------------
+
+HOSTILE = [  # (body fields, the parameter the 400 must name)
+    ({"top_k": 9223372036854775808}, "top_k"),  # overflowed int64 in the sampler: the whole step failed
+    ({"top_k": 10**30}, "top_k"),
+    ({"max_tokens": 9223372036854775808}, "max_tokens"),
+    ({"seed": 2**64}, "seed"),
+    ({"seed": -1}, "seed"),
+    ({"stop_token_ids": list(range(5000))}, "stop_token_ids"),  # checked against every sampled token
+    ({"stop_token_ids": [-1]}, "stop_token_ids"),
+    ({"stop_token_ids": [2**63]}, "stop_token_ids"),
+    ({"stop": ["x" * 100_000]}, "stop"),  # matched against the text after every token
+    ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({"user": "u" * 100_000}, "user"),
+    ({"temperature": 1e400}, "temperature"),  # infinity once parsed
+    ({"top_p": float("nan")}, "top_p"),
+    ({"repetition_penalty": float("inf")}, "repetition_penalty"),
+    ({"n": 10**12}, "n"),
+    ({"logprobs": 10**9}, "logprobs"),
+    ({"prompt": [5, 2**63]}, "prompt"),
+]
+
+
+async def test_hostile_values_are_a_400_naming_the_parameter(stack):
+    for fields, param in HOSTILE:
+        body = json.dumps({**GREEDY, **fields}).encode()  # NaN and Infinity as Python clients write them
+        status, answer = await stack.post("mallory", "/v1/completions", body)
+        assert status == 400, (fields, answer)
+        assert answer["error"]["param"].split(".")[0] == param, (fields, answer)
+        assert answer["error"]["type"] == "invalid_request_error"
+
+
+async def test_batch_job_params_are_bounded_too(stack):
+    """A batch item ran the same sampler: its parameters get the same bounds at submission."""
+    for fields, param in [({"top_k": 9223372036854775808}, "params.top_k"),
+                          ({"max_tokens": 2**63}, "params.max_tokens"),
+                          ({"stop_token_ids": list(range(5000))}, "params.stop_token_ids"),
+                          ({"temperature": float("nan")}, "params.temperature")]:
+        body = json.dumps({"model": "tiny", "inputs": ["hi"], "params": fields}).encode()
+        status, answer = await stack.post("mallory", "/api/v1/batch", body)
+        assert status == 400 and answer["error"]["param"] == param, (fields, answer)
+
+
+async def test_a_top_k_past_int64_spares_the_other_tenants_stream(stack):
+    """The issue's repro: before, the overflow failed the step and every stream in it."""
+    alone = await stack.stream_text("alice", GREEDY)
+    streaming = asyncio.ensure_future(stack.stream_text("alice", GREEDY))
+    for _ in range(4):
+        sampled = {**GREEDY, "max_tokens": 16, "temperature": 1.0}
+        status, answer = await stack.post("mallory", "/v1/completions", {**sampled, "top_k": 9223372036854775808})
+        assert status == 400 and answer["error"]["param"] == "top_k"
+        status, _ = await stack.post("mallory", "/v1/completions", {**sampled, "top_k": 10**6})
+        assert status == 200  # the schema's bound; the sampler clamps it to the vocabulary
+    assert await asyncio.wait_for(streaming, 60) == alone
+
+
+async def test_tiny_temperature_is_greedy_over_http(stack):
+    greedy = await stack.post("alice", "/v1/completions", {**GREEDY, "galley": {"cache": False}})
+    tiny = await stack.post("alice", "/v1/completions", {**GREEDY, "temperature": 1e-46, "galley": {"cache": False}})
+    assert tiny[0] == 200 and tiny[1]["choices"][0]["text"] == greedy[1]["choices"][0]["text"]
+
+
+# ---- the property: random parameters never hurt a neighbour --------------------------------------
+
+HUGE_INTS = [2**63, 2**63 - 1, 2**64, -(2**63) - 1, 10**30, 9223372036854775808]
+ints = st.one_of(st.integers(-3, 40), st.integers(-(2**70), 2**70), st.sampled_from(HUGE_INTS))
+floats = st.one_of(st.floats(), st.sampled_from([1e-46, 5e-324, 1e-6, 1e-5, 1e308, -0.0, 2.0, 2.0000001]))
+texts = st.one_of(st.text(max_size=8), st.just("x" * 5000))
+HOSTILE_VALUES = {
+    "temperature": floats | ints, "top_p": floats, "top_k": ints, "min_p": floats, "max_tokens": ints,
+    "seed": ints, "frequency_penalty": floats, "presence_penalty": floats, "repetition_penalty": floats,
+    "stop": texts | st.lists(texts, max_size=8), "stop_token_ids": st.lists(ints, max_size=400),
+    "n": st.integers(-1, 20), "logprobs": ints | st.booleans(), "top_logprobs": ints, "ignore_eos": st.booleans(),
+    "prompt": st.lists(ints, max_size=6), "user": texts,
+}
+ids = st.integers(0, 399)  # the tiny model's vocabulary
+VALID_VALUES = {  # in range, edges included, so that many examples run next to the neighbour
+    "temperature": st.floats(0, 2) | st.sampled_from([1e-46, 1e-5]), "top_p": st.floats(1e-9, 1),
+    "top_k": st.integers(-1, 10**6), "min_p": st.floats(0, 1), "max_tokens": st.integers(1, 64),
+    "seed": st.integers(0, 2**63 - 1), "frequency_penalty": st.floats(-2, 2), "presence_penalty": st.floats(-2, 2),
+    "repetition_penalty": st.floats(1e-3, 2), "stop": st.lists(st.text(min_size=1, max_size=4), max_size=4),
+    "stop_token_ids": st.lists(ids, max_size=256), "n": st.integers(1, 3), "logprobs": st.integers(0, 5),
+    "top_logprobs": st.integers(0, 20), "ignore_eos": st.booleans(), "prompt": st.lists(ids, min_size=1, max_size=6),
+    "user": st.text(max_size=8),
+}
+params = st.lists(st.sampled_from(sorted(VALID_VALUES)), max_size=4, unique=True).flatmap(
+    lambda keys: st.fixed_dictionaries({key: VALID_VALUES[key] | HOSTILE_VALUES[key] for key in keys}))
+ENDPOINTS = ["/v1/completions", "/v1/chat/completions", "/api/v1/generate"]
+
+
+async def hostile_request(stack: Stack, path: str, params: dict, neighbour: asyncio.Future) -> None:
+    """Send `params` as mallory, streamed; while the neighbour runs read the answer, then leave."""
+    body = {"model": "tiny", "stream": True, "max_tokens": 8, **params}
+    if path == "/v1/chat/completions":
+        body.setdefault("messages", [{"role": "user", "content": str(body.pop("prompt", "hi"))}])
+    else:
+        body.setdefault("prompt", "hi")
+    async with stack.session.post(path, data=json.dumps(body).encode(), headers=stack.headers("mallory")) as resp:
+        if resp.status != 200:
+            answer = await resp.json()
+            assert resp.status == 400, (params, answer)
+            param = answer["error"]["param"]
+            context = answer["error"]["code"] == "context_length_exceeded" and "max_tokens" in params
+            assert param is not None and (param.split(".")[0] in body or context), (params, answer)
+            return
+        async for event in sse_events(resp):
+            assert "error" not in event and event.get("type") != "error", (params, event)
+            if neighbour.done():
+                return  # leaving aborts the rest
+
+
+async def test_random_parameters_never_hurt_another_tenants_stream(stack):
+    alone = await stack.stream_text("alice", GREEDY)
+    loop = asyncio.get_running_loop()
+
+    async def one_example(path: str, params: dict) -> None:
+        neighbour = asyncio.ensure_future(stack.stream_text("alice", GREEDY))
+        await hostile_request(stack, path, params, neighbour)
+        assert await asyncio.wait_for(neighbour, 60) == alone
+
+    @settings(max_examples=40, deadline=None, derandomize=True, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(path=st.sampled_from(ENDPOINTS), params=params)
+    @example(path="/v1/completions", params={"top_k": 9223372036854775808})  # the issue's repro
+    @example(path="/v1/chat/completions", params={"top_k": 2**64, "temperature": 1e-46, "stop_token_ids": [-1] * 999})
+    def prop(path: str, params: dict) -> None:  # hypothesis is synchronous: it drives the loop from a thread
+        asyncio.run_coroutine_threadsafe(one_example(path, params), loop).result(120)
+
+    await asyncio.to_thread(prop)
+
+
+# ---- item 5: huge prompts -----------------------------------------------------------------------
+
+
+class LoopLag:
+    """The longest the event loop went without running a 10 ms ticker (a blocked loop shows here)."""
+
+    def __init__(self) -> None:
+        self.max_s = 0.0
+
+    async def run(self) -> None:
+        while True:
+            started = time.perf_counter()
+            await asyncio.sleep(0.01)
+            self.max_s = max(self.max_s, time.perf_counter() - started - 0.01)
+
+
+async def measure_lag(*requests) -> tuple[float, list]:
+    lag = LoopLag()
+    ticker = asyncio.ensure_future(lag.run())
+    try:
+        results = await asyncio.gather(*requests)
+    finally:
+        ticker.cancel()
+    return lag.max_s, results
+
+
+async def test_a_prompt_longer_than_the_context_could_hold_is_refused_before_tokenizing(stack):
+    tiny = stack.router.find("tiny")
+    limit = tiny.max_model_len * max(len(token) for token in tiny.tokenizer.get_vocab())
+    body = {"model": "tiny", "max_tokens": 4}
+    big = "The quick brown fox jumps. " * (3_500_000 // 27)  # ~3.5 MB: seconds to tokenize
+    lag, answers = await measure_lag(
+        stack.post("mallory", "/v1/completions", {**body, "prompt": big}),
+        stack.post("mallory", "/api/v1/generate", {**body, "prompt": big}),
+        stack.post("mallory", "/v1/chat/completions", {**body, "messages": [{"role": "user", "content": big}]}),
+    )
+    for (status, answer), param in zip(answers, ["prompt", "prompt", "messages"]):
+        assert status == 400 and answer["error"]["code"] == "context_length_exceeded", answer
+        assert answer["error"]["param"] == param and f"at most {limit} characters" in answer["error"]["message"]
+    assert lag < 0.5, f"the event loop was blocked for {lag:.2f}s"
+    status, answer = await stack.post("mallory", "/v1/completions", {**body, "prompt": "a" * (5 * 1024 * 1024)})
+    assert status == 413 and answer["error"]["code"] == "request_too_large"  # over the generation routes' limit
+
+
+@pytest.fixture(scope="module")
+def long_context_path(tmp_path_factory):
+    """The tiny Llama with a 100k-token context: long prompts are legal and take seconds to tokenize."""
+    out = tmp_path_factory.mktemp("long-context")
+    torch.manual_seed(0)
+    tokenizer = build_tokenizer()
+    model_for("llama", len(tokenizer), max_position_embeddings=100_000).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+async def test_long_prompts_are_tokenized_off_the_event_loop(aiohttp_server, db, long_context_path):
+    from engine.model_runner import CacheConfig
+
+    stack, workers = await open_stack(aiohttp_server, db, long_context_path, cache=CacheConfig(kv_cache_gib=0.1))
+    try:
+        tiny = stack.router.find("tiny")
+        assert tiny.max_model_len == 100_000
+        max_token_chars = max(len(token) for token in tiny.tokenizer.get_vocab())
+        long = "The quick brown fox 中文 " * (tiny.max_model_len * max_token_chars // 25)  # ~1.2M chars
+        lag, [(status, answer)] = await measure_lag(
+            stack.post("mallory", "/v1/completions", {"model": "tiny", "prompt": long, "max_tokens": 4}))
+        assert status == 400 and answer["error"]["code"] == "context_length_exceeded", answer  # ~300k tokens
+        assert "tokens" in answer["error"]["message"]  # counted after tokenizing, which took ~1 s
+        assert lag < 0.5, f"the event loop was blocked for {lag:.2f}s"
+    finally:
+        await stack.session.close()
+        for worker in workers:
+            worker.stop()
+
+
+# ---- found by reading: token ids past the embedding ----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def short_embedding_path(tmp_path_factory):
+    """A tokenizer of 400 tokens on a model with 392 embedding rows: ids 392..399 (e.g. '中', 397)
+    are the tokenizer's but not the model's."""
+    out = tmp_path_factory.mktemp("short-embedding")
+    torch.manual_seed(0)
+    tokenizer = build_tokenizer()
+    model_for("llama", len(tokenizer) - 8).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+async def test_token_ids_past_the_embedding_are_refused(aiohttp_server, db, short_embedding_path):
+    stack, workers = await open_stack(aiohttp_server, db, short_embedding_path)
+    try:
+        assert stack.router.find("tiny").vocab_size == 392
+        body = {"model": "tiny", "max_tokens": 4}
+        cases = [("/v1/completions", {**body, "prompt": [5, 397]}, "prompt"),
+                 ("/v1/completions", {**body, "prompt": "中"}, "prompt"),  # the tokenizer's own output
+                 ("/api/v1/generate", {**body, "prompt": "中"}, "prompt"),
+                 ("/v1/chat/completions", {**body, "messages": [{"role": "user", "content": "中"}]}, "messages"),
+                 ("/v1/completions", {**body, "prompt": "hi", "stop_token_ids": [395]}, "stop_token_ids")]
+        for path, request, param in cases:
+            status, answer = await stack.post("mallory", path, request)
+            assert status == 400 and answer["error"]["param"] == param, (path, request, answer)
+        assert await stack.stream_text("alice", GREEDY)  # the engine is fine
+    finally:
+        await stack.session.close()
+        for worker in workers:
+            worker.stop()
+
+
+# ---- item 5, encoders: a huge input must not hold the device worker -------------------------------
+
+
+async def test_a_huge_embedding_input_is_cut_before_tokenizing(aiohttp_server):
+    """Embeddings truncate to the model's length, but the whole input used to be tokenized first, on
+    the device's worker thread: 6 MB took ~7 s there, every stream on that device stalled."""
+    from launch import unload_encoder
+    from storage.registry import ModelVersion
+    from tests.api.test_encoders import MINILM
+    from tests.helpers import load_encoder_alone
+
+    minilm = load_encoder_alone(ModelVersion("minilm", "1", MINILM, "embed", {}))
+    try:
+        router = Router()
+        router.add_model(minilm)
+        server = await aiohttp_server(auth_app(None, router, auth_enabled=False))
+        huge = "the quick brown fox jumps over the lazy dog " * (6_000_000 // 44)
+        async with aiohttp.ClientSession(base_url=server.make_url("/")) as session:
+
+            async def embed(text: str) -> tuple[list[float], float]:
+                started = time.monotonic()
+                async with session.post("/v1/embeddings", json={"model": "minilm", "input": text}) as resp:
+                    assert resp.status == 200, await resp.text()
+                    return (await resp.json())["data"][0]["embedding"], time.monotonic() - started
+
+            vector, took_s = await embed(huge)
+            assert vector == (await embed(huge[:20_000]))[0]  # 256 tokens: the same start, the same vector
+            assert took_s < 3.0, f"a 6 MB input took {took_s:.1f}s"
+    finally:
+        await asyncio.get_running_loop().run_in_executor(None, unload_encoder, minilm)
