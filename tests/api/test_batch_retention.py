@@ -9,7 +9,7 @@ import asyncio
 import time
 
 from services.batch.runner import BatchConfig
-from tests import test_batch
+from tests.api import test_batch
 from tests.api.test_batch import GREEDY, wait_for
 
 make_stack = test_batch.make_stack  # the fixture: (client, router, a tenant key) for a BatchConfig

@@ -20,7 +20,7 @@ from scheduling.router import ModelUnavailable, Router
 from services.batch.runner import BatchConfig
 from storage.registry import ModelVersion
 from storage.tenants import hash_key
-from tests import test_batch, test_deployments
+from tests.api import test_batch, test_deployments
 from tests.api.test_api import wait_blocks_free
 from tests.api.test_auth import ADMIN, Client
 from tests.api.test_deployments import Stack

@@ -14,7 +14,7 @@ from scheduling.router import Router
 from services.observability.telemetry import ObservabilityConfig
 from storage.registry import ModelVersion
 from storage.tenants import hash_key
-from tests import test_deployments
+from tests.api import test_deployments
 from tests.api.test_auth import ADMIN, Client, assert_error
 from tests.api.test_deployments import DEPLOYMENTS, register
 from tests.helpers import make_app

@@ -11,7 +11,7 @@ from structlog.testing import capture_logs
 
 from storage import registry
 from storage.registry import ModelVersion
-from tests import test_deployments
+from tests.api import test_deployments
 from tests.api.test_auth import ADMIN, assert_error
 from tests.api.test_deployments import DEPLOYMENTS, Stack, not_a_model, register
 

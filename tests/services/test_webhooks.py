@@ -15,7 +15,7 @@ from aiohttp import web
 
 from services.batch.runner import BatchConfig
 from services.batch.webhooks import CallbackPolicy, is_public, parse_ip
-from tests import test_batch
+from tests.api import test_batch
 from tests.api.test_batch import GREEDY, wait_for
 
 make_stack = test_batch.make_stack  # the fixture: (client, router, a tenant key) for a BatchConfig
