@@ -100,7 +100,6 @@ class FairQueue:
         queue but grants no preemption, since a peer preempted by an aged request would itself
         have aged and go back ahead of it (the livelock of issue 11). A victim requeues with its
         wait restarted, so it never outranks the request it made room for."""
-        mine = self.effective_priority(waiting)
         my_counter = self.counters.get(waiting.tenant, 0.0)
 
         def eligible(seq: Sequence) -> bool:
@@ -108,7 +107,8 @@ class FairQueue:
                 return True
             decoded = seq.num_output_tokens - seq.num_output_at_admission
             return (
-                seq.priority == mine
+                seq.priority == waiting.priority  # not the aged class: an aged low request taking a normal
+                # one's slot by fair share would be taken back at once by class, step after step
                 and seq.tenant != waiting.tenant
                 and self.counters.get(seq.tenant, 0.0) > my_counter
                 and decoded >= self.config.fair_quantum_tokens

@@ -77,6 +77,29 @@ def test_aged_request_and_its_victim_do_not_preempt_each_other_forever():
         clock.now += 0.5
 
 
+
+def test_an_aged_request_takes_no_slot_by_fair_share_from_a_higher_class():
+    """Found by the simulation below: one slot, a normal stream of tenant A and a low one of B.
+    B's request aged into normal and took A's slot by fair share (A had more service); A, being
+    of a higher class, took it back at once; step after step, and once a recompute no longer fit
+    in one step's budget neither made progress. Fair share now compares the classes asked for."""
+    clock = Clock()
+    queue = FairQueue(FairShareConfig(aging_seconds=1.0, fair_quantum_tokens=0), clock=clock)
+    kv = KVCacheManager(16, 4)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=8, max_num_seqs=1), kv, queue)
+    for i in range(5):  # A's service puts its counter ahead of B's
+        sched.add(seq(f"h{i}", "A", Priority.HIGH, clock, prompt=1, max_tokens=1))
+    sched.add(seq("normal", "A", Priority.NORMAL, clock, prompt=1, max_tokens=9))
+    sched.add(seq("low", "B", Priority.LOW, clock, prompt=1, max_tokens=9))
+    finished = []
+    for _ in range(200):
+        if not sched.has_work():
+            break
+        finished += [s.request_id for s in step(sched)[1]]
+        clock.now += 1.0
+    assert finished == ["h0", "h1", "h2", "h3", "h4", "normal", "low"]
+    assert kv.num_free_blocks == kv.num_blocks
+
 ARRIVAL = st.tuples(
     st.sampled_from(["A", "B", "C"]),
     st.sampled_from(list(Priority)),
