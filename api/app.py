@@ -9,12 +9,12 @@ import time
 import structlog
 from aiohttp import web
 
-from api import batch, conversations, health, models, ws
+from api import batch, conversations, health, ws
 from api import streams as stream_api
 from api.admin import dashboard, profiling
 from api.admin import deployments as deployments_api
 from api.admin import tenants as admin
-from api.auth import auth_middleware
+from api.auth import add_notes_headers, auth_middleware
 from api.context import SERVICES
 from api.errors import CLIENT_CLOSED, client_gone, error_middleware, json_response
 from api.metrics import METRICS_ACCESS, MetricsAccess, metrics_endpoint
@@ -25,7 +25,6 @@ from api.openai import completions as completions_api
 from api.openai import embeddings as embeddings_api
 from api.openai import models as models_api
 from api.openapi import build_spec
-from api.response_cache import add_cache_header
 from api.routes import Route
 from api.webhooks import webhook_client
 from services.wiring import Services, Settings, build_services
@@ -112,8 +111,7 @@ def serve_services(services: Services) -> web.Application:
     app[METRICS_ACCESS] = MetricsAccess.for_bind(settings.auth_enabled, settings.bind_host,
                                                  settings.observability.metrics_token)
     app.cleanup_ctx.append(run_services)
-    app.on_response_prepare.append(add_cache_header)
-    app.on_response_prepare.append(models.add_version_header)
+    app.on_response_prepare.append(add_notes_headers)
     dashboard.setup(app)
     ws.setup(app)
     routes = all_routes()

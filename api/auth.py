@@ -142,6 +142,18 @@ def caller_of(request: web.Request) -> Caller:
     return caller
 
 
+async def add_notes_headers(request: web.Request, response: web.StreamResponse) -> None:
+    """What serving the request decided, as services noted it on the caller: `X-Model-Version`
+    (the version routed to) and `X-Cache` (`hit` or `miss`, when the response cache was looked up)."""
+    caller = request.get(CALLER)
+    if caller is None:
+        return
+    if caller.notes.model_version is not None:
+        response.headers["X-Model-Version"] = caller.notes.model_version
+    if caller.notes.cache is not None:
+        response.headers["X-Cache"] = caller.notes.cache
+
+
 def tenant_of(request: web.Request) -> Tenant:
     """The caller's tenant as it is now (limits, models, priority); 401 once its key is revoked."""
     return caller_of(request).tenant

@@ -17,7 +17,6 @@ from pydantic import BaseModel, Field, field_validator
 from api.auth import caller_of, tenant_of
 from api.context import services
 from api.errors import json_response
-from api.models import MODEL_VERSION
 from api.openai.schemas import (
     MAX_CONTEXT_TOKENS,
     MAX_NAME_CHARS,
@@ -162,7 +161,6 @@ async def create_batch(request: web.Request) -> web.Response:
     created = await services(request).batch.create(caller_of(request), body.model, inputs,
                                               (body.params or BatchParams()).model_dump(),
                                               body.params is not None, body.callback_url)
-    request[MODEL_VERSION] = created.model_ref
     return json_response(created.view())
 
 

@@ -17,7 +17,6 @@ from pydantic import BaseModel, Field
 from api.auth import caller_of
 from api.context import services
 from api.errors import json_response
-from api.models import MODEL_VERSION
 from api.openai.schemas import MAX_NAME_CHARS, Strict
 from api.routes import Route
 from api.validation import parse_body
@@ -84,7 +83,6 @@ def message_json(message: Message) -> dict[str, Any]:
 async def create_conversation(request: web.Request) -> web.Response:
     body = await parse_body(request, ConversationCreate)
     made = await services(request).conversations.create(caller_of(request), body.model, body.title)
-    request[MODEL_VERSION] = f"{made.model}@{made.model_version}"  # the X-Model-Version header
     return json_response(conversation_json(made), status=201)
 
 

@@ -32,7 +32,6 @@ from pydantic import Field, TypeAdapter, ValidationError, model_validator
 from api.auth import caller_of, check_priority_access, current_tenant, tenant_of
 from api.context import SERVICES, services
 from api.errors import validation_error
-from api.models import resolve_model
 from api.openai.schemas import MAX_NAME_CHARS, ChatCompletionRequest, Strict
 from api.quotas import count_creation
 from api.routes import Route
@@ -192,8 +191,7 @@ class ChatSocket:
             created = await self.new_conversation(body)
             body = body.model_copy(update={"conversation_id": created})
         try:
-            live = await services(self.request).inference.start_chat(caller_of(self.request), body.chat_input(),
-                                                                 functools.partial(resolve_model, self.request))
+            live = await services(self.request).inference.start_chat(caller_of(self.request), body.chat_input())
         except Exception:
             if created is not None:  # nothing was said in it: leave no empty conversation behind
                 await services(self.request).conversations.discard(self.tenant, created)

@@ -51,15 +51,24 @@ def revoked() -> AuthenticationError:
     return AuthenticationError("Invalid API key: unknown or revoked.", code="invalid_api_key")
 
 
+@dataclass
+class Notes:
+    """What serving a request decided that its response reports (headers `X-Model-Version`, `X-Cache`)."""
+
+    model_version: str | None = None  # name@version that serves it, once routed
+    cache: str | None = None  # "hit" | "miss" once the response cache was looked up
+
+
 @dataclass(frozen=True)
 class Caller:
-    """An authenticated caller: its tenant (re-read on each access), the request id and whether it
-    presented the admin key."""
+    """An authenticated caller: its tenant (re-read on each access), the request id, whether it
+    presented the admin key, and the notes services leave for the response."""
 
     lookup: Callable[[], Tenant | None]  # the tenant as the directory has it now; None once revoked
     request_id: str
     is_admin: bool = False
     auth_enabled: bool = True
+    notes: Notes = field(default_factory=Notes)
 
     @property
     def tenant(self) -> Tenant:

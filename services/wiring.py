@@ -176,7 +176,7 @@ def build_services(router: Router, webhooks: WebhookClient, *, settings: Setting
         tenants=TenantAdmin(tenant_store, auth.directory), metrics=metrics, admission=admission, cache=cache,
         models=models, shadows=shadows, conversations=conversations,
         encoders=Encoders(cache, admission, shadows, metrics), streams=streams,
-        inference=Inference(router, admission, metrics, streams, shadows, conversations, cache), batch=batch,
+        inference=Inference(router, models, admission, metrics, streams, shadows, conversations, cache), batch=batch,
         recent=recent, alerts=alerts, tracing=tracing, profiler=Profiler(router, obs.max_profile_seconds),
         status=ServerStatus(state, router, db, metrics.registry, alerts, obs.stats_window_seconds,
                             settings.auth_enabled),

@@ -25,7 +25,7 @@ from api.native.schemas import (
     PredictRequest,
     PredictResponse,
 )
-from api.response_cache import cache_flag, mark_lookup
+from api.response_cache import cache_flag
 from api.routes import Route
 from api.validation import parse_body
 
@@ -34,8 +34,7 @@ async def embed(request: web.Request) -> web.Response:
     body = await parse_body(request, EmbedRequest)
     model = await resolve_model(request, body.model, user=body.user, kinds=("embed",))
     outputs = await services(request).encoders.embed(caller_of(request), model, body.texts(),
-                                                cache_flag(request, body.galley),
-                                                on_lookup=lambda hit: mark_lookup(request, hit))
+                                                cache_flag(request, body.galley))
     tokens = sum(out.num_tokens for out in outputs)
     return json_response({"model": model_label(request, model), "embeddings": [out.values for out in outputs],
                           "dimensions": model.dimensions, "model_version": model.version,
@@ -51,7 +50,7 @@ async def predict(request: web.Request) -> web.Response:
     texts = [body.input] if body.input is not None else list(body.inputs)
     results = await services(request).encoders.classify(caller_of(request), model, texts,
                                                         cache_flag(request, body.galley), params.function_to_apply,
-                                                        params.top_k, on_lookup=lambda hit: mark_lookup(request, hit))
+                                                        params.top_k)
     if body.input is not None:
         fields = results[0]
     else:

@@ -8,7 +8,6 @@ seeded) that do not stream are answered from the response cache when they can be
 
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import AsyncGenerator
 
@@ -17,9 +16,8 @@ from aiohttp import web
 from api.auth import caller_of
 from api.context import services
 from api.errors import error_body, json_response
-from api.models import resolve_model
 from api.native.schemas import GenerateEvent, GenerateRequest, GenerateResponse, NamedGenerateRequest
-from api.response_cache import cache_flag, mark_lookup
+from api.response_cache import cache_flag
 from api.routes import Route
 from api.sse import Frame, serve_sse
 from api.validation import parse_body
@@ -47,8 +45,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
     body = await parse_body(request, GenerateRequest if name is None else NamedGenerateRequest)
     inference = services(request).inference
     generated = await inference.generate(
-        caller_of(request), prompt_input(body, name), functools.partial(resolve_model, request), stream=body.stream,
-        cache_asked=cache_flag(request, body.galley), looked_up=functools.partial(mark_lookup, request))
+        caller_of(request), prompt_input(body, name), stream=body.stream,
+        cache_asked=cache_flag(request, body.galley))
     headers = {"X-Request-Id": request["request_id"]}  # X-Model-Version: set by the lifecycle's routing
     if generated.stream is not None:
         return await serve_sse(request, generation_frames(inference, generated.model, generated.stream), headers)

@@ -7,7 +7,6 @@ choice's shape differs between chat and text completions (`Shape`).
 
 from __future__ import annotations
 
-import functools
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -15,16 +14,15 @@ from typing import Any
 from aiohttp import web
 
 from api.errors import json_response
-from api.models import resolve_model
 from api.openai.cached import replay
 from api.openai.chunks import error_chunk, event_chunks, role_chunk
 from api.openai.schemas import SamplingFields
-from api.response_cache import cache_flag, mark_lookup
+from api.response_cache import cache_flag
 from api.sse import Frame, serve_sse
 from api.streams import serve_live
 from services.inference.choices import Choices
 from services.inference.events import Answer, failure, generation_failed, usage, usage_n
-from services.inference.generation import Outcome, Resolve
+from services.inference.generation import Outcome
 from services.streams.events import ChunkFormat, StreamEvent
 
 
@@ -40,13 +38,7 @@ class Shape:
 def how(request: web.Request, body: SamplingFields) -> dict[str, Any]:
     """How the service answers this request: streamed or not, what it asked of the response cache,
     and where to note a cache lookup (the X-Cache header)."""
-    return {"stream": body.stream, "cache_asked": cache_flag(request, body.galley),
-            "looked_up": functools.partial(mark_lookup, request)}
-
-
-def resolver(request: web.Request) -> Resolve:
-    """Model routing for this request (recorded for the X-Model-Version header)."""
-    return functools.partial(resolve_model, request)
+    return {"stream": body.stream, "cache_asked": cache_flag(request, body.galley)}
 
 
 async def respond(request: web.Request, outcome: Outcome, shape: Shape) -> web.StreamResponse:

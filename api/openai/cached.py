@@ -10,36 +10,13 @@ stream is not resumable (it has no `X-Stream-Id`): it is written in one go.
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator
-from typing import Any
 
 from aiohttp import web
 
-from api.context import services
 from api.openai.chunks import event_chunks, role_chunk
-from api.response_cache import generation_key, lookup
 from api.sse import Frame, serve_sse
-from engine.types import SamplingParams
 from services.cache.responses import CachedCompletion
-from services.deployments.manager import Served
 from services.streams.events import ChunkFormat, StreamEvent
-from services.streams.hub import LiveStream
-
-__all__ = ["completion_key", "lookup", "remember", "remember_live", "replay"]
-
-
-def completion_key(request: web.Request, body: Any, model: Served, prompt_ids: list[int],
-                   params: SamplingParams) -> str | None:
-    # "openai" keeps these entries apart from native generate's, which hold another shape
-    return generation_key(request, body, model, prompt_ids, params, "openai")
-
-
-def remember(request: web.Request, key: str | None, text: str, finish: str | None, usage: dict | None) -> None:
-    services(request).cache.remember_completion(key, text, finish, usage)
-
-
-def remember_live(request: web.Request, key: str | None, live: LiveStream) -> None:
-    """Store a streamed answer once its stream has finished normally."""
-    services(request).cache.remember_live(key, live)
 
 
 async def replay(request: web.Request, fmt: ChunkFormat, answer: CachedCompletion) -> web.StreamResponse:

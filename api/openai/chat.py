@@ -12,7 +12,7 @@ from aiohttp import web
 
 from api.auth import caller_of
 from api.context import services
-from api.openai.answer import Shape, how, resolver, respond
+from api.openai.answer import Shape, how, respond
 from api.openai.chunks import chat_logprobs
 from api.openai.schemas import ChatCompletion, ChatCompletionChunk, ChatCompletionRequest
 from api.routes import Route
@@ -32,8 +32,7 @@ CHAT = Shape("chat.completion", chat_choice, resumable=True)
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = await parse_body(request, ChatCompletionRequest)
-    outcome = await services(request).inference.chat(caller_of(request), body.chat_input(), resolver(request),
-                                                **how(request, body))
+    outcome = await services(request).inference.chat(caller_of(request), body.chat_input(), **how(request, body))
     return await respond(request, outcome, CHAT)
 
 

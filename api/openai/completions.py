@@ -8,7 +8,7 @@ from aiohttp import web
 
 from api.auth import caller_of
 from api.context import services
-from api.openai.answer import Shape, how, resolver, respond
+from api.openai.answer import Shape, how, respond
 from api.openai.chunks import completion_logprobs
 from api.openai.schemas import Completion, CompletionRequest
 from api.routes import Route
@@ -27,8 +27,7 @@ COMPLETION = Shape("text_completion", completion_choice, resumable=False)
 
 async def completions(request: web.Request) -> web.StreamResponse:
     body = await parse_body(request, CompletionRequest)
-    outcome = await services(request).inference.complete(caller_of(request), body.prompt_input(), resolver(request),
-                                                    **how(request, body))
+    outcome = await services(request).inference.complete(caller_of(request), body.prompt_input(), **how(request, body))
     return await respond(request, outcome, COMPLETION)
 
 

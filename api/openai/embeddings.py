@@ -19,7 +19,7 @@ from api.context import services
 from api.errors import json_response
 from api.models import model_label, resolve_model
 from api.openai.schemas import MAX_NAME_CHARS, Strict, TokenId
-from api.response_cache import cache_flag, mark_lookup
+from api.response_cache import cache_flag
 from api.routes import Route
 from api.validation import parse_body
 
@@ -97,8 +97,7 @@ async def embeddings(request: web.Request) -> web.Response:
     body = await parse_body(request, EmbeddingRequest)
     model = await resolve_model(request, body.model, user=body.user, kinds=("embed",))
     outputs = await services(request).encoders.embed(caller_of(request), model, body.inputs(),
-                                                cache_flag(request, body.galley), body.dimensions,
-                                                on_lookup=lambda hit: mark_lookup(request, hit))
+                                                cache_flag(request, body.galley), body.dimensions)
     encode = base64_floats if body.encoding_format == "base64" else (lambda v: v)
     data = [{"object": "embedding", "index": i, "embedding": encode(out.values)} for i, out in enumerate(outputs)]
     tokens = sum(out.num_tokens for out in outputs)

@@ -142,6 +142,7 @@ class ResponseCache:
         if found is not None:
             self._admit_hit(caller, model_name)
         (self.metrics.cache_hits if found is not None else self.metrics.cache_misses).labels(model_name).inc()
+        caller.notes.cache = "hit" if found is not None else "miss"
         return found
 
     def lookup_many(self, caller: Caller, model_name: str, keys: Sequence[str]) -> list[Any | None]:
@@ -154,6 +155,7 @@ class ResponseCache:
             self._admit_hit(caller, model_name)
         self.metrics.cache_hits.labels(model_name).inc(hits)
         self.metrics.cache_misses.labels(model_name).inc(len(keys) - hits)
+        caller.notes.cache = "hit" if hits == len(keys) else "miss"  # a hit only when the model need not run
         return found
 
     def _admit_hit(self, caller: Caller, model_name: str) -> None:

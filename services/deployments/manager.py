@@ -185,6 +185,7 @@ class ModelManager:
                                      f"`{' or '.join(kinds)}` model.", param="model", code="wrong_model_kind")
         served = await self.resolve(ref, user or conversation_id or caller.request_id, pinned_version)
         self.refuse_if_draining()  # the drain may have begun while a cold version loaded
+        caller.notes.model_version = served.ref
         return served
 
     def refuse_if_draining(self) -> None:

@@ -7,7 +7,6 @@ mirrored to the model's shadow version once answered.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import Any
 
 from scheduling.encoders import ServedEncoder
@@ -18,12 +17,6 @@ from services.inference.admission import Admission
 from services.observability.metrics import Metrics
 from services.tenancy import Caller
 
-OnLookup = Callable[[bool], None]  # told whether every input came from the cache, before the model runs
-
-
-def ignore_lookup(hit: bool) -> None:
-    pass
-
 
 class Encoders:
     def __init__(self, cache: ResponseCache, admission: Admission, shadow: ShadowMirror, metrics: Metrics) -> None:
@@ -33,34 +26,31 @@ class Encoders:
         self.metrics = metrics
 
     async def embed(self, caller: Caller, model: ServedEncoder, items: list[str | list[int]],
-                    use_cache: bool | None, dimensions: int | None = None,
-                    on_lookup: OnLookup = ignore_lookup) -> list[Any]:
+                    use_cache: bool | None, dimensions: int | None = None) -> list[Any]:
         """One embedding per item (strings, or token ids checked against the model)."""
         if dimensions is not None and dimensions != model.dimensions:
             raise InvalidRequestError(f"`{model.name}` makes {model.dimensions}-dimensional embeddings; "
                                       f"dimensions={dimensions} is not supported", param="dimensions")
         check_token_ids(model, items)
-        return await self.run(caller, model, items, use_cache, on_lookup)
+        return await self.run(caller, model, items, use_cache)
 
     async def classify(self, caller: Caller, model: ServedEncoder, texts: list[str], use_cache: bool | None,
-                       function_to_apply: str | None = None, top_k: int | None = None,
-                       on_lookup: OnLookup = ignore_lookup) -> list[Any]:
+                       function_to_apply: str | None = None, top_k: int | None = None) -> list[Any]:
         """One prediction (`prediction`, `confidence`, `scores`) per text."""
-        outputs = await self.run(caller, model, texts, use_cache, on_lookup)
+        outputs = await self.run(caller, model, texts, use_cache)
         return [prediction(model, out.values, function_to_apply, top_k) for out in outputs]
 
     async def run(self, caller: Caller, model: ServedEncoder, items: list[str | list[int]],
-                  use_cache: bool | None, on_lookup: OnLookup = ignore_lookup) -> list[Any]:
+                  use_cache: bool | None) -> list[Any]:
         """One output (`.values`, `.num_tokens`) per item: cached ones at once, the rest in one
-        batcher submit. `use_cache` False: the caller opted out (None: it did not say).
-        `on_lookup` hears the lookup's outcome before the model runs (so the X-Cache header is
-        there even when the model then fails)."""
+        batcher submit. `use_cache` False: the caller opted out (None: it did not say). The
+        lookup's outcome is noted before the model runs (so the X-Cache header is there even when
+        the model then fails)."""
         if not self.cache.wants(use_cache):
             return await self._compute(caller, model, items, [None] * len(items), [])
         keys = [self.cache.key(caller, model, item, {}) for item in items]
         outputs = self.cache.lookup_many(caller, model.name, keys)
         hit = all(out is not None for out in outputs)
-        on_lookup(hit)
         if hit:
             self.metrics.encoder_requests.labels(model.name, "cached").inc()
             return outputs

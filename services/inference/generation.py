@@ -15,14 +15,14 @@ from __future__ import annotations
 import dataclasses
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from engine.types import SamplingParams, TokenEvent
 from scheduling.router import RequestStream, Router, ServedModel
 from services.cache.responses import ResponseCache
 from services.conversations import Conversations
+from services.deployments.manager import ModelManager
 from services.deployments.shadow import ShadowMirror
 from services.errors import InvalidRequestError
 from services.inference.admission import Admission
@@ -37,13 +37,6 @@ from services.streams.hub import LiveStream, StreamHub
 from services.tenancy import Caller
 
 CHUNK_ID_PREFIX = {"chat": "chatcmpl", "completion": "cmpl"}
-
-
-class Resolve(Protocol):
-    """Routes a model reference to the served version (the deployments' routing, for this caller)."""
-
-    def __call__(self, ref: str, *, user: str | None = None, conversation_id: str | None = None,
-                 pinned_version: str | None = None) -> Awaitable[ServedModel]: ...
 
 
 @dataclass
@@ -94,9 +87,10 @@ class Started:
 
 
 class Inference:
-    def __init__(self, router: Router, admission: Admission, metrics: Metrics, hub: StreamHub,
+    def __init__(self, router: Router, models: ModelManager, admission: Admission, metrics: Metrics, hub: StreamHub,
                  shadows: ShadowMirror, conversations: Conversations, cache: ResponseCache) -> None:
         self.router = router
+        self.models = models  # routes each request to its served version
         self.admission = admission
         self.metrics = metrics
         self.hub = hub
@@ -106,23 +100,24 @@ class Inference:
 
     # ---- planning ----------------------------------------------------------------------
 
-    async def plan_chat(self, caller: Caller, ask: ChatInput, resolve: Resolve) -> Plan:
+    async def plan_chat(self, caller: Caller, ask: ChatInput) -> Plan:
         """Check, route and apply the chat template (after the conversation's history)."""
         check_n(ask)
         caller.check_priority(ask.priority)
         history, pinned = [], None
         if ask.conversation_id:
             history, pinned = await self.conversations.history(caller, ask.conversation_id, ask.model)
-        model = await resolve(ask.model, user=ask.user, conversation_id=ask.conversation_id, pinned_version=pinned)
+        model = await self.models.route(caller, ask.model, user=ask.user, conversation_id=ask.conversation_id,
+                                       pinned_version=pinned)
         prompt_ids = await encode_chat(model, history + ask.messages)
         params = sampling_params(ask.options, ask.max_tokens, len(prompt_ids), model, ask.logprobs,
                                  cap=caller.tenant.max_tokens, prompt_param="messages")
         return Plan("chat", ask, model, prompt_ids, params, ask.messages)
 
-    async def plan_prompt(self, caller: Caller, ask: PromptInput, resolve: Resolve) -> Plan:
+    async def plan_prompt(self, caller: Caller, ask: PromptInput) -> Plan:
         """Route, check and tokenize a text prompt (a text completion, a native generation)."""
         check_n(ask)
-        model = await resolve(ask.model, user=ask.user)
+        model = await self.models.route(caller, ask.model, user=ask.user)
         caller.check_priority(ask.priority)
         prompt_ids = await encode_prompt(model, ask.prompt)
         default = ask.default_max_tokens
@@ -140,23 +135,22 @@ class Inference:
 
     # ---- answering ---------------------------------------------------------------------
 
-    async def chat(self, caller: Caller, ask: ChatInput, resolve: Resolve, *, stream: bool,
-                   cache_asked: bool | None, looked_up: Callable[[bool], None]) -> Outcome:
+    async def chat(self, caller: Caller, ask: ChatInput, *, stream: bool, cache_asked: bool | None) -> Outcome:
         """A chat completion, planned and answered."""
-        plan = await self.plan_chat(caller, ask, resolve)
-        return await self.answer(caller, plan, stream=stream, cache_asked=cache_asked, looked_up=looked_up)
+        plan = await self.plan_chat(caller, ask)
+        return await self.answer(caller, plan, stream=stream, cache_asked=cache_asked)
 
-    async def complete(self, caller: Caller, ask: PromptInput, resolve: Resolve, *, stream: bool,
-                       cache_asked: bool | None, looked_up: Callable[[bool], None]) -> Outcome:
+    async def complete(self, caller: Caller, ask: PromptInput, *, stream: bool,
+                       cache_asked: bool | None) -> Outcome:
         """A text completion, planned and answered."""
-        plan = await self.plan_prompt(caller, ask, resolve)
-        return await self.answer(caller, plan, stream=stream, cache_asked=cache_asked, looked_up=looked_up)
+        plan = await self.plan_prompt(caller, ask)
+        return await self.answer(caller, plan, stream=stream, cache_asked=cache_asked)
 
-    async def generate(self, caller: Caller, ask: PromptInput, resolve: Resolve, *, stream: bool,
-                       cache_asked: bool | None, looked_up: Callable[[bool], None]) -> Generated:
+    async def generate(self, caller: Caller, ask: PromptInput, *, stream: bool,
+                       cache_asked: bool | None) -> Generated:
         """A native generation: streamed (submitted; read it with `events`), or collected to
         {"model", "text", "finish_reason", "usage", "model_version"}, from the response cache when it can be."""
-        plan = await self.plan_prompt(caller, ask, resolve)
+        plan = await self.plan_prompt(caller, ask)
         model = plan.model
         if stream:
             return Generated(model, stream=self.submit_plan(caller, plan))
@@ -164,7 +158,6 @@ class Inference:
         result = None
         if key is not None:
             result = self.cache.lookup(caller, model.name, key)
-            looked_up(result is not None)
         if result is None:
             answer = await self.collect(self.submit_plan(caller, plan))
             result = {"model": self.router.label(model), "text": answer.text, "finish_reason": answer.finish_reason,
@@ -172,12 +165,11 @@ class Inference:
             self.cache.remember(key, result)
         return Generated(model, result=result)
 
-    async def answer(self, caller: Caller, plan: Plan, *, stream: bool, cache_asked: bool | None,
-                     looked_up: Callable[[bool], None]) -> Outcome:
+    async def answer(self, caller: Caller, plan: Plan, *, stream: bool, cache_asked: bool | None) -> Outcome:
         """Answer a planned chat or text completion, the first of four ways that applies: n > 1
         choices (streamed merged, or collected); a response-cache hit; a collected answer; a live,
         resumable stream (streamed, or followed to its end for a conversation turn, whose answer the
-        stream stores). `looked_up(hit)` hears of a cache lookup as it happens (the X-Cache header)."""
+        stream stores)."""
         if plan.ask.n > 1:
             choices = self.submit_n(caller, plan)
             fmt = self.format(plan, uuid.uuid4().hex)
@@ -188,7 +180,6 @@ class Inference:
                                         plan.conversation_id)
         if key is not None:
             cached = self.cache.lookup(caller, plan.model.name, key)
-            looked_up(cached is not None)
             if cached is not None:
                 hit = Answer(cached.text, [], cached.finish_reason, cached.usage)
                 fmt = self.format(plan, uuid.uuid4().hex)
@@ -255,11 +246,11 @@ class Inference:
         return self.hub.start(started.stream, started.fmt, kind=plan.kind, conversation_id=plan.conversation_id,
                               on_disconnect=on_disconnect)
 
-    async def start_chat(self, caller: Caller, ask: ChatInput, resolve: Resolve) -> LiveStream:
+    async def start_chat(self, caller: Caller, ask: ChatInput) -> LiveStream:
         """A chat as one live stream (one choice, as the WebSocket streams it)."""
         if ask.n > 1:
             raise InvalidRequestError("a chat over the WebSocket streams one choice: n must be 1", param="n")
-        plan = await self.plan_chat(caller, ask, resolve)
+        plan = await self.plan_chat(caller, ask)
         return self.go_live(plan, await self.start(caller, plan))
 
     # ---- reading -----------------------------------------------------------------------
