@@ -15,8 +15,8 @@ from typing import Any
 
 from engine.model_runner import CacheConfig
 from launch import EngineConfig
-from scheduling.deployments import DeploymentsConfig
 from scheduling.fair_queue import FairShareConfig
+from scheduling.rollout import DeploymentsConfig
 from services.batch.runner import BatchConfig
 from services.cache.responses import ResponseCacheConfig
 from services.deployments.manager import LifecycleConfig

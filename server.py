@@ -25,7 +25,7 @@ from aiohttp import web
 
 from api.app import begin_drain, create_app, interrupt
 from api.auth import is_loopback
-from api.context import SERVICES
+from api.services import SERVICES
 from config import ConfigError, GalleyConfig, load_config, with_overrides
 from engine.loader import ModelLoadError
 from launch import EngineLoader, check_source, start_workers

@@ -15,7 +15,6 @@ from api.admin import dashboard, profiling
 from api.admin import deployments as deployments_api
 from api.admin import tenants as admin
 from api.auth import add_notes_headers, auth_middleware
-from api.context import SERVICES
 from api.errors import CLIENT_CLOSED, client_gone, error_middleware, json_response
 from api.metrics import METRICS_ACCESS, MetricsAccess, metrics_endpoint
 from api.native import encoders as encoders_api
@@ -26,6 +25,7 @@ from api.openai import embeddings as embeddings_api
 from api.openai import models as models_api
 from api.openapi import build_spec
 from api.routes import Route
+from api.services import SERVICES
 from api.webhooks import webhook_client
 from services.wiring import Services, Settings, build_services
 

@@ -15,7 +15,7 @@ import ipaddress
 
 from aiohttp import web
 
-from api.context import services
+from api.services import services
 from services.errors import AuthenticationError, PermissionDeniedError
 from services.tenancy import (
     Auth,

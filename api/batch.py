@@ -15,7 +15,6 @@ from aiohttp import web
 from pydantic import BaseModel, Field, field_validator
 
 from api.auth import caller_of, tenant_of
-from api.context import services
 from api.errors import json_response
 from api.openai.schemas import (
     MAX_CONTEXT_TOKENS,
@@ -29,6 +28,7 @@ from api.openai.schemas import (
     Usage,
 )
 from api.routes import Route
+from api.services import services
 from api.validation import parse_body
 
 MAX_INPUTS = 100_000  # the schema's bound; [batch] max_inputs is the configured one

@@ -15,10 +15,10 @@ from aiohttp import web
 from pydantic import BaseModel, Field
 
 from api.auth import caller_of
-from api.context import services
 from api.errors import json_response
 from api.openai.schemas import MAX_NAME_CHARS, Strict
 from api.routes import Route
+from api.services import services
 from api.validation import parse_body
 from services.conversations import Conversation, Message
 

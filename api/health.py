@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from api.context import services
 from api.errors import json_response
 from api.openai.schemas import Health
 from api.routes import Route
+from api.services import services
 
 
 async def health(request: web.Request) -> web.Response:

@@ -10,7 +10,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from api.auth import is_loopback, presents_admin_key, unauthorized
-from api.context import services
+from api.services import services
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from api.auth import caller_of
-from api.context import services
+from api.services import services
 from services.deployments.manager import Served
 
 

@@ -9,10 +9,10 @@ from aiohttp import web
 from pydantic import BaseModel, Field
 
 from api.auth import tenant_of
-from api.context import services
 from api.openai.chunks import error_chunk, event_chunks, role_chunk
 from api.quotas import count_creation
 from api.routes import Route
+from api.services import services
 from api.sse import Frame, serve_sse
 from api.validation import parse_params
 from services.errors import NotFoundError

@@ -30,11 +30,11 @@ from aiohttp import WSCloseCode, WSMsgType, web
 from pydantic import Field, TypeAdapter, ValidationError, model_validator
 
 from api.auth import caller_of, check_priority_access, current_tenant, tenant_of
-from api.context import SERVICES, services
 from api.errors import validation_error
 from api.openai.schemas import MAX_NAME_CHARS, ChatCompletionRequest, Strict
 from api.quotas import count_creation
 from api.routes import Route
+from api.services import SERVICES, services
 from services.errors import InvalidRequestError, NotFoundError, RateLimitError, ServiceError
 from services.streams.hub import LiveStream, StreamStatus
 

@@ -22,8 +22,8 @@ from typing import Any, Protocol
 from engine.types import EngineStats, FinishReason, GenerationRequest, TokenEvent
 from scheduling import encoders
 from scheduling.admission import Admission, TenantLimits, Ticket
-from scheduling.deployments import parse_model_ref, pick_version
 from scheduling.encoders import OnEncoderFinish, ServedEncoder
+from scheduling.rollout import parse_model_ref, pick_version
 
 
 class QueueFull(Exception):

@@ -14,7 +14,7 @@ import uuid
 from collections.abc import Sequence
 
 from scheduling.admission import Admission as RequestLimits
-from scheduling.deployments import parse_model_ref
+from scheduling.rollout import parse_model_ref
 from services.deployments.manager import ModelManager
 from services.errors import ConflictError, NotFoundError
 from services.tenancy import Caller, count_creation

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from scheduling.deployments import DeploymentsConfig
+from scheduling.rollout import DeploymentsConfig
 from scheduling.router import Router
 from services.batch.runner import BatchConfig, BatchRunner
 from services.batch.webhooks import WebhookClient

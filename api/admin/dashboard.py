@@ -17,9 +17,9 @@ from typing import Any
 from aiohttp import web
 from pydantic import BaseModel, Field
 
-from api.context import services
 from api.errors import json_response
 from api.routes import Route
+from api.services import services
 from api.validation import parse_params
 from services.conversations import Conversation
 

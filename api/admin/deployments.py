@@ -17,10 +17,10 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, RootModel
 
 from api.auth import is_admin, tenant_of
-from api.context import services
 from api.errors import json_response
 from api.openai.schemas import Strict
 from api.routes import Route
+from api.services import services
 from api.validation import parse_body
 from services.deployments.loading import VersionState
 

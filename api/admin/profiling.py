@@ -7,8 +7,8 @@ import time
 from aiohttp import web
 from pydantic import BaseModel, Field
 
-from api.context import services
 from api.routes import Route
+from api.services import services
 from api.validation import parse_params
 
 

@@ -12,9 +12,9 @@ from typing import Annotated, Any, Literal
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field
 
-from api.context import services
 from api.errors import json_response
 from api.routes import Route
+from api.services import services
 from api.validation import parse_body
 from services.tenancy import ApiKey, Tenant
 

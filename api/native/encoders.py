@@ -13,7 +13,6 @@ import time
 from aiohttp import web
 
 from api.auth import caller_of
-from api.context import services
 from api.errors import json_response
 from api.models import model_label, resolve_model
 from api.native.generate import named_model
@@ -27,6 +26,7 @@ from api.native.schemas import (
 )
 from api.response_cache import cache_flag
 from api.routes import Route
+from api.services import services
 from api.validation import parse_body
 
 

@@ -14,11 +14,11 @@ from collections.abc import AsyncGenerator
 from aiohttp import web
 
 from api.auth import caller_of
-from api.context import services
 from api.errors import error_body, json_response
 from api.native.schemas import GenerateEvent, GenerateRequest, GenerateResponse, NamedGenerateRequest
 from api.response_cache import cache_flag
 from api.routes import Route
+from api.services import services
 from api.sse import Frame, serve_sse
 from api.validation import parse_body
 from services.inference.events import generation_failed, prepend, usage

@@ -11,11 +11,11 @@ from typing import Any
 from aiohttp import web
 
 from api.auth import caller_of
-from api.context import services
 from api.openai.answer import Shape, how, respond
 from api.openai.chunks import chat_logprobs
 from api.openai.schemas import ChatCompletion, ChatCompletionChunk, ChatCompletionRequest
 from api.routes import Route
+from api.services import services
 from api.validation import parse_body
 from services.inference.events import Answer
 from services.streams.events import ChunkFormat

@@ -7,11 +7,11 @@ from typing import Any
 from aiohttp import web
 
 from api.auth import caller_of
-from api.context import services
 from api.openai.answer import Shape, how, respond
 from api.openai.chunks import completion_logprobs
 from api.openai.schemas import Completion, CompletionRequest
 from api.routes import Route
+from api.services import services
 from api.validation import parse_body
 from services.inference.events import Answer
 from services.streams.events import ChunkFormat

@@ -5,10 +5,10 @@ from __future__ import annotations
 from aiohttp import web
 
 from api.auth import tenant_of
-from api.context import services
 from api.errors import json_response
 from api.openai.schemas import ModelList
 from api.routes import Route
+from api.services import services
 
 
 async def list_models(request: web.Request) -> web.Response:

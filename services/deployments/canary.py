@@ -7,7 +7,7 @@ import math
 import time
 from collections.abc import Awaitable, Callable
 
-from scheduling.deployments import DeploymentsConfig, HealthWindow, rollback_reason
+from scheduling.rollout import DeploymentsConfig, HealthWindow, rollback_reason
 from scheduling.router import Router, Served
 from services.background import BackgroundTasks
 

@@ -38,8 +38,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
 from engine.types import FinishReason, TokenEvent
-from scheduling.deployments import DeploymentsConfig, HealthWindow, parse_model_ref
 from scheduling.encoders import ServedEncoder
+from scheduling.rollout import DeploymentsConfig, HealthWindow, parse_model_ref
 from scheduling.router import ModelDeployment, RequestStream, Router, Served
 from services.background import BackgroundTasks
 from services.deployments.canary import Canaries

@@ -36,8 +36,8 @@ from prometheus_client import CollectorRegistry, Counter
 from engine.types import GenerationRequest, TokenEvent
 from scheduling import encoders
 from scheduling.admission import TenantLimits
-from scheduling.deployments import NUM_BUCKETS, bucket
 from scheduling.encoders import EncoderBusy, ServedEncoder
+from scheduling.rollout import NUM_BUCKETS, bucket
 from scheduling.router import RequestStream, Served, ServedModel
 from services.background import BackgroundTasks
 from services.deployments.manager import SHADOW_PREFIX, ModelManager

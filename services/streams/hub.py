@@ -28,7 +28,7 @@ from typing import Any
 import structlog
 
 from engine.types import FinishReason, GenerationRequest, Priority, SamplingParams, TokenEvent
-from scheduling.deployments import parse_model_ref
+from scheduling.rollout import parse_model_ref
 from scheduling.router import RequestStream, Router
 from services.background import BackgroundTasks
 from services.errors import SHUTTING_DOWN, ServiceError

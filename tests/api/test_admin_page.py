@@ -12,7 +12,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from api.context import SERVICES
+from api.services import SERVICES
 from engine.model_runner import CacheConfig
 from launch import EngineConfig, EngineLoader, start_workers
 from scheduling.router import Router

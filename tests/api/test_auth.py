@@ -18,8 +18,8 @@ from aiohttp import web
 from aiohttp.test_utils import make_mocked_request
 
 from api.auth import KEY_PREFIX, TENANT, caller_of, check_priority_access, tenant_of
-from api.context import SERVICES
 from api.errors import status_of
+from api.services import SERVICES
 from engine.model_runner import CacheConfig
 from launch import EngineConfig
 from scheduling.router import Router

@@ -12,7 +12,7 @@ import time
 import aiohttp
 import pytest
 
-from api.context import SERVICES
+from api.services import SERVICES
 from engine.model_runner import CacheConfig
 from engine.types import FinishReason, GenerationRequest, SamplingParams
 from launch import EngineConfig, EngineLoader, start_workers

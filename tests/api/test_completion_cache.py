@@ -6,7 +6,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from api.context import SERVICES
+from api.services import SERVICES
 from tests.api.test_streams import auth_stack
 from tests.helpers import metric
 

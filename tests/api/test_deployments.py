@@ -13,10 +13,10 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from api.context import SERVICES
+from api.services import SERVICES
 from engine.model_runner import CacheConfig
 from launch import EngineConfig, start_workers
-from scheduling.deployments import DeploymentsConfig
+from scheduling.rollout import DeploymentsConfig
 from scheduling.router import Router
 from services.deployments.manager import LifecycleConfig
 from storage import registry
@@ -389,7 +389,7 @@ async def test_a_batch_job_outlives_its_model_being_unloaded(make_stack, version
 
 
 def test_health_windows_count_errors_through_trims_and_judge_canaries():
-    from scheduling.deployments import HealthWindow, rollback_reason
+    from scheduling.rollout import HealthWindow, rollback_reason
 
     window = HealthWindow()
     for i in range(10):

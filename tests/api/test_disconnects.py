@@ -18,7 +18,7 @@ import pytest
 import structlog
 from aiohttp import web
 
-from api.context import SERVICES
+from api.services import SERVICES
 from storage.tenants import hash_key
 from tests.api.test_api import wait_blocks_free
 from tests.api.test_auth import ADMIN, Client

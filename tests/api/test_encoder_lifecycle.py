@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from launch import checkpoint_bytes
-from scheduling.deployments import DeploymentsConfig
+from scheduling.rollout import DeploymentsConfig
 from services.deployments.loading import GIB, LifecycleConfig
 from storage import registry
 from storage.registry import ModelVersion

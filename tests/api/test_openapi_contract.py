@@ -15,7 +15,7 @@ import pytest
 import requests
 from jsonschema import Draft202012Validator
 
-from api.context import SERVICES
+from api.services import SERVICES
 from engine.model_runner import CacheConfig
 from launch import EngineConfig, EngineLoader, start_workers
 from scheduling.router import Router

@@ -10,7 +10,7 @@ import aiohttp
 import pytest
 from transformers import AutoTokenizer
 
-from api.context import SERVICES
+from api.services import SERVICES
 from services.streams.hub import StreamsConfig
 from storage.tenants import hash_key
 from tests.api.test_api import wait_blocks_free

@@ -7,7 +7,7 @@ import asyncio
 import aiohttp
 import pytest
 
-from api.context import SERVICES
+from api.services import SERVICES
 from scheduling.router import Router
 from tests.api.test_auth import Client
 from tests.api.test_streams import auth_stack

@@ -13,7 +13,7 @@ import aiohttp
 import pytest
 
 from scheduling.admission import Admission, Rejected, TenantLimits
-from scheduling.deployments import pick_version
+from scheduling.rollout import pick_version
 from storage.registry import ModelVersion
 from tests.api.test_auth import ADMIN, assert_error
 from tests.api.test_deployments import make_stack, register, versions  # noqa: F401 (fixtures)
