@@ -13,11 +13,11 @@ import asyncio
 import uuid
 from collections.abc import Sequence
 
-from scheduling.admission import Admission as RequestLimits
 from scheduling.rollout import parse_model_ref
 from services.deployments.manager import ModelManager
 from services.errors import ConflictError, NotFoundError
-from services.tenancy import Caller, count_creation
+from services.inference.admission import Admission
+from services.tenancy import Caller, limits_of
 from storage.conversations import Conversation, ConversationNotFoundError, ConversationStore, Message
 
 __all__ = ["Conversation", "Conversations", "Message"]
@@ -38,17 +38,17 @@ class Conversations:
     """The conversations service: every read and write of conversations and messages but the
     assistant's answer goes through here."""
 
-    def __init__(self, store: ConversationStore, models: ModelManager, limits: RequestLimits) -> None:
+    def __init__(self, store: ConversationStore, models: ModelManager, admission: Admission) -> None:
         self.store = store
         self.models = models  # routes a new conversation to the version it is pinned to
-        self.limits = limits  # the tenants' request rates: creating one counts as a request
+        self.admission = admission  # creating a conversation counts as one of the tenant's requests
 
     # ---- a tenant's own ----------------------------------------------------------------
 
     async def create(self, caller: Caller, model_ref: str, title: str | None = None) -> Conversation:
         """A new conversation of the caller's, pinned to the version `model_ref` routes to now (a cold
         one loads). It counts as one of the caller's requests, before routing: that may load a model."""
-        count_creation(caller, self.limits)
+        self.admission.count_request(limits_of(caller.tenant))
         served = await self.models.route(caller, model_ref)
         return await asyncio.wrap_future(self.store.create(caller.tenant.name, served.name, served.version, title))
 

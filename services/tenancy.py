@@ -18,15 +18,13 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from scheduling.admission import Admission as RequestLimits
-from scheduling.admission import Rejected, TenantLimits
+from scheduling.admission import TenantLimits
 from services.errors import (
     AuthenticationError,
     ConflictError,
     InvalidRequestError,
     NotFoundError,
     PermissionDeniedError,
-    rate_limited,
 )
 from storage.tenants import (
     DEFAULT_TENANT,
@@ -105,17 +103,6 @@ class Caller:
 
 def limits_of(tenant: Tenant) -> TenantLimits:
     return TenantLimits(tenant.name, tenant.max_concurrent, tenant.requests_per_minute, tenant.tokens_per_minute)
-
-
-def count_creation(caller: Caller, limits: RequestLimits) -> None:
-    """What a tenant creates (a batch job, a conversation) or replays (a stream) counts as one of its
-    requests: it runs no generation and holds no slot, so it takes one from `requests_per_minute`
-    only; over it, the same RateLimitError (429 with a retry hint) as any refused request, changing
-    nothing. Call it before any work the creation causes (loading a cold model, storing inputs)."""
-    try:
-        limits.count_request(limits_of(caller.tenant))
-    except Rejected as exc:
-        raise rate_limited(exc) from exc
 
 
 # ---- the directory ---------------------------------------------------------------------

@@ -166,7 +166,7 @@ def build_services(router: Router, webhooks: WebhookClient, *, settings: Setting
     cache = ResponseCache(settings.response_cache, metrics, admission)
     models = ModelManager(router, registry, metrics.registry, loader, settings.lifecycle, settings.deployments, state)
     shadows = ShadowMirror(models, admission, registry, metrics.registry)
-    conversations = Conversations(ConversationStore(db), models, router.admission)
+    conversations = Conversations(ConversationStore(db), models, admission)
     streams = StreamHub(router, StreamStore(db), metrics, settings.streams, auth)
     # batch items route like requests (by the job id): a cold or unloaded version loads again
     batch = BatchRunner(router, admission, models, BatchStore(db), metrics,

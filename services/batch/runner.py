@@ -52,7 +52,7 @@ from services.inference.encoders import prediction
 from services.inference.prompts import encode_chat, encode_text
 from services.observability.metrics import Metrics
 from services.server_state import ServerState
-from services.tenancy import Caller, count_creation, limits_of
+from services.tenancy import Caller, limits_of
 from storage import batches, registry
 from storage.batches import (
     BatchItem,
@@ -242,7 +242,7 @@ class BatchRunner:
                 self.webhooks.policy.check_url(callback_url)
             except CallbackRefused as exc:
                 raise InvalidRequestError(f"callback_url {exc}", param="callback_url") from exc
-        count_creation(caller, self.router.admission)
+        self.admission.count_request(limits_of(caller.tenant))
         model = await self.models.route(caller, ref, kinds=registry.KINDS)
         if isinstance(model, ServedEncoder):
             kind = model.kind

@@ -92,6 +92,17 @@ class Admission:
         no tokens, so `tokens_per_minute` is not charged)."""
         self.router.admission.release(self._admit(model_name, limits, 0), 0)
 
+    def count_request(self, limits: TenantLimits) -> None:
+        """What a tenant creates (a batch job, a conversation) or replays (a stream) counts as one of
+        its requests: it runs no generation and holds no slot, so it takes one from
+        `requests_per_minute` only; over it, the same RateLimitError (429 with a retry hint) as any
+        refused request, changing nothing. Call it before any work the creation causes (loading a
+        cold model, storing inputs)."""
+        try:
+            self.router.admission.count_request(limits)
+        except Rejected as exc:
+            raise rate_limited(exc) from exc
+
     def _admit(self, model_name: str, limits: TenantLimits, estimate: int, counted: bool = True):
         try:
             return self.router.admission.admit(limits, estimate)
