@@ -87,7 +87,13 @@ def all_routes() -> list[Route]:
 
 
 async def run_services(app: web.Application):
-    await app[SERVICES].start()
+    """Start the services' background work with the app; stop it at cleanup, or at once when
+    starting failed part way (nothing started is left running)."""
+    try:
+        await app[SERVICES].start()
+    except BaseException:
+        await app[SERVICES].close()
+        raise
     yield
     await app[SERVICES].close()
 

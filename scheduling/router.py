@@ -19,11 +19,15 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import structlog
+
 from engine.types import EngineStats, FinishReason, GenerationRequest, TokenEvent
 from scheduling import encoders
 from scheduling.admission import Admission, TenantLimits, Ticket
 from scheduling.encoders import OnEncoderFinish, ServedEncoder
 from scheduling.rollout import parse_model_ref, pick_version
+
+log = structlog.get_logger(__name__)
 
 
 class QueueFull(Exception):
@@ -138,7 +142,10 @@ class RequestStream:
     def put(self, event: TokenEvent) -> None:
         self.events.put_nowait(event)
         for watcher in self.watchers:
-            watcher(event)
+            try:
+                watcher(event)
+            except Exception:  # a watcher (shadow traffic) never breaks delivery to this or any other stream
+                log.exception("stream watcher failed", request_id=self.request_id)
 
     async def __aiter__(self) -> AsyncIterator[TokenEvent]:
         while True:

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import structlog
+
 from scheduling.rollout import DeploymentsConfig
 from scheduling.router import Router
 from services.batch.runner import BatchConfig, BatchRunner
@@ -49,6 +51,8 @@ from storage.db import Database
 from storage.registry import RegistryStore
 from storage.streams import StreamStore
 from storage.tenants import TenantStore
+
+log = structlog.get_logger(__name__)
 
 
 @dataclass(frozen=True)
@@ -107,17 +111,34 @@ class Services:
         self.batch.start_expiry()
 
     async def close(self) -> None:
-        """Stop in the reverse order: batch items and streams checkpoint, then shadows and models,
-        then the alerts; a throwaway database goes last."""
-        await self.batch.close()
+        """Stop what `start` started, in reverse: batch items and streams checkpoint, then shadows
+        and models, then the alerts; a throwaway database goes last. Every step runs even when one
+        before it failed (the first failure is raised at the end)."""
+        failures: list[BaseException] = []
+        for step in (self.batch.close, self._stop_streams, self.shadows.close, self._stop_models, self._stop_alerts,
+                     self._remove_temporary):
+            try:
+                await step()
+            except Exception as exc:  # noqa: BLE001 - logged, the rest still stops
+                log.exception("stopping a service failed", step=step.__name__)
+                failures.append(exc)
+        if failures:
+            raise failures[0]
+
+    async def _stop_streams(self) -> None:
         self._stop("sweeper")
         await self.streams.close()
-        await self.shadows.close()
+
+    async def _stop_models(self) -> None:
         self._stop("lifecycle")
         await self.models.close()
+
+    async def _stop_alerts(self) -> None:
         self._stop("alerts")
         if self.tracing is not None:
             self.tracing.shutdown()
+
+    async def _remove_temporary(self) -> None:
         if self._temporary is not None:
             self.db.close()
             shutil.rmtree(self._temporary, ignore_errors=True)

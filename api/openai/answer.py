@@ -36,8 +36,7 @@ class Shape:
 
 
 def how(request: web.Request, body: SamplingFields) -> dict[str, Any]:
-    """How the service answers this request: streamed or not, what it asked of the response cache,
-    and where to note a cache lookup (the X-Cache header)."""
+    """How the service answers this request: streamed or not, and what it asked of the response cache."""
     return {"stream": body.stream, "cache_asked": cache_flag(request, body.galley)}
 
 

@@ -175,11 +175,10 @@ def check_params(tenant: Tenant, params: dict[str, Any], vocab_size: int) -> Non
 
 @dataclass(frozen=True)
 class Created:
-    """A stored job as POST /api/v1/batch answers it, and the model version that will run it."""
+    """A stored job as POST /api/v1/batch answers it."""
 
     job: BatchJob
     estimated_time: float
-    model_ref: str  # name@version (X-Model-Version)
 
     def view(self) -> dict[str, Any]:
         job = self.job
@@ -259,7 +258,7 @@ class BatchRunner:
             job = await self.submit(caller.tenant.name, ref, inputs, params, callback_url, kind)
         except QuotaExceeded as exc:
             raise rate_limited(exc) from exc
-        return Created(job, estimate, model.ref)
+        return Created(job, estimate)
 
     async def jobs(self, tenant: str) -> list[dict[str, Any]]:
         """The tenant's jobs, newest first, as GET /api/v1/batch lists them."""

@@ -31,8 +31,8 @@ from engine.types import FinishReason, GenerationRequest, Priority, SamplingPara
 from scheduling.rollout import parse_model_ref
 from scheduling.router import RequestStream, Router
 from services.background import BackgroundTasks
-from services.errors import SHUTTING_DOWN, ServiceError
-from services.inference.events import prepend, scheduled_events
+from services.errors import SHUTTING_DOWN, ServiceUnavailableError
+from services.inference.events import scheduled_events
 from services.observability.metrics import Metrics
 from services.streams.events import ChunkFormat, StreamEvent
 from services.tenancy import Auth, Tenant, limits_of
@@ -210,8 +210,7 @@ class StreamHub:
         try:
             if inserted is not None:
                 await self._stored(inserted)  # nothing is sent of a stream that is not stored
-            first = await anext(events)
-            async for event in prepend(first, events):
+            async for event in events:
                 token_ids.extend(event.token_ids)
                 texts.extend([event.text] if event.token_ids else [])
                 raise_if_failed(write)
@@ -231,7 +230,7 @@ class StreamHub:
             live.append(StreamEvent(len(live.events), "", live.text_length, finish_reason="error",
                                     error_status=503, error_code="storage_error", error=STORAGE_ERROR))
             stored = inserted is None or not inserted.exception()
-        except ServiceError as exc:  # not scheduled in time (`scheduled_events` aborted it)
+        except ServiceUnavailableError as exc:  # not scheduled in time (`scheduled_events` aborted it)
             live.append(StreamEvent(len(live.events), "", live.text_length, finish_reason="error", error_status=503,
                                     error_code=exc.code, error=exc.message))
         except Exception:
