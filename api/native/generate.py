@@ -22,7 +22,7 @@ from api.services import services
 from api.sse import Frame, serve_sse
 from api.validation import parse_body
 from services.inference.events import generation_failed, prepend, usage
-from services.inference.generation import Inference, RequestStream, ServedModel
+from services.inference.generation import Generated, Inference
 from services.inference.requests import PromptInput
 
 DEFAULT_MAX_TOKENS = 128
@@ -49,15 +49,15 @@ async def generate(request: web.Request) -> web.StreamResponse:
         cache_asked=cache_flag(request, body.galley))
     headers = {"X-Request-Id": request["request_id"]}  # X-Model-Version: set by the lifecycle's routing
     if generated.stream is not None:
-        return await serve_sse(request, generation_frames(inference, generated.model, generated.stream), headers)
+        return await serve_sse(request, generation_frames(inference, generated), headers)
     return json_response({**generated.result, "latency_ms": round((time.monotonic() - started) * 1000, 3)},
                          headers=headers)
 
 
-async def generation_frames(inference: Inference, model: ServedModel,
-                            stream: RequestStream) -> AsyncGenerator[Frame, None]:
+async def generation_frames(inference: Inference, generated: Generated) -> AsyncGenerator[Frame, None]:
     """SSE `{"token"}` events then one `{"type": "done"}`; an error before the first token is a plain
     HTTP error, after it an `{"type": "error"}` event. A client that leaves aborts the generation."""
+    stream = generated.stream
     try:
         events = inference.events(stream)
         first = await anext(events)
@@ -73,7 +73,7 @@ async def generation_frames(inference: Inference, model: ServedModel,
                 yield {"token": event.text}, None
             if event.finished:
                 yield {"type": "done", "usage": usage(event), "finish_reason": event.finish_reason.value,
-                       "model_version": model.version}, None
+                       "model_version": generated.model.version}, None
     finally:
         inference.abort(stream)  # unless it finished: the client went away
 
