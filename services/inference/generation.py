@@ -155,9 +155,7 @@ class Inference:
         if stream:
             return Generated(model, stream=self.submit_plan(caller, plan))
         key = self.cache.generation_key(caller, model, plan.prompt_ids, plan.params, cache_asked, "native")
-        result = None
-        if key is not None:
-            result = self.cache.lookup(caller, model.name, key)
+        result = self.cache.lookup(caller, model.name, key)  # None: not cacheable, or a miss
         if result is None:
             answer = await self.collect(self.submit_plan(caller, plan))
             result = {"model": self.router.label(model), "text": answer.text, "finish_reason": answer.finish_reason,
@@ -178,12 +176,11 @@ class Inference:
             return Outcome(fmt, plan.model, answers=await choices.collect(), resumable=False)
         key = self.cache.generation_key(caller, plan.model, plan.prompt_ids, plan.params, cache_asked, "openai",
                                         plan.conversation_id)
-        if key is not None:
-            cached = self.cache.lookup(caller, plan.model.name, key)
-            if cached is not None:
-                hit = Answer(cached.text, [], cached.finish_reason, cached.usage)
-                fmt = self.format(plan, uuid.uuid4().hex)
-                return Outcome(fmt, plan.model, cached=hit) if stream else Outcome(fmt, plan.model, answers=[hit])
+        cached = self.cache.lookup(caller, plan.model.name, key)  # None: not cacheable, or a miss
+        if cached is not None:
+            hit = Answer(cached.text, [], cached.finish_reason, cached.usage)
+            fmt = self.format(plan, uuid.uuid4().hex)
+            return Outcome(fmt, plan.model, cached=hit) if stream else Outcome(fmt, plan.model, answers=[hit])
         started = await self.start(caller, plan)
         if not stream and not plan.conversation_id:
             result = await self.collect(started.stream)

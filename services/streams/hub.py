@@ -32,7 +32,7 @@ from scheduling.rollout import parse_model_ref
 from scheduling.router import RequestStream, Router
 from services.background import BackgroundTasks
 from services.errors import SHUTTING_DOWN, ServiceUnavailableError
-from services.inference.events import scheduled_events
+from services.inference.events import scheduled_events, usage
 from services.observability.metrics import Metrics
 from services.streams.events import ChunkFormat, StreamEvent
 from services.tenancy import Auth, Tenant, limits_of
@@ -274,13 +274,10 @@ class StreamHub:
         return self.store.checkpoint(stream_id, token_ids, texts)
 
     def _append(self, live: LiveStream, event: TokenEvent) -> None:
-        usage = None
-        if event.finished:
-            usage = {"prompt_tokens": event.num_prompt_tokens, "completion_tokens": event.num_output_tokens,
-                     "total_tokens": event.num_prompt_tokens + event.num_output_tokens}
         live.append(StreamEvent(
             index=len(live.events), text=event.text, text_offset=live.text_length, logprobs=event.logprobs,
-            finish_reason=event.finish_reason.value if event.finish_reason else None, usage=usage,
+            finish_reason=event.finish_reason.value if event.finish_reason else None,
+            usage=usage(event) if event.finished else None,
             error=event.error, error_code="generation_failed" if event.error else None,
         ))
 
