@@ -58,7 +58,8 @@ def build_engine(loaded: LoadedModel, cfg: EngineConfig, num_blocks: int | None 
                     max_model_len=max_model_len, kv_tokens=num_blocks * block_size)
         max_model_len = num_blocks * block_size
     queue = FairQueue(cfg.fair_share) if cfg.policy == "fair" else FifoQueue()
-    scheduler = Scheduler(cfg.scheduler, KVCacheManager(num_blocks, block_size), queue)
+    kv = KVCacheManager(num_blocks, block_size, cfg.cache.enable_prefix_caching, cfg.cache.prefix_cache_idle_seconds)
+    scheduler = Scheduler(cfg.scheduler, kv, queue)
     return LLMEngine(runner, scheduler, loaded.tokenizer, loaded.eos_token_ids, max_model_len, cfg.seed)
 
 

@@ -108,6 +108,9 @@ class LLMEngine:
             kv_cache_bytes=self.memory.kv_cache_bytes,
             device_memory_used_bytes=self.memory.used_bytes(),
             device_memory_total_bytes=self.memory.total_bytes,
+            prefix_cache_query_tokens=kv.num_query_tokens,
+            prefix_cache_hit_tokens=kv.num_hit_tokens,
+            prefix_cache_blocks=kv.pool.num_cached_blocks,
         )
 
     def add_request(self, request: GenerationRequest) -> None:
@@ -162,8 +165,13 @@ class LLMEngine:
         except Exception:
             return self._sample_rows(batch, sample_seqs, logits)
         for item in batch.seqs:
-            item.seq.num_computed_tokens += item.num_new_tokens
+            self._computed(item)
         return [self._append_or_fail(seq, t, lp) for seq, t, lp in zip(sample_seqs, tokens, logprobs)]
+
+    def _computed(self, item: ScheduledSeq) -> None:
+        """The step wrote this item's KV: count it, and make its full blocks findable."""
+        item.seq.num_computed_tokens += item.num_new_tokens
+        self.scheduler.kv.cache_full_blocks(item.seq)
 
     def _sample_rows(self, batch: ScheduledBatch, sample_seqs: list[Sequence],
                      logits: torch.Tensor) -> list[TokenEvent]:
@@ -174,7 +182,7 @@ class LLMEngine:
         events = [self._fail(item.seq, "sampling failed") for item in batch.seqs if item.seq.request_id in failed]
         for item in batch.seqs:
             if item.seq.request_id not in failed:
-                item.seq.num_computed_tokens += item.num_new_tokens
+                self._computed(item)
         for seq, result in zip(sample_seqs, sampled):
             if result is not None:
                 events.append(self._append_or_fail(seq, *result))

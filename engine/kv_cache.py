@@ -1,12 +1,19 @@
-"""Maps sequences to KV cache blocks (block tables). Torch-free.
+"""Maps sequences to KV cache blocks (block tables), with automatic prefix caching. Torch-free.
 
 The scheduler asks here whether a sequence's next tokens fit, and grows or frees block
-tables; the model runner only reads `seq.block_table` to compute slots.
+tables; the model runner only reads `seq.block_table` to compute slots. With prefix caching
+on, a sequence about to be admitted first takes the cached blocks of its longest known prefix
+(`reuse_prefix`), so only the rest is prefilled; after each step the engine reports computed
+tokens (`cache_full_blocks`) and newly full blocks get their hash, generated tokens included,
+so a conversation's next turn finds this turn's answer too.
 """
 
 from __future__ import annotations
 
+import time
+
 from engine.block_pool import BlockPool
+from engine.prefix_hash import extend_hashes
 from engine.types import Sequence
 
 
@@ -15,9 +22,14 @@ def cdiv(a: int, b: int) -> int:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 idle_seconds: float = 0.0) -> None:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
+        self.enable_prefix_caching = enable_prefix_caching
+        self.idle_seconds = idle_seconds  # > 0: cached blocks nobody held this long are forgotten
+        self.num_query_tokens = 0  # tokens of admitted sequences looked up in the prefix cache
+        self.num_hit_tokens = 0  # of those, tokens found cached (not prefilled again)
 
     @property
     def num_free_blocks(self) -> int:
@@ -39,6 +51,58 @@ class KVCacheManager:
         seq.block_table.extend(self.pool.allocate(self.blocks_needed(seq, num_new_tokens)))
 
     def free(self, seq: Sequence) -> None:
-        self.pool.free(seq.block_table)
+        self.pool.free(seq.block_table, time.monotonic())
         seq.block_table = []
         seq.num_computed_tokens = 0
+        seq.num_cached_blocks = 0
+
+    # ---- prefix caching ------------------------------------------------------------------
+
+    def block_hashes(self, seq: Sequence, num_tokens: int) -> list[bytes]:
+        """The hashes of `seq`'s full blocks within its first `num_tokens` tokens (memoised on
+        the sequence: its tokens only ever grow)."""
+        return extend_hashes(seq.block_hashes, seq.token_ids, num_tokens, self.block_size, seq.cache_salt)
+
+    def reuse_prefix(self, seq: Sequence) -> int:
+        """Give a sequence that holds no blocks the cached blocks of its longest cached prefix;
+        returns how many tokens they cover. The last token is always left to compute: its logits
+        give the next sample, and its slot must not be written in a block others may read."""
+        if not self.enable_prefix_caching or seq.block_table:
+            return 0
+        hashes = self.block_hashes(seq, seq.num_tokens - 1)
+        blocks = self.pool.lookup(hashes)
+        self.pool.acquire(blocks)
+        seq.block_table = blocks
+        seq.num_cached_blocks = len(blocks)
+        seq.num_computed_tokens = len(blocks) * self.block_size
+        return seq.num_computed_tokens
+
+    def count_lookup(self, seq: Sequence) -> None:
+        """Count an admitted sequence's lookup for the hit-rate metrics."""
+        self.num_query_tokens += seq.num_tokens
+        self.num_hit_tokens += seq.num_computed_tokens
+
+    def pending_block_hashes(self, seq: Sequence, num_new_tokens: int) -> list[bytes]:
+        """Hashes of the blocks `seq` fills this step with its next `num_new_tokens` tokens."""
+        if not self.enable_prefix_caching:
+            return []
+        end = seq.num_computed_tokens + num_new_tokens
+        return self.block_hashes(seq, end)[seq.num_computed_tokens // self.block_size : end // self.block_size]
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """After a step: register the blocks `seq` has now fully computed."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = seq.num_computed_tokens // self.block_size
+        if num_full <= seq.num_cached_blocks:
+            return
+        hashes = self.block_hashes(seq, seq.num_computed_tokens)
+        for index in range(seq.num_cached_blocks, num_full):
+            self.pool.cache(seq.block_table[index], hashes[index])
+        seq.num_cached_blocks = num_full
+
+    def evict_idle(self) -> int:
+        """Forget cached blocks idle past `idle_seconds` (called between steps); returns how many."""
+        if self.idle_seconds <= 0:
+            return 0
+        return self.pool.evict_idle(time.monotonic() - self.idle_seconds)

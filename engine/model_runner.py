@@ -22,6 +22,8 @@ class CacheConfig:
     block_size: int = 16
     kv_cache_gib: float = 1.0  # CPU budget
     gpu_memory_utilization: float = 0.85  # CUDA: share of free memory after the weights
+    enable_prefix_caching: bool = True  # reuse the KV of a prompt's longest cached prefix
+    prefix_cache_idle_seconds: float = 0.0  # > 0: cached blocks unused this long are dropped; 0: kept until needed
 
 
 def kv_bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:

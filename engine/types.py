@@ -95,6 +95,7 @@ class GenerationRequest:
     priority: Priority = Priority.NORMAL
     weight: float = 1.0  # the tenant's fair-share weight
     resume_token_ids: list[int] = field(default_factory=list)  # output already emitted before a restart
+    cache_salt: str = ""  # prefix-cache namespace: only requests with the same salt share cached KV
 
 
 class Sequence:
@@ -118,6 +119,9 @@ class Sequence:
         self.num_prompt_tokens = len(request.prompt_token_ids)
         self.num_computed_tokens = 0
         self.block_table: list[int] = []
+        self.cache_salt = request.cache_salt
+        self.block_hashes: list[bytes] = []  # prefix-cache hashes of full blocks, computed as needed
+        self.num_cached_blocks = 0  # leading blocks of `block_table` registered in the prefix cache
         self.status = SequenceStatus.WAITING
         self.num_preemptions = 0
         self.first_scheduled_s: float | None = None  # monotonic; when it first ran (queue wait ends)
@@ -214,6 +218,9 @@ class EngineStats:
     kv_cache_bytes: int = 0
     device_memory_used_bytes: int | None = None  # CUDA only: allocated by torch on the replica's device
     device_memory_total_bytes: int | None = None
+    prefix_cache_query_tokens: int = 0  # prompt tokens of admitted sequences looked up in the prefix cache
+    prefix_cache_hit_tokens: int = 0  # of those, tokens served from cached KV blocks
+    prefix_cache_blocks: int = 0  # blocks holding a reusable prefix now
 
 
 # Upper bounds of the per-step batch token histogram (`galley_batch_tokens`).

@@ -7,6 +7,8 @@ KV pool runs dry the newest running sequence is preempted: its blocks are freed 
 back to the front of the queue with its generated tokens, to be recomputed later. Which
 sequence is preempted, and whether a waiting one may preempt a running one to get in, is
 the queue's policy (FIFO never does; the fair queue does for priority and fair share).
+A sequence admitted first takes the cached blocks of its prompt's longest cached prefix
+(automatic prefix caching, `engine.kv_cache`) and prefills only the rest.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch(seqs=[])
+        self.kv.evict_idle()
         budget = self._schedule_running(batch, self.config.max_num_batched_tokens)
         if not batch.preempted:
             self._schedule_waiting(batch, budget)
@@ -79,25 +82,44 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
-        """Admit in queue order. Terminates by construction: each pass admits a sequence or
-        preempts one, and a sequence preempted in this call is not admitted again in it."""
+        """Admit in queue order, each sequence first taking its cached prefix. Terminates by
+        construction: each pass admits a sequence or preempts one, and a sequence preempted in
+        this call is not admitted again in it."""
+        filling = self._blocks_filled_by(batch) if len(self.waiting) else set()
         while budget > 0:
             seq = self.waiting.peek()
             if seq is None or seq in batch.preempted:
                 return
+            self.kv.reuse_prefix(seq)
+            if self._next_block_in(seq, filling):
+                self.kv.free(seq)  # wait one step and find it cached instead of computing it twice
+                return
             num_new = min(seq.num_uncomputed_tokens, budget)
             if len(self.running) >= self.config.max_num_seqs or not self.kv.can_allocate(seq, num_new):
                 if not self._preempt_to_admit(seq, num_new, batch):
+                    self.kv.free(seq)
                     return
                 budget = self.config.max_num_batched_tokens - batch.num_tokens
                 continue
             self.waiting.pop()
+            self.kv.count_lookup(seq)
             self.kv.allocate(seq, num_new)
             seq.status = SequenceStatus.RUNNING
             seq.num_output_at_admission = seq.num_output_tokens
             self.running.append(seq)
             batch.seqs.append(ScheduledSeq(seq, num_new))
+            filling.update(self.kv.pending_block_hashes(seq, num_new))
             budget -= num_new
+
+    def _blocks_filled_by(self, batch: ScheduledBatch) -> set[bytes]:
+        """Hashes of the full blocks this step's sequences compute."""
+        return {h for item in batch.seqs for h in self.kv.pending_block_hashes(item.seq, item.num_new_tokens)}
+
+    def _next_block_in(self, seq: Sequence, filling: set[bytes]) -> bool:
+        """Is the first block `seq` would compute being computed this step by another sequence
+        (a shared prompt arriving together, `n` choices of one prompt)?"""
+        index = len(seq.block_table)
+        return index < len(seq.block_hashes) and seq.block_hashes[index] in filling
 
     def _preempt_to_admit(self, seq: Sequence, num_new: int, batch: ScheduledBatch) -> bool:
         """Preempt what the queue's policy allows until `seq` fits; False if it still does not."""
@@ -127,11 +149,12 @@ class Scheduler:
 
     def _charge(self, item: ScheduledSeq) -> None:
         """Service this step gives the tenant: prompt tokens prefilled for the first time and
-        the token it samples. Recomputing after a preemption is the server's cost, not theirs."""
+        the token it samples. Recomputing after a preemption is the server's cost, not theirs,
+        and a prefix found cached costs nobody anything."""
         seq = item.seq
         end = min(seq.num_computed_tokens + item.num_new_tokens, seq.num_prompt_tokens)
-        num_prompt = max(0, end - seq.num_prompt_tokens_charged)
-        seq.num_prompt_tokens_charged += num_prompt
+        num_prompt = max(0, end - max(seq.num_computed_tokens, seq.num_prompt_tokens_charged))
+        seq.num_prompt_tokens_charged = max(seq.num_prompt_tokens_charged, end)
         self.waiting.charge(seq, num_prompt, 1 if item.completes_prefill else 0)
 
     def finish(self, seq: Sequence) -> None:

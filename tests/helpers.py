@@ -17,8 +17,11 @@ from storage.registry import ModelVersion
 _ids = itertools.count()
 
 
-def make_seq(num_prompt_tokens: int, max_tokens: int = 8, **params) -> Sequence:
-    request = GenerationRequest(f"r{next(_ids)}", list(range(1, num_prompt_tokens + 1)),
+def make_seq(num_prompt_tokens: int, max_tokens: int = 8, *, distinct: bool = False, **params) -> Sequence:
+    """A sequence with prompt 1..n; `distinct`: a prompt no other sequence shares (no prefix hits)."""
+    number = next(_ids)
+    first = 1 + number * 100_000 if distinct else 1
+    request = GenerationRequest(f"r{number}", list(range(first, first + num_prompt_tokens)),
                                 SamplingParams(max_tokens=max_tokens, **params))
     return Sequence(request)
 

@@ -67,7 +67,7 @@ def model_for(family: str, vocab_size: int, **overrides):
                 "original_max_position_embeddings": 64, "rope_theta": 500000.0}
         return LlamaForCausalLM(LlamaConfig(**kw, rope_parameters=rope, tie_word_embeddings=True))
     if family == "mistral":
-        return MistralForCausalLM(MistralConfig(**kw, sliding_window=4096))
+        return MistralForCausalLM(MistralConfig(**{"sliding_window": 4096, **kw}))
     if family == "qwen2":
         return Qwen2ForCausalLM(Qwen2Config(**kw, tie_word_embeddings=True))
     if family == "qwen3":

@@ -3,7 +3,12 @@
 from engine.kv_cache import KVCacheManager
 from engine.types import SequenceStatus
 from scheduling.scheduler import Scheduler, SchedulerConfig
-from tests.helpers import make_seq
+from tests import helpers
+
+
+def make_seq(num_prompt_tokens: int, **params):
+    """Policy tests: prompts that share no prefix (prefix caching has its own tests)."""
+    return helpers.make_seq(num_prompt_tokens, distinct=True, **params)
 
 
 def make_scheduler(num_blocks=16, block_size=4, budget=16, max_seqs=4) -> Scheduler:
