@@ -75,6 +75,7 @@ class ModelSpec:
     version: str = "1"  # registry version; several entries may share a name with different versions
     pinned: bool = False  # stays loaded (never unloaded for idleness or the memory budget)
     keep_alive: float = 0.0  # seconds idle before it unloads (loads again on the next request); 0: never
+    shared_prefix_cache: bool = False  # generate: tenants may reuse each other's cached prefixes (common system prompt)
 
     @property
     def options(self) -> dict[str, Any]:
@@ -82,6 +83,8 @@ class ModelSpec:
         options: dict[str, Any] = {"pinned": True} if self.pinned else {}
         if self.keep_alive:
             options["keep_alive"] = self.keep_alive
+        if self.shared_prefix_cache:
+            options["shared_prefix_cache"] = True
         if self.kind != "generate":
             options.update(max_batch=self.max_batch, max_wait_ms=self.max_wait_ms)
         return options

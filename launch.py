@@ -153,7 +153,8 @@ class EngineLoader:
             name=spec.name, tokenizer=loaded.tokenizer, max_model_len=engine.max_model_len,
             max_in_flight_per_replica=self.cfg.max_num_seqs + self.max_waiting, replicas=replicas,
             vocab_size=loaded.model.shape.vocab_size, max_token_chars=max_token_chars(loaded.tokenizer),
-            version=spec.version, created=int(time.time()),
+            version=spec.version, created=int(time.time()), block_size=self.cfg.cache.block_size,
+            shared_prefix_cache=bool(spec.options.get("shared_prefix_cache", False)),
         )
 
     def new_engine(self, spec: ModelVersion, loaded: LoadedModel) -> LLMEngine:

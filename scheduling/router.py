@@ -21,9 +21,11 @@ from typing import Any, Protocol
 
 import structlog
 
+from engine.prefix_hash import prefix_hashes
 from engine.types import EngineStats, FinishReason, GenerationRequest, TokenEvent
-from scheduling import encoders
+from scheduling import affinity, encoders
 from scheduling.admission import Admission, TenantLimits, Ticket
+from scheduling.affinity import PrefixIndex
 from scheduling.encoders import OnEncoderFinish, ServedEncoder
 from scheduling.rollout import parse_model_ref, pick_version
 
@@ -58,6 +60,7 @@ class Replica:
     engine_id: str
     device: str
     num_in_flight: int = 0
+    prefixes: PrefixIndex = field(default_factory=PrefixIndex)  # what it likely holds cached
 
 
 @dataclass
@@ -74,6 +77,8 @@ class ServedModel:
     version: str = "1"  # conversations pin it
     created: int = 0
     draining: bool = False  # being unloaded: in-flight requests finish, new ones go elsewhere
+    block_size: int = 16  # of the replicas' KV caches: prefix routing hashes prompts by block
+    shared_prefix_cache: bool = False  # tenants may reuse each other's cached prefixes (a common system prompt)
 
     @property
     def ref(self) -> str:
@@ -83,8 +88,22 @@ class ServedModel:
     def num_in_flight(self) -> int:
         return sum(r.num_in_flight for r in self.replicas)
 
-    def pick_replica(self) -> Replica:
-        return min(self.replicas, key=lambda r: r.num_in_flight)
+    def cache_salt(self, request: GenerationRequest) -> str:
+        """The request's prefix-cache namespace: its tenant's own unless the model shares across
+        tenants (a prefix hit shows in timing, so tenants must not probe each other's prompts),
+        plus the client's own `cache_salt`."""
+        return request.cache_salt if self.shared_prefix_cache else f"{request.tenant}\x00{request.cache_salt}"
+
+    def pick_replica(self, request: GenerationRequest) -> Replica:
+        """Least loaded, or with several replicas the one likely to hold the prompt's longest
+        cached prefix (`scheduling.affinity`), which it then remembers."""
+        open_replicas = [r for r in self.replicas if r.num_in_flight < self.max_in_flight_per_replica]
+        if len(open_replicas) == 1:
+            return open_replicas[0]
+        hashes = prefix_hashes(request.prompt_token_ids, self.block_size, request.cache_salt)
+        replica = affinity.pick(open_replicas, hashes)
+        replica.prefixes.remember(hashes, replica.worker.stats(replica.engine_id).kv_blocks_total)
+        return replica
 
 
 Served = ServedModel | ServedEncoder  # one loaded version of a model, of either kind
@@ -224,12 +243,13 @@ class Router:
         """
         if model.draining:
             raise ModelUnavailable(model.ref)
-        replica = model.pick_replica()
-        if replica.num_in_flight >= model.max_in_flight_per_replica:
+        if min(r.num_in_flight for r in model.replicas) >= model.max_in_flight_per_replica:
             raise QueueFull(model.name, model.max_in_flight_per_replica * len(model.replicas))
         estimate = len(request.prompt_token_ids) + request.params.max_tokens
         ticket = self.admission.admit(limits or TenantLimits(request.tenant), estimate)
         seed_sampling(request)
+        request.cache_salt = model.cache_salt(request)
+        replica = model.pick_replica(request)
         stream = RequestStream(request, model, replica, ticket)
         self.streams[request.request_id] = stream
         replica.num_in_flight += 1

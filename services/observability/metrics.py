@@ -43,6 +43,7 @@ class EngineCollector:
             "kv_blocks_total": gauge("galley_kv_blocks_total", "KV cache blocks in the pool"),
             "weights_bytes": gauge("galley_model_weights_bytes", "Bytes of the replica's weights"),
             "kv_cache_bytes": gauge("galley_kv_cache_bytes", "Bytes of the replica's KV cache pool"),
+            "prefix_cache_blocks": gauge("galley_prefix_cache_blocks", "KV cache blocks holding a reusable prefix"),
         }
         counters = {
             "num_preemptions": counter("galley_preemptions", "Sequences preempted for KV space"),
@@ -50,6 +51,10 @@ class EngineCollector:
             "num_batched_tokens": counter("galley_batched_tokens", "Tokens run through the model"),
             "num_step_errors": counter("galley_engine_step_errors", "Engine steps in which something raised "
                                        "(only the requests it hit ended with an error)"),
+            "prefix_cache_query_tokens": counter("galley_prefix_cache_queries", "Tokens of admitted "
+                                                 "requests looked up in the prefix cache"),
+            "prefix_cache_hit_tokens": counter("galley_prefix_cache_hits", "Tokens found in the prefix "
+                                               "cache (their KV reused, not prefilled)"),
         }
         batch = HistogramMetricFamily("galley_batch_tokens", "Tokens per engine step", labels=labels)
         devices: dict[str, EngineStats] = {}

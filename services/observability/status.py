@@ -62,7 +62,11 @@ def replica_json(replica, stats) -> dict[str, Any]:
             "kv_blocks_used": stats.kv_blocks_used, "kv_blocks_total": stats.kv_blocks_total,
             "weights_bytes": stats.weights_bytes, "kv_cache_bytes": stats.kv_cache_bytes,
             "device_memory_used_bytes": stats.device_memory_used_bytes, "steps": stats.num_steps,
-            "batched_tokens": stats.num_batched_tokens, "preemptions": stats.num_preemptions}
+            "batched_tokens": stats.num_batched_tokens, "preemptions": stats.num_preemptions,
+            "prefix_cache_query_tokens": stats.prefix_cache_query_tokens,
+            "prefix_cache_hit_tokens": stats.prefix_cache_hit_tokens,
+            "prefix_cache_hit_rate": (stats.prefix_cache_hit_tokens / stats.prefix_cache_query_tokens
+                                      if stats.prefix_cache_query_tokens else None)}
 
 
 def models_json(router: Router) -> list[dict[str, Any]]:
