@@ -102,6 +102,8 @@ class SamplingFields(Strict):
     ignore_eos: bool = Field(False, description="vLLM extension: keep generating past EOS.")
     stop_token_ids: StopTokenIds | None = Field(None, description=f"vLLM extension; at most {MAX_STOP_TOKEN_IDS}, "
                                                 "each below the model's vocabulary size.")
+    cache_salt: str | None = Field(None, max_length=MAX_NAME_CHARS, description="vLLM extension: only requests "
+                                   "with the same salt share prefix-cache entries (always within one tenant).")
     priority: Literal["high", "normal", "low"] | None = Field(
         None, description="galley extension: scheduling class. Default `normal`, or the tenant's `max_priority` "
         "when that is lower; above the tenant's `max_priority`: 403."
@@ -126,7 +128,8 @@ class SamplingFields(Strict):
         return {"model": self.model, "options": self.sampling_options(), "n": self.n, "user": self.user,
                 "priority": self.priority,
                 "include_usage": bool(self.stream_options and self.stream_options.include_usage),
-                "on_disconnect": self.galley.on_disconnect if self.galley else None}
+                "on_disconnect": self.galley.on_disconnect if self.galley else None,
+                "cache_salt": self.cache_salt or ""}
 
 
 class ChatCompletionRequest(SamplingFields):

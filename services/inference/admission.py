@@ -30,12 +30,12 @@ class Admission:
 
     def generation(self, model: ServedModel, prompt_ids: list[int], params: SamplingParams,
                    limits: TenantLimits, weight: float, priority: str, request_id: str | None = None, *,
-                   counted: bool = True) -> RequestStream:
+                   counted: bool = True, cache_salt: str = "") -> RequestStream:
         """Admit a generation to `model`'s queue (tenant limits, then the queue bound) and start it.
 
         `counted=False`: an internal copy (shadow traffic), kept out of the request metrics."""
         generation = GenerationRequest(request_id or uuid.uuid4().hex, prompt_ids, params, tenant=limits.name,
-                                       priority=Priority[priority.upper()], weight=weight)
+                                       priority=Priority[priority.upper()], weight=weight, cache_salt=cache_salt)
         try:
             stream = self.router.submit(model, generation, limits)
         except QueueFull as exc:

@@ -194,15 +194,16 @@ class Inference:
     # ---- submitting --------------------------------------------------------------------
 
     def submit(self, caller: Caller, model: ServedModel, prompt_ids: list[int], params: SamplingParams,
-               priority: str | None) -> RequestStream:
+               priority: str | None, cache_salt: str = "") -> RequestStream:
         """One generation through admission (and the shadow mirror, when the model has one)."""
         limits, weight = caller.limits()
-        stream = self.admission.generation(model, prompt_ids, params, limits, weight, caller.priority(priority))
+        stream = self.admission.generation(model, prompt_ids, params, limits, weight, caller.priority(priority),
+                                           cache_salt=cache_salt)
         self.shadows.mirror(stream, self.metrics.log_prompts)
         return stream
 
     def submit_plan(self, caller: Caller, plan: Plan) -> RequestStream:
-        return self.submit(caller, plan.model, plan.prompt_ids, plan.params, plan.ask.priority)
+        return self.submit(caller, plan.model, plan.prompt_ids, plan.params, plan.ask.priority, plan.ask.cache_salt)
 
     def submit_n(self, caller: Caller, plan: Plan) -> Choices:
         """`plan.ask.n` generations of one prompt, side by side (seeded: seed, seed + 1, ..., so the
@@ -213,7 +214,7 @@ class Inference:
             for i in range(plan.ask.n):
                 seed = None if params.seed is None else (params.seed + i) % 2**63
                 streams.append(self.submit(caller, plan.model, plan.prompt_ids,
-                                           dataclasses.replace(params, seed=seed), priority))
+                                           dataclasses.replace(params, seed=seed), priority, plan.ask.cache_salt))
         except Exception:
             for stream in streams:
                 self.router.abort(stream)

@@ -18,6 +18,7 @@ class GenerationInput:
     priority: str | None = None  # high | normal | low; None: the caller's default
     include_usage: bool = False  # a stream ends with a usage chunk
     on_disconnect: str | None = None  # continue | cancel; None: the stream hub's default for the kind
+    cache_salt: str = ""  # vLLM's field: only requests with the same salt (and tenant) share cached prefixes
 
 
 @dataclass(frozen=True)

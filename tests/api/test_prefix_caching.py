@@ -20,10 +20,10 @@ HITS = "galley_prefix_cache_hits_total"
 QUERIES = "galley_prefix_cache_queries_total"
 
 
-async def complete(client: Client, key: str, prompt: list[int]) -> None:
+async def complete(client: Client, key: str, prompt: list[int], **fields) -> None:
     """A greedy completion the engine must run (not answered from the response cache)."""
     headers = {"Authorization": f"Bearer {key}", "Cache-Control": "no-cache"}
-    body = {"model": "tiny", "prompt": prompt, **GREEDY}
+    body = {"model": "tiny", "prompt": prompt, **GREEDY, **fields}
     async with client.session.post("/v1/completions", json=body, headers=headers) as resp:
         assert resp.status == 200, await resp.text()
 
@@ -39,10 +39,12 @@ async def test_tenants_never_hit_each_others_prefixes(aiohttp_server, llama_path
         await complete(client, alice, prompt)  # alice's own prefix: two full blocks found
         assert await metric(client.session, HITS, model="tiny", version="1") == 32
         assert await metric(client.session, QUERIES) == 3 * 40
+        await complete(client, alice, prompt, cache_salt="private")  # vLLM's cache_salt: a namespace of its own
+        assert await metric(client.session, HITS) == 32
         status, stats = await client.admin("GET", "/stats")
         [replica] = stats["models"][0]["replicas"]
         assert replica["prefix_cache_hit_tokens"] == 32
-        assert replica["prefix_cache_hit_rate"] == pytest.approx(32 / 120)
+        assert replica["prefix_cache_hit_rate"] == pytest.approx(32 / 160)
         assert await metric(client.session, "galley_prefix_cache_blocks") > 0
 
 
