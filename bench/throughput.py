@@ -224,8 +224,8 @@ def build_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=SPECIAL_TOKENS[0], pad_token=SPECIAL_TOKENS[0])
 
 
-def save_model(shape: ModelShape, out: Path, seed: int) -> None:
-    tokenizer = build_tokenizer(shape.vocab_size)
+def save_model(shape: ModelShape, out: Path, seed: int, tokenizer: PreTrainedTokenizerFast | None = None) -> None:
+    tokenizer = tokenizer or build_tokenizer(shape.vocab_size)
     torch.manual_seed(seed)
     model = LlamaForCausalLM(shape.hf_config())
     model.generation_config.eos_token_id = tokenizer.eos_token_id
@@ -272,27 +272,35 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_server(ctx: BenchContext, port: int, log_path: Path) -> subprocess.Popen:
+def start_server(
+    model_dir: Path,
+    server_args: list[str],
+    port: int,
+    log_path: Path,
+    root: Path = REPO_ROOT,
+    config_text: str = "models = []\n",
+) -> subprocess.Popen:
+    """`server.py` of the checkout at `root`, serving only `bench` (the model at `model_dir`)."""
     # An empty model list: the embedded defaults also load models/demo, which may not exist.
-    config_path = log_path.with_name("server.toml")
-    config_path.write_text("models = []\n")
+    config_path = log_path.with_name(f"{log_path.stem}.toml")
+    config_path.write_text(config_text)
     cmd = [
         sys.executable,
         "server.py",
         "--config",
         str(config_path),
         "--model",
-        f"bench={ctx.model_dir}",
+        f"bench={model_dir}",
         "--port",
         str(port),
         "--host",
         "127.0.0.1",
-        *ctx.server_args,
+        *server_args,
     ]
     log(f"starting server: {' '.join(cmd)}")
     env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())}  # the same threads as in-process
     with log_path.open("wb") as sink:
-        return subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=sink, stderr=subprocess.STDOUT, env=env)
+        return subprocess.Popen(cmd, cwd=root, stdout=sink, stderr=subprocess.STDOUT, env=env)
 
 
 def stop_server(proc: subprocess.Popen) -> None:
@@ -307,14 +315,14 @@ def stop_server(proc: subprocess.Popen) -> None:
     log(f"server exited with {proc.returncode}")
 
 
-async def wait_ready(base_url: str, proc: subprocess.Popen, timeout_s: float = 600) -> None:
+async def wait_ready(base_url: str, proc: subprocess.Popen, timeout_s: float = 600, path: str = "/ready") -> None:
     deadline = time.monotonic() + timeout_s
     async with aiohttp.ClientSession() as session:
         while time.monotonic() < deadline:
             if proc.poll() is not None:
-                raise RuntimeError(f"server exited with {proc.returncode} before /ready")
+                raise RuntimeError(f"server exited with {proc.returncode} before {path}")
             try:
-                async with session.get(f"{base_url}/ready") as resp:
+                async with session.get(f"{base_url}{path}") as resp:
                     if resp.status == 200:
                         return
             except aiohttp.ClientError:
@@ -327,6 +335,7 @@ async def wait_ready(base_url: str, proc: subprocess.Popen, timeout_s: float = 6
 class StreamStats:
     send_s: float
     chunk_s: list[float] = field(default_factory=list)  # arrival of each chunk that carries text
+    texts: list[str] = field(default_factory=list)  # the text of each of those chunks
     completion_tokens: int | None = None  # from the final usage chunk
 
 
@@ -356,8 +365,9 @@ async def stream_completion(
             chunk = json.loads(line[5:])
             if "error" in chunk:
                 raise RuntimeError(f"stream error: {chunk['error']}")
-            if any(choice.get("text") for choice in chunk.get("choices") or []):
+            if text := "".join(choice.get("text") or "" for choice in chunk.get("choices") or []):
                 stats.chunk_s.append(time.perf_counter())
+                stats.texts.append(text)
             if chunk.get("usage"):
                 stats.completion_tokens = chunk["usage"]["completion_tokens"]
     return stats
@@ -415,7 +425,7 @@ def run_server_modes(ctx: BenchContext, modes: list[str]) -> list[ModeResult]:
         return [ModeResult(m, error="server.py does not exist") for m in modes]
     log_path = ctx.model_dir.with_name("server.log")
     port = free_port()
-    proc = start_server(ctx, port, log_path)
+    proc = start_server(ctx.model_dir, ctx.server_args, port, log_path)
     try:
         results = asyncio.run(server_session(ctx, modes, f"http://127.0.0.1:{port}", proc))
     except Exception as exc:
