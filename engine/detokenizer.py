@@ -11,12 +11,15 @@ from __future__ import annotations
 from tokenizers.decoders import DecodeStream
 from transformers import PreTrainedTokenizerBase
 
+from engine.types import SamplingParams
+
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, skip_special_tokens: bool = True) -> None:
         self._backend = getattr(tokenizer, "backend_tokenizer", None)
         self._tokenizer = tokenizer
-        self._stream = DecodeStream(skip_special_tokens=True)
+        self._skip_special_tokens = skip_special_tokens
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
         self._ids: list[int] = []  # only for tokenizers without a fast backend
         self._text = ""
 
@@ -24,16 +27,16 @@ class IncrementalDetokenizer:
         if self._backend is not None:
             return self._stream.step(self._backend, token_id) or ""
         self._ids.append(token_id)
-        text = self._tokenizer.decode(self._ids, skip_special_tokens=True)
+        text = self._tokenizer.decode(self._ids, skip_special_tokens=self._skip_special_tokens)
         if text.endswith("\ufffd"):
             return ""
         delta, self._text = text[len(self._text) :], text
         return delta
 
 
-def find_stop(text: str, stops: tuple[str, ...], search_from: int) -> int | None:
-    """Index where the earliest stop string starts in text[search_from:], if any."""
-    hits = [i for stop in stops if (i := text.find(stop, search_from)) != -1]
+def find_stop(text: str, stops: tuple[str, ...], search_from: int, min_end: int = 0) -> tuple[int, str] | None:
+    """(start, stop) of the earliest stop string in text[search_from:] that ends after `min_end`, if any."""
+    hits = [(i, stop) for stop in stops if (i := text.find(stop, max(search_from, min_end - len(stop) + 1))) != -1]
     return min(hits) if hits else None
 
 
@@ -49,16 +52,29 @@ def partial_stop_len(text: str, stops: tuple[str, ...]) -> int:
 
 
 class TextStream:
-    """Accumulates a request's output text and releases what is safe to send."""
+    """Accumulates a request's output text and releases what is safe to send.
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, stops: tuple[str, ...]) -> None:
+    A stop string counts only once it ends after the text of the first `min_tokens` tokens;
+    it is cut from the text unless `include_stop`."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, stops: tuple[str, ...], *, min_tokens: int = 0,
+                 include_stop: bool = False, skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
-        self.detokenizer = IncrementalDetokenizer(tokenizer)
+        self.detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens)
+        self.skip_special_tokens = skip_special_tokens
         self.token_ids: list[int] = []
         self.stops = stops
         self.max_stop_len = max((len(s) for s in stops), default=0)
+        self.min_tokens = min_tokens
+        self.include_stop = include_stop
+        self.stops_from = 0  # a stop string must end after this offset (the text of the first min_tokens)
         self.text = ""
         self.num_sent = 0
+
+    @classmethod
+    def for_params(cls, tokenizer: PreTrainedTokenizerBase, params: SamplingParams) -> TextStream:
+        return cls(tokenizer, params.stop, min_tokens=params.min_tokens,
+                   include_stop=params.include_stop_str_in_output, skip_special_tokens=params.skip_special_tokens)
 
     def add_token(self, token_id: int) -> tuple[str, bool]:
         """Returns (text to send now, whether a stop string was hit)."""
@@ -66,19 +82,25 @@ class TextStream:
         self.text += self.detokenizer.step(token_id)
         if not self.stops:
             return self.flush(), False
-        stop_at = find_stop(self.text, self.stops, max(0, self.num_sent - self.max_stop_len))
-        if stop_at is not None:
-            self.text = self.text[:stop_at]
+        if len(self.token_ids) <= self.min_tokens:
+            self.stops_from = len(self.text)
+        hit = find_stop(self.text, self.stops, max(0, self.num_sent - self.max_stop_len), self.stops_from)
+        if hit is not None:
+            start, stop = hit
+            self.text = self.text[:start + len(stop) if self.include_stop else start]
             return self.flush(), True
         safe_end = len(self.text) - partial_stop_len(self.text, self.stops)
         delta = self.text[self.num_sent : safe_end]
         self.num_sent = max(self.num_sent, safe_end)
         return delta, False
 
-    def finish(self) -> str:
-        """The rest of the text at the end of generation, including bytes that never formed a
-        whole character (decoded as U+FFFD, exactly as `tokenizer.decode` does)."""
-        full = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
+    def finish(self, last_token_id: int | None = None) -> str:
+        """The rest of the text at the end of generation (with `last_token_id`'s text, when given),
+        including bytes that never formed a whole character (decoded as U+FFFD, exactly as
+        `tokenizer.decode` does)."""
+        if last_token_id is not None:
+            self.token_ids.append(last_token_id)
+        full = self.tokenizer.decode(self.token_ids, skip_special_tokens=self.skip_special_tokens)
         if full.startswith(self.text):
             self.text = full
         return self.flush()

@@ -71,7 +71,7 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
-        self.sampler = Sampler(runner.device, seed)
+        self.sampler = Sampler(runner.device, seed, eos_token_ids)
         self.requests: dict[str, RequestState] = {}
         self.num_steps = 0
         self.num_batched_tokens = 0
@@ -115,7 +115,7 @@ class LLMEngine:
 
     def add_request(self, request: GenerationRequest) -> None:
         seq = Sequence(request)
-        text = TextStream(self.tokenizer, request.params.stop)
+        text = TextStream.for_params(self.tokenizer, request.params)
         for token_id in request.resume_token_ids:  # already sent before a restart: rebuild the state only
             text.add_token(token_id)
         self.requests[request.request_id] = RequestState(seq, text)
@@ -209,7 +209,7 @@ class LLMEngine:
         finish = None
         if token_id in params.stop_token_ids or (token_id in self.eos_token_ids and not params.ignore_eos):
             finish = FinishReason.STOP
-            text = state.text.finish()
+            text = state.text.finish(token_id if params.include_stop_str_in_output else None)
         else:
             text, hit_stop = state.text.add_token(token_id)
             if hit_stop:

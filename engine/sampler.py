@@ -1,6 +1,7 @@
 """Turns logits into next tokens, vectorised over the batch.
 
-Order: penalties -> greedy argmax, or temperature -> top-k / top-p / min-p -> sample.
+Order: logit bias and the min_tokens mask -> penalties -> greedy argmax, or temperature ->
+top-k / top-p / min-p -> sample. Logprobs are those of the model's raw logits (as vLLM's).
 Sampling uses the exponential race (argmax of p / E with E ~ Exp(1)), which draws from p
 exactly and lets each row have its own noise: a seeded request draws its noise from a
 generator seeded by (seed, token position), so its output does not depend on batch
@@ -35,6 +36,31 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     return logits
 
 
+def apply_logit_bias(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """Each request's `logit_bias` added to its row, for the whole batch in one scatter."""
+    rows = [row for row, seq in enumerate(seqs) for _ in seq.params.logit_bias]
+    tokens = [token for seq in seqs for token, _ in seq.params.logit_bias]
+    bias = [value for seq in seqs for _, value in seq.params.logit_bias]
+    index = (torch.tensor(rows, device=logits.device), torch.tensor(tokens, device=logits.device))
+    return logits.index_put_(index, torch.tensor(bias, device=logits.device, dtype=logits.dtype), accumulate=True)
+
+
+def mask_stops_before_min_tokens(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: frozenset[int]
+                                 ) -> torch.Tensor:
+    """Rows still short of their `min_tokens`: EOS (unless ignored) and stop tokens cannot be drawn."""
+    rows, tokens = [], []
+    for row, seq in enumerate(seqs):
+        p = seq.params
+        if seq.num_output_tokens < p.min_tokens:
+            banned = p.stop_token_ids if p.ignore_eos else p.stop_token_ids | eos_token_ids
+            rows += [row] * len(banned)
+            tokens += banned
+    if rows:
+        index = (torch.tensor(rows, device=logits.device), torch.tensor(tokens, device=logits.device))
+        logits.index_put_(index, torch.tensor(float("-inf"), device=logits.device, dtype=logits.dtype))
+    return logits
+
+
 def filter_logits(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     """Top-k, top-p and min-p, per row; masked entries become -inf."""
     vocab = logits.shape[1]
@@ -53,8 +79,9 @@ def filter_logits(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
 
 
 class Sampler:
-    def __init__(self, device: torch.device, seed: int = 0) -> None:
+    def __init__(self, device: torch.device, seed: int = 0, eos_token_ids: frozenset[int] = frozenset()) -> None:
         self.device = device
+        self.eos_token_ids = eos_token_ids  # masked before a request's min_tokens
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
 
@@ -71,8 +98,16 @@ class Sampler:
         """logits: [num_seqs, vocab] float32, one row per sequence in `seqs`."""
         want_logprobs = any(s.params.logprobs is not None for s in seqs)
         raw_logprobs = logits.log_softmax(dim=-1) if want_logprobs else None
+        biased = any(s.params.logit_bias for s in seqs)
+        short = any(s.num_output_tokens < s.params.min_tokens for s in seqs)
+        if biased or short:
+            logits = logits.clone()
+            if biased:
+                logits = apply_logit_bias(logits, seqs)
+            if short:
+                logits = mask_stops_before_min_tokens(logits, seqs, self.eos_token_ids)
         if any(s.params.needs_penalties for s in seqs):
-            logits = apply_penalties(logits.clone(), seqs)
+            logits = apply_penalties(logits if biased or short else logits.clone(), seqs)
         tokens = logits.argmax(dim=-1)
         random_rows = [i for i, s in enumerate(seqs) if not s.params.is_greedy]
         if random_rows:

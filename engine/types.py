@@ -61,6 +61,10 @@ class SamplingParams:
     stop_token_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False
     logprobs: int | None = None  # None: no logprobs; N: chosen token plus N alternatives
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit), sorted by id
+    min_tokens: int = 0  # EOS and stop tokens are masked, stop strings ignored, until this many are out
+    include_stop_str_in_output: bool = False  # the matched stop string (or stop token's text) stays in the text
+    skip_special_tokens: bool = True  # special tokens' text is left out of the output
 
     def __post_init__(self) -> None:
         if self.temperature < GREEDY_BELOW:
@@ -69,6 +73,8 @@ class SamplingParams:
             object.__setattr__(self, "top_k", None)
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", frozenset(self.stop_token_ids))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(b)) for t, b in bias)))
 
     @property
     def is_greedy(self) -> bool:

@@ -72,3 +72,38 @@ def test_unfinished_character_at_the_end_is_flushed_like_decode():
     ids = ids[:-1]  # cut the rocket's last byte
     deltas, _ = stream(tokenizer, ids)
     assert "".join(deltas) == tokenizer.decode(ids) and deltas[-1].startswith("\ufffd")
+
+
+def test_include_stop_str_in_output_keeps_the_stop_string():
+    tokenizer = build_tokenizer()
+    text = TextStream(tokenizer, ("fox jumps",), include_stop=True)
+    out = ""
+    for token in tokenizer.encode("The quick brown fox jumps over the lazy dog."):
+        delta, hit = text.add_token(token)
+        out += delta
+        if hit:
+            break
+    assert hit and out == "The quick brown fox jumps"
+
+
+def test_a_stop_string_within_min_tokens_does_not_stop():
+    tokenizer = build_tokenizer()
+    ids = tokenizer.encode("the cat and the dog")
+    first_the = len(tokenizer.encode("the"))
+    deltas, hit = [], False
+    text = TextStream(tokenizer, ("the",), min_tokens=first_the)
+    for token in ids:
+        delta, hit = text.add_token(token)
+        deltas.append(delta)
+        if hit:
+            break
+    assert hit and "".join(deltas) == "the cat and "  # the first "the" was inside min_tokens
+
+
+def test_special_tokens_are_kept_when_not_skipped():
+    tokenizer = build_tokenizer()
+    ids = tokenizer.encode("hi") + [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    kept = TextStream(tokenizer, (), skip_special_tokens=False)
+    skipped = TextStream(tokenizer, ())
+    assert "".join(kept.add_token(t)[0] for t in ids) + kept.finish() == "hi<|im_end|>"
+    assert "".join(skipped.add_token(t)[0] for t in ids) + skipped.finish() == "hi"

@@ -98,3 +98,35 @@ def test_resumed_generation_continues_exactly_greedy_and_seeded(tiny_models):
                 rest.extend(event.token_ids)
                 assert event.num_output_tokens == 8 + len(rest)
         assert whole[:8] + rest == whole
+
+
+def test_logit_bias_moves_the_greedy_choice_and_leaves_other_rows_alone():
+    logits = torch.tensor([[3.0, 1.0, 0.0, 0.0]] * 3)
+    seqs = [make_seq(1, temperature=0.0, logit_bias={1: 5.0}), make_seq(1, temperature=0.0),
+            make_seq(1, temperature=1.0, logit_bias={0: -100.0, 3: 100.0})]
+    tokens, logprobs = Sampler(torch.device("cpu")).sample(logits.clone(), seqs)
+    assert tokens == [1, 0, 3]
+    assert make_seq(1, logit_bias={"7": 1, 2: -1}).params.logit_bias == ((2, -1.0), (7, 1.0))
+
+
+def test_min_tokens_masks_eos_and_stop_tokens_until_reached():
+    logits = torch.tensor([[0.0, 9.0, 8.0, 1.0]] * 3)
+    eos = frozenset({1})
+    short = seq_with([3], temperature=0.0, min_tokens=2, stop_token_ids=[2])
+    done = seq_with([3, 3], temperature=0.0, min_tokens=2, stop_token_ids=[2])
+    ignoring = seq_with([], temperature=0.0, min_tokens=2, ignore_eos=True, stop_token_ids=[2])
+    tokens, _ = Sampler(torch.device("cpu"), eos_token_ids=eos).sample(logits.clone(), [short, done, ignoring])
+    assert tokens == [3, 1, 1]  # short: both banned; done: EOS allowed; ignore_eos: EOS is no stop
+
+
+def test_min_tokens_through_the_engine(tiny_models):
+    """A +100 bias on EOS ends a generation at its first token; min_tokens holds EOS off for 3."""
+    path = tiny_models["llama"]
+    engine = make_engine(path)
+    eos = next(iter(engine.eos_token_ids))
+    free = run_to_completion(engine, [[3, 4, 5]], SamplingParams(max_tokens=6, temperature=0.0,
+                                                                  logit_bias={eos: 100.0}))[0]
+    assert free == [eos]
+    held = run_to_completion(engine, [[3, 4, 5]], SamplingParams(max_tokens=6, temperature=0.0, min_tokens=3,
+                                                                  logit_bias={eos: 100.0}))[0]
+    assert len(held) == 4 and eos not in held[:3] and held[3] == eos
