@@ -61,7 +61,8 @@ class KVCacheManager:
     def block_hashes(self, seq: Sequence, num_tokens: int) -> list[bytes]:
         """The hashes of `seq`'s full blocks within its first `num_tokens` tokens (memoised on
         the sequence: its tokens only ever grow)."""
-        return extend_hashes(seq.block_hashes, seq.token_ids, num_tokens, self.block_size, seq.cache_salt)
+        hashes = extend_hashes(seq.block_hashes, seq.token_ids, num_tokens, self.block_size, seq.cache_salt)
+        return hashes[: num_tokens // self.block_size]
 
     def reuse_prefix(self, seq: Sequence) -> int:
         """Give a sequence that holds no blocks the cached blocks of its longest cached prefix;
@@ -87,7 +88,7 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return []
         end = seq.num_computed_tokens + num_new_tokens
-        return self.block_hashes(seq, end)[seq.num_computed_tokens // self.block_size : end // self.block_size]
+        return self.block_hashes(seq, end)[seq.num_computed_tokens // self.block_size :]
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """After a step: register the blocks `seq` has now fully computed."""

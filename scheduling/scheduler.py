@@ -100,6 +100,7 @@ class Scheduler:
                     self.kv.free(seq)
                     return
                 budget = self.config.max_num_batched_tokens - batch.num_tokens
+                filling = self._blocks_filled_by(batch)  # a preempted sequence fills nothing now
                 continue
             self.waiting.pop()
             self.kv.count_lookup(seq)
@@ -119,7 +120,8 @@ class Scheduler:
         """Is the first block `seq` would compute being computed this step by another sequence
         (a shared prompt arriving together, `n` choices of one prompt)?"""
         index = len(seq.block_table)
-        return index < len(seq.block_hashes) and seq.block_hashes[index] in filling
+        hashes = self.kv.block_hashes(seq, seq.num_tokens - 1) if filling else []
+        return index < len(hashes) and hashes[index] in filling
 
     def _preempt_to_admit(self, seq: Sequence, num_new: int, batch: ScheduledBatch) -> bool:
         """Preempt what the queue's policy allows until `seq` fits; False if it still does not."""

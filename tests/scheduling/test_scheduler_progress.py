@@ -37,6 +37,7 @@ def step(sched: Scheduler) -> tuple[int, list[Sequence]]:
         s = item.seq
         completes = item.completes_prefill
         s.num_computed_tokens += item.num_new_tokens
+        sched.kv.cache_full_blocks(s)  # as the engine does: the prompts share prefixes, so hits happen
         if completes:
             s.token_ids.append(7)
             if s.num_output_tokens >= s.params.max_tokens:
@@ -143,9 +144,20 @@ def test_every_step_makes_progress_and_everything_finishes(
             assert num_tokens > 0, "a step with work computed nothing"
             assert all(s.status is SequenceStatus.RUNNING for s in sched.running)
             assert len(sched.running) <= max_num_seqs
+            assert_holders_match_ref_counts(sched)
         clock.now += step_seconds
     assert finished == len(arrivals), "requests starved"
     assert kv.num_free_blocks == kv.num_blocks
+
+
+def assert_holders_match_ref_counts(sched: Scheduler) -> None:
+    """No block is freed while a sequence holds it, and none is held by nobody (prefix sharing)."""
+    holders = [0] * sched.kv.num_blocks
+    for s in sched.running:
+        for block in s.block_table:
+            holders[block] += 1
+    assert holders == [sched.kv.pool.ref_count(b) for b in range(sched.kv.num_blocks)]
+    assert sched.kv.num_free_blocks == holders.count(0)
 
 
 def test_real_engine_with_instant_aging_finishes_every_stream(tiny_models):
