@@ -16,6 +16,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from engine.detokenizer import TextStream
+from engine.guided import GuidedDecoding
 from engine.kv_cache import KVCacheManager
 from engine.model_runner import ModelRunner
 from engine.sampler import Sampler
@@ -72,6 +73,7 @@ class LLMEngine:
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
         self.sampler = Sampler(runner.device, seed, eos_token_ids)
+        self.guided = GuidedDecoding(tokenizer, runner.model.shape.vocab_size, eos_token_ids)
         self.requests: dict[str, RequestState] = {}
         self.num_steps = 0
         self.num_batched_tokens = 0
@@ -115,6 +117,8 @@ class LLMEngine:
 
     def add_request(self, request: GenerationRequest) -> None:
         seq = Sequence(request)
+        if request.params.guided is not None:
+            self.guided.add(request.request_id, request.params.guided, request.resume_token_ids)
         text = TextStream.for_params(self.tokenizer, request.params)
         for token_id in request.resume_token_ids:  # already sent before a restart: rebuild the state only
             text.add_token(token_id)
@@ -123,6 +127,7 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> bool:
         state = self.requests.pop(request_id, None)
+        self.guided.remove(request_id)
         if state is None:
             return False
         self.scheduler.finish(state.seq)
@@ -161,7 +166,7 @@ class LLMEngine:
                            logits: torch.Tensor) -> list[TokenEvent]:
         """Sample the batch in one go; if that raises, row by row, so only the rows that fail do."""
         try:
-            tokens, logprobs = self.sampler.sample(logits, sample_seqs)
+            tokens, logprobs = self.sampler.sample(logits, sample_seqs, self.guided.mask(sample_seqs))
         except Exception:
             return self._sample_rows(batch, sample_seqs, logits)
         for item in batch.seqs:
@@ -190,7 +195,7 @@ class LLMEngine:
 
     def _sample_row(self, logits: torch.Tensor, seq: Sequence) -> tuple[int, TokenLogprob | None] | None:
         try:
-            tokens, logprobs = self.sampler.sample(logits, [seq])
+            tokens, logprobs = self.sampler.sample(logits, [seq], self.guided.mask([seq]))
         except Exception:
             log.exception("sampling failed", request_id=seq.request_id)
             return None
@@ -214,6 +219,9 @@ class LLMEngine:
             text, hit_stop = state.text.add_token(token_id)
             if hit_stop:
                 finish = FinishReason.STOP
+            elif self.guided.advance(seq, token_id):  # the grammar is complete: nothing may follow
+                finish = FinishReason.STOP
+                text += state.text.finish()
         if finish is None and (seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len):
             finish = FinishReason.LENGTH
             text += state.text.finish()
@@ -238,6 +246,7 @@ class LLMEngine:
         events = []
         for state in list(self.requests.values()):
             self.requests.pop(state.seq.request_id, None)
+            self.guided.remove(state.seq.request_id)
             try:
                 self.scheduler.finish(state.seq)
             except Exception:
@@ -268,6 +277,7 @@ class LLMEngine:
 
     def _release(self, seq: Sequence) -> None:
         self.requests.pop(seq.request_id, None)
+        self.guided.remove(seq.request_id)
         self.scheduler.finish(seq)
 
 

@@ -1,7 +1,8 @@
 """Turns logits into next tokens, vectorised over the batch.
 
-Order: logit bias and the min_tokens mask -> penalties -> greedy argmax, or temperature ->
-top-k / top-p / min-p -> sample. Logprobs are those of the model's raw logits (as vLLM's).
+Order: logit bias and the min_tokens mask -> the grammar's mask (`engine.guided`) -> penalties
+-> greedy argmax, or temperature -> top-k / top-p / min-p -> sample. Logprobs are those of the
+model's raw logits (as vLLM's).
 Sampling uses the exponential race (argmax of p / E with E ~ Exp(1)), which draws from p
 exactly and lets each row have its own noise: a seeded request draws its noise from a
 generator seeded by (seed, token position), so its output does not depend on batch
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.guided import TokenMask, apply_token_mask
 from engine.types import Sequence, TokenLogprob
 
 SEED_STRIDE = 1_000_003
@@ -94,8 +96,10 @@ class Sampler:
                 noise[row].exponential_(generator=gen)
         return noise
 
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[TokenLogprob | None]]:
-        """logits: [num_seqs, vocab] float32, one row per sequence in `seqs`."""
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence], mask: TokenMask | None = None
+               ) -> tuple[list[int], list[TokenLogprob | None]]:
+        """logits: [num_seqs, vocab] float32, one row per sequence in `seqs`; `mask`: the grammar's
+        allowed tokens of the constrained rows (`engine.guided`)."""
         want_logprobs = any(s.params.logprobs is not None for s in seqs)
         raw_logprobs = logits.log_softmax(dim=-1) if want_logprobs else None
         biased = any(s.params.logit_bias for s in seqs)
@@ -106,6 +110,8 @@ class Sampler:
                 logits = apply_logit_bias(logits, seqs)
             if short:
                 logits = mask_stops_before_min_tokens(logits, seqs, self.eos_token_ids)
+        if mask is not None:
+            logits = apply_token_mask(logits, mask)
         if any(s.params.needs_penalties for s in seqs):
             logits = apply_penalties(logits if biased or short else logits.clone(), seqs)
         tokens = logits.argmax(dim=-1)

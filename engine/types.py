@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 
 class SequenceStatus(enum.Enum):
@@ -34,6 +35,17 @@ class FinishReason(enum.StrEnum):
     LENGTH = "length"
     ABORT = "abort"
     ERROR = "error"
+
+
+class GuidedSpec(NamedTuple):
+    """A grammar the output must match (constrained decoding, `engine.guided`).
+
+    `kind`: json (`value`: a JSON schema's text), regex, choice (`value`: a JSON list of the
+    allowed strings) or lark (a Lark grammar, llguidance's dialect). A tuple, so it is hashable
+    and stored params (JSON) read back as the same spec."""
+
+    kind: str
+    value: str
 
 
 GREEDY_BELOW = 1e-5  # temperatures under this are greedy: dividing by one in float32 gives inf logits, NaN probs
@@ -65,6 +77,7 @@ class SamplingParams:
     min_tokens: int = 0  # EOS and stop tokens are masked, stop strings ignored, until this many are out
     include_stop_str_in_output: bool = False  # the matched stop string (or stop token's text) stays in the text
     skip_special_tokens: bool = True  # special tokens' text is left out of the output
+    guided: GuidedSpec | None = None  # the output must match this grammar
 
     def __post_init__(self) -> None:
         if self.temperature < GREEDY_BELOW:
@@ -75,6 +88,8 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", frozenset(self.stop_token_ids))
         bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
         object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(b)) for t, b in bias)))
+        if self.guided is not None:
+            object.__setattr__(self, "guided", GuidedSpec(*self.guided))
 
     @property
     def is_greedy(self) -> bool:
