@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-TORCH_FREE_ENGINE = {"engine.types", "engine.kv_cache", "engine.block_pool", "engine.prefix_hash"}
+TORCH_FREE_ENGINE = {"engine.types", "engine.kv_cache", "engine.block_pool", "engine.prefix_hash", "engine.grammar"}
 
 
 def imports(path: Path) -> set[str]:
