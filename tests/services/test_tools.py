@@ -29,7 +29,8 @@ PARSED = [
     ("llama3_json", '{"answer": 42}', '{"answer": 42}', []),
     ("mistral", 'Let me check. [TOOL_CALLS] [{"name": "f", "arguments": {"a": "b"}}, {"name": "g", "arguments": 1}]',
      "Let me check.", [("f", '{"a": "b"}'), ("g", "1")]),
-    ("mistral", '[TOOL_CALLS]f[ARGS]{"a": 1}[TOOL_CALLS]g[ARGS]{"b": [2]}', None, [("f", '{"a": 1}'), ("g", '{"b": [2]}')]),
+    ("mistral", '[TOOL_CALLS]f[ARGS]{"a": 1}[TOOL_CALLS]g[ARGS]{"b": [2]}', None,
+     [("f", '{"a": 1}'), ("g", '{"b": [2]}')]),
     ("mistral", "no calls [TOOL here", "no calls [TOOL here", []),
 ]
 
