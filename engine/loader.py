@@ -1,4 +1,5 @@
-"""Loads an HF model folder (or hub id) into our decoder: config, tokenizer and weights.
+"""Loads an HF model folder (or hub id), or a GGUF file (`engine.gguf`), into our decoder:
+config, tokenizer and weights.
 
 Reads safetensors (sharded or not) or PyTorch `.bin` checkpoints and fuses q/k/v and
 gate/up into the layout of `engine.models.llama`. Unsupported architectures fail here,
@@ -7,12 +8,14 @@ at load, with the list of what is supported.
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
 
+from engine.gguf import find_gguf, hf_folder_for, is_gguf_file, read_weights
 from engine.models.llama import SUPPORTED_ARCHITECTURES, LlamaForCausalLM
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -33,10 +36,26 @@ class LoadedModel:
     device: torch.device
 
 
+def package_path(source: str) -> Path:
+    """`pkg:PACKAGE/SUB`: a file or folder inside an installed package, found without importing it
+    (a package may ship a model yet fail to import without its own, unneeded, dependencies)."""
+    package, _, sub = source.removeprefix("pkg:").partition("/")
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(f"model source {source!r}: package {package!r} is not installed")
+    path = Path(spec.submodule_search_locations[0]) / sub
+    if not path.exists():
+        raise ModelLoadError(f"model source {source!r}: {path} does not exist")
+    return path
+
+
 def resolve_model_path(source: str) -> Path:
-    """A local folder as is; anything else is treated as a hub id resolved by huggingface_hub."""
+    """A local folder or GGUF file as is, `pkg:` inside a package; anything else is treated as a
+    hub id resolved by huggingface_hub."""
+    if source.startswith("pkg:"):
+        return package_path(source)
     path = Path(source).expanduser()
-    if path.is_dir():
+    if path.is_dir() or is_gguf_file(path):
         return path.resolve()
     if path.exists() or source.startswith((".", "/", "~")):
         raise ModelLoadError(f"model folder {source!r} does not exist")
@@ -52,10 +71,16 @@ def check_model_source(source: str) -> None:
     """ModelLoadError unless `source` names something to load: a local folder with a config.json, or
     a hub id in the local Hugging Face cache or on the hub (asked, 10 s at most). Nothing is downloaded,
     so a registration can refuse a source at once instead of failing every later request."""
+    if source.startswith("pkg:"):
+        package_path(source)
+        return
     path = Path(source).expanduser()
+    if is_gguf_file(path):
+        return
     if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise ModelLoadError(f"model folder {source!r} has no config.json: not a Hugging Face model folder")
+        if not (path / "config.json").is_file() and find_gguf(path) is None:
+            raise ModelLoadError(f"model folder {source!r} has no config.json (not a Hugging Face model folder) "
+                                 "and no single .gguf file")
         return
     if path.exists() or source.startswith((".", "/", "~")):
         raise ModelLoadError(f"model folder {source!r} does not exist")
@@ -147,7 +172,10 @@ def max_token_chars(tokenizer: PreTrainedTokenizerBase) -> int:
 
 
 def load_model(source: str, device: str = "cpu", dtype: str = "auto") -> LoadedModel:
-    path = resolve_model_path(source)
+    """A Hugging Face folder or hub id, or a GGUF file (or a folder holding one: weights
+    de-quantized to `dtype`, config and tokenizer from its metadata)."""
+    gguf_file = find_gguf(resolve_model_path(source))
+    path = hf_folder_for(gguf_file) if gguf_file else resolve_model_path(source)
     hf_config = AutoConfig.from_pretrained(path)
     archs = getattr(hf_config, "architectures", None) or []
     if not archs or archs[0] not in SUPPORTED_ARCHITECTURES:
@@ -159,7 +187,8 @@ def load_model(source: str, device: str = "cpu", dtype: str = "auto") -> LoadedM
     torch_dtype = resolve_dtype(dtype, torch_device)
     with torch.device("meta"):
         model = LlamaForCausalLM(hf_config)
-    weights = fuse_weights(read_checkpoint(path), model.shape.num_layers, model.shape.tie_word_embeddings)
+    checkpoint = read_weights(gguf_file, hf_config) if gguf_file else read_checkpoint(path)
+    weights = fuse_weights(checkpoint, model.shape.num_layers, model.shape.tie_word_embeddings)
     weights = {name: t.to(device=torch_device, dtype=torch_dtype) for name, t in weights.items()}
     missing, unexpected = model.load_state_dict(weights, strict=False, assign=True)
     if missing or unexpected:

