@@ -17,6 +17,7 @@ from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PreTrained
 
 from engine.gguf import find_gguf, hf_folder_for, is_gguf_file, read_weights
 from engine.models.llama import SUPPORTED_ARCHITECTURES, LlamaForCausalLM
+from engine.packed_linear import can_pack, pack_linears
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -198,6 +199,8 @@ def load_model(source: str, device: str = "cpu", dtype: str = "auto") -> LoadedM
     if model.shape.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.rotary = type(model.rotary)(hf_config, model.shape.head_dim).to(torch_device)
+    if can_pack(torch_device, torch_dtype):
+        pack_linears(model)
     model.eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
     return LoadedModel(
