@@ -9,7 +9,7 @@ import time
 import structlog
 from aiohttp import web
 
-from api import batch, conversations, health, ws
+from api import batch, conversations, health, tokenize, ws
 from api import streams as stream_api
 from api.admin import dashboard, profiling
 from api.admin import deployments as deployments_api
@@ -83,7 +83,8 @@ async def interrupt(app: web.Application) -> None:
 def all_routes() -> list[Route]:
     return [*health.ROUTES, *models_api.ROUTES, *chat_api.ROUTES, *completions_api.ROUTES, *stream_api.ROUTES,
             *admin.ROUTES, *conversations.ROUTES, *ws.ROUTES, *batch.ROUTES, *native.ROUTES, *embeddings_api.ROUTES,
-            *encoders_api.ROUTES, *deployments_api.ROUTES, *dashboard.ROUTES, *profiling.ROUTES]
+            *encoders_api.ROUTES, *deployments_api.ROUTES, *dashboard.ROUTES, *profiling.ROUTES,
+            *tokenize.ROUTES]
 
 
 async def run_services(app: web.Application):

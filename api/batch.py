@@ -16,17 +16,17 @@ from pydantic import BaseModel, Field, field_validator
 
 from api.auth import caller_of, tenant_of
 from api.errors import json_response
-from api.openai.schemas import (
+from api.openai.fields import (
     MAX_CONTEXT_TOKENS,
     MAX_NAME_CHARS,
     MAX_STOP_TOKEN_IDS,
     MAX_TOP_K,
-    ChatMessage,
     Stop,
     StopTokenIds,
     Strict,
-    Usage,
 )
+from api.openai.messages import ChatMessage
+from api.openai.responses import Usage
 from api.routes import Route
 from api.services import services
 from api.validation import parse_body

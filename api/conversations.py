@@ -16,7 +16,7 @@ from pydantic import BaseModel, Field
 
 from api.auth import caller_of
 from api.errors import json_response
-from api.openai.schemas import MAX_NAME_CHARS, Strict
+from api.openai.fields import MAX_NAME_CHARS, Strict
 from api.routes import Route
 from api.services import services
 from api.validation import parse_body

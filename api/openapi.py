@@ -16,7 +16,7 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from api.auth import ADMIN_PATH, DEPLOYMENTS_PATH, TENANT_PATHS, WS_PATH
-from api.openai.schemas import ErrorResponse
+from api.openai.responses import ErrorResponse
 from api.routes import Route
 
 REF = "#/components/schemas/{model}"
@@ -29,7 +29,7 @@ STATUS_TEXT = {
     413: "Body too large", 429: "Over a rate, token or concurrency limit, or the queue is full; see Retry-After",
     503: "Not ready or draining, or the model is loading, unloading or failed to load",
 }
-PATH_PARAM = re.compile(r"{(\w+)}")
+PATH_PARAM = re.compile(r"{(\w+)(?::[^{}]+)?}")  # aiohttp's `{name}` or `{name:regex}`
 
 
 def build_spec(routes: list[Route], title: str, version: str, auth_enabled: bool = False) -> dict:
@@ -42,7 +42,8 @@ def build_spec(routes: list[Route], title: str, version: str, auth_enabled: bool
     components = {name: drop_null_defaults(s) for name, s in schema.get("$defs", {}).items()}
     paths: dict[str, dict] = {}
     for route in routes:
-        paths.setdefault(route.path, {})[route.method.lower()] = operation(route, components, auth_enabled)
+        path = PATH_PARAM.sub(r"{\1}", route.path)
+        paths.setdefault(path, {})[route.method.lower()] = operation(route, components, auth_enabled)
     return {
         "openapi": "3.1.0",
         "info": {"title": title, "version": version},

@@ -31,7 +31,8 @@ from pydantic import Field, TypeAdapter, ValidationError, model_validator
 
 from api.auth import caller_of, check_priority_access, current_tenant, tenant_of
 from api.errors import validation_error
-from api.openai.schemas import MAX_NAME_CHARS, ChatCompletionRequest, Strict
+from api.openai.fields import MAX_NAME_CHARS, Strict
+from api.openai.schemas import ChatCompletionRequest
 from api.quotas import count_creation
 from api.routes import Route
 from api.services import SERVICES, services

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, RootModel
 
 from api.auth import is_admin, tenant_of
 from api.errors import json_response
-from api.openai.schemas import Strict
+from api.openai.fields import Strict
 from api.routes import Route
 from api.services import services
 from api.validation import parse_body

@@ -45,7 +45,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     body = await parse_body(request, GenerateRequest if name is None else NamedGenerateRequest)
     inference = services(request).inference
     generated = await inference.generate(
-        caller_of(request), prompt_input(body, name), stream=body.stream,
+        caller_of(request), prompt_input(body, name), stream=body.streamed,
         cache_asked=cache_flag(request, body.galley))
     headers = {"X-Request-Id": request["request_id"]}  # X-Model-Version: set by the lifecycle's routing
     if generated.stream is not None:

@@ -15,7 +15,7 @@ from aiohttp import web
 
 from api.errors import json_response
 from api.openai.cached import replay
-from api.openai.chunks import error_chunk, event_chunks, role_chunk
+from api.openai.chunks import error_chunk, event_chunks, opening_chunks
 from api.openai.schemas import SamplingFields
 from api.response_cache import cache_flag
 from api.sse import Frame, serve_sse
@@ -37,7 +37,7 @@ class Shape:
 
 def how(request: web.Request, body: SamplingFields) -> dict[str, Any]:
     """How the service answers this request: streamed or not, and what it asked of the response cache."""
-    return {"stream": body.stream, "cache_asked": cache_flag(request, body.galley)}
+    return {"stream": body.streamed, "cache_asked": cache_flag(request, body.galley)}
 
 
 async def respond(request: web.Request, outcome: Outcome, shape: Shape) -> web.StreamResponse:
@@ -52,7 +52,7 @@ async def respond(request: web.Request, outcome: Outcome, shape: Shape) -> web.S
         outcome.served()
         return response
     answers = outcome.answers
-    usage_ = answers[0].usage if len(answers) == 1 else usage_n([a.usage for a in answers])
+    usage_ = answers[0].usage if len(answers) == 1 else usage_n([a.usage for a in answers], outcome.n)
     return render(request, shape, fmt, [shape.choice(fmt, tokenizer, i, a) for i, a in enumerate(answers)], usage_,
                   outcome.resumable)
 
@@ -68,11 +68,12 @@ def render(request: web.Request, shape: Shape, fmt: ChunkFormat, choices: list[d
 
 
 async def choice_frames(fmt: ChunkFormat, tokenizer: Any, choices: Choices) -> AsyncGenerator[Frame, None]:
-    """n choices as one SSE stream: chunks in the order their tokens come, each with its choice's
-    index; with `include_usage`, one usage chunk over all choices at the end. Not resumable (no
-    X-Stream-Id). A failure before the first token is a plain HTTP error, after it an error chunk."""
+    """Several choices as one SSE stream: chunks in the order their tokens come, each with its
+    choice's index; with `include_usage`, one usage chunk over all choices at the end. Not
+    resumable (no X-Stream-Id). A failure before the first token is a plain HTTP error, after it
+    an error chunk."""
     n = len(choices)
-    counts, offsets, usages, opened = [0] * n, [0] * n, [], False
+    counts, offsets, usages, opened = [0] * n, [0] * n, [None] * n, False
     events = choices.events()
     try:
         async for index, event in events:
@@ -82,26 +83,27 @@ async def choice_frames(fmt: ChunkFormat, tokenizer: Any, choices: Choices) -> A
             if not opened:
                 opened = True
                 yield None
-                for i in range(n if fmt.kind == "chat" else 0):
-                    chunk = role_chunk(fmt)
-                    chunk["choices"][0]["index"] = i
-                    yield chunk, None
+                for i in range(n):
+                    for chunk in opening_chunks(fmt, i, choices.num_prompt_tokens(i)):
+                        yield chunk, None
             if failed:
                 error = failure(event) if isinstance(event, Exception) else generation_failed(event)
                 yield error_chunk(StreamEvent(counts[index], "", offsets[index], error=error.message,
                                               error_code=error.code)), None
                 return
             finish = event.finish_reason.value if event.finish_reason else None
-            for chunk in event_chunks(fmt, tokenizer, StreamEvent(counts[index], event.text, offsets[index],
-                                                                  event.logprobs, finish)):
+            step = StreamEvent(counts[index], event.text, offsets[index], event.logprobs, finish,
+                               has_token=bool(event.token_ids), num_prompt_tokens=event.num_prompt_tokens,
+                               num_output_tokens=event.num_output_tokens)
+            for chunk in event_chunks(fmt, tokenizer, step):
                 chunk["choices"][0]["index"] = index
                 yield chunk, None
             counts[index] += 1
             offsets[index] += len(event.text)
             if event.finished:
-                usages.append(usage(event))
+                usages[index] = usage(event)
         if fmt.include_usage:
-            yield {**fmt.base, "choices": [], "usage": usage_n(usages)}, None
+            yield {**fmt.base, "choices": [], "usage": usage_n(usages, choices.n)}, None
         yield "[DONE]", None
     finally:
         await events.aclose()

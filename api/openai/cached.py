@@ -13,22 +13,24 @@ from collections.abc import AsyncGenerator
 
 from aiohttp import web
 
-from api.openai.chunks import event_chunks, role_chunk
+from api.openai.chunks import event_chunks, opening_chunks
 from api.sse import Frame, serve_sse
 from services.cache.responses import CachedCompletion
 from services.streams.events import ChunkFormat, StreamEvent
 
 
 async def replay(request: web.Request, fmt: ChunkFormat, answer: CachedCompletion) -> web.StreamResponse:
-    """A cached answer as a stream: (chat: the role chunk), one text chunk, the finish chunk,
+    """A cached answer as a stream: the opening chunk (chat: the role), one text chunk, the finish chunk,
     the usage chunk when asked for, `[DONE]`."""
     return await serve_sse(request, replay_frames(fmt, answer), {"X-Request-Id": request["request_id"]})
 
 
 async def replay_frames(fmt: ChunkFormat, answer: CachedCompletion) -> AsyncGenerator[Frame, None]:
-    if fmt.kind == "chat":
-        yield role_chunk(fmt), None
-    event = StreamEvent(0, answer.text, 0, finish_reason=answer.finish_reason, usage=answer.usage)
+    prompt, completion = answer.usage["prompt_tokens"], answer.usage["completion_tokens"]
+    for chunk in opening_chunks(fmt, 0, prompt):
+        yield chunk, None
+    event = StreamEvent(0, answer.text, 0, finish_reason=answer.finish_reason, usage=answer.usage,
+                        num_prompt_tokens=prompt, num_output_tokens=completion)
     for chunk in event_chunks(fmt, None, event):
         yield chunk, None
     yield "[DONE]", None

@@ -1,6 +1,11 @@
 """OpenAI stream chunks from stream events (`services.streams.events`), for live streams and
 replays alike: the chunk format of the original request travels with the stream, so a resumed
 or replayed stream looks exactly like the original one.
+
+A stream's chunks are numbered 1, 2, ... in the order they are sent: the opening chunk (chat:
+the assistant role; a text completion with `echo`: the prompt), then each event's chunks
+(`num_chunks` says how many without rendering them). The number is a function of the stored
+events only, so a client that counted N `data:` chunks resumes after chunk N.
 """
 
 from __future__ import annotations
@@ -9,6 +14,8 @@ from typing import Any
 
 from engine.types import TokenLogprob
 from services.streams.events import ChunkFormat, StreamEvent
+
+FINISHES = ("stop", "length")  # finish reasons a client sees; a cancel or an error ends otherwise
 
 
 def token_text(tokenizer: Any, token_id: int) -> str:
@@ -22,7 +29,7 @@ def chat_logprobs(tokenizer: Any, items: list[TokenLogprob]) -> dict:
 
     return {"content": [
         {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in items
-    ]}
+    ], "refusal": None}
 
 
 def completion_logprobs(tokenizer: Any, items: list[TokenLogprob], offset: int) -> dict:
@@ -39,31 +46,62 @@ def completion_logprobs(tokenizer: Any, items: list[TokenLogprob], offset: int) 
     }
 
 
-def role_chunk(fmt: ChunkFormat) -> dict:
-    """The first chunk of a chat stream: the assistant role."""
-    choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-    return {**fmt.base, "choices": [choice]}
+def usage_of(num_prompt_tokens: int, num_output_tokens: int) -> dict:
+    return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_output_tokens,
+            "total_tokens": num_prompt_tokens + num_output_tokens}
 
 
-def _chunk(fmt: ChunkFormat, tokenizer: Any, text: str, logprobs: list[TokenLogprob] | None, offset: int,
+def opening_chunks(fmt: ChunkFormat, index: int, num_prompt_tokens: int) -> list[dict]:
+    """What a choice's stream starts with: chat: the assistant role; a text completion with
+    `echo`: its prompt text."""
+    if fmt.kind == "chat":
+        choice = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                  "finish_reason": None}
+    elif fmt.echo:
+        choice = {"index": index, "text": fmt.echo[index], "logprobs": None, "finish_reason": None}
+    else:
+        return []
+    chunk = {**fmt.base, "choices": [choice]}
+    if fmt.continuous_usage:
+        chunk["usage"] = usage_of(num_prompt_tokens, 0)
+    return [chunk]
+
+
+def _chunk(fmt: ChunkFormat, tokenizer: Any, event: StreamEvent, text: str, logprobs: list[TokenLogprob] | None,
            finish: str | None) -> dict:
     if fmt.kind == "chat":
         lp = chat_logprobs(tokenizer, logprobs) if fmt.logprobs and logprobs else None
-        choice = {"index": 0, "delta": {"content": text} if text else {}, "logprobs": lp, "finish_reason": finish}
+        choice = {"index": 0, "delta": {"content": text} if text or not finish else {}, "logprobs": lp,
+                  "finish_reason": finish}
     else:
-        lp = completion_logprobs(tokenizer, logprobs, offset) if fmt.logprobs and logprobs else None
+        lp = completion_logprobs(tokenizer, logprobs, event.text_offset) if fmt.logprobs and logprobs else None
         choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}
-    return {**fmt.base, "choices": [choice]}
+    chunk = {**fmt.base, "choices": [choice]}
+    if fmt.continuous_usage:
+        chunk["usage"] = usage_of(event.num_prompt_tokens, event.num_output_tokens)
+    return chunk
+
+
+def shows_token(fmt: ChunkFormat, event: StreamEvent) -> bool:
+    """An event's token gets a chunk when it has text, or (logprobs asked) whenever it is a token:
+    decided from what a stored event keeps, so a replay numbers its chunks as the live stream did."""
+    return bool(event.text) or (fmt.logprobs and event.has_token)
+
+
+def num_chunks(fmt: ChunkFormat, event: StreamEvent) -> int:
+    """len(event_chunks(fmt, _, event)), without rendering them."""
+    ends = event.finish_reason in FINISHES
+    return shows_token(fmt, event) + ends + (ends and fmt.include_usage and event.usage is not None)
 
 
 def event_chunks(fmt: ChunkFormat, tokenizer: Any, event: StreamEvent) -> list[dict]:
-    """The chunks one event becomes: its text (if any), then on the last event the finish chunk
-    and, when asked for, the usage chunk. Events with no text and no logprobs send nothing."""
+    """The chunks one event becomes: its token (`shows_token`), then on the last event the finish
+    chunk and, when asked for, the usage chunk."""
     chunks = []
-    if event.text or (fmt.logprobs and event.logprobs):
-        chunks.append(_chunk(fmt, tokenizer, event.text, event.logprobs, event.text_offset, None))
-    if event.finish_reason in ("stop", "length"):
-        chunks.append(_chunk(fmt, tokenizer, "", None, event.text_offset, event.finish_reason))
+    if shows_token(fmt, event):
+        chunks.append(_chunk(fmt, tokenizer, event, event.text, event.logprobs, None))
+    if event.finish_reason in FINISHES:
+        chunks.append(_chunk(fmt, tokenizer, event, "", None, event.finish_reason))
         if fmt.include_usage and event.usage is not None:
             chunks.append({**fmt.base, "choices": [], "usage": event.usage})
     return chunks

@@ -17,7 +17,7 @@ from pydantic import BaseModel, Discriminator, Field, Tag
 from api.auth import caller_of
 from api.errors import json_response
 from api.models import model_label, resolve_model
-from api.openai.schemas import MAX_NAME_CHARS, Strict, TokenId
+from api.openai.fields import MAX_NAME_CHARS, Strict, TokenId
 from api.response_cache import cache_flag
 from api.routes import Route
 from api.services import services

@@ -1,72 +1,56 @@
-"""Request and response bodies of the OpenAI-compatible API, defined once.
+"""Request bodies of the OpenAI-compatible API, defined once (responses: `api.openai.responses`).
 
 The same pydantic models validate incoming JSON and generate `/openapi.json`, so the spec
-cannot drift from what the handlers accept. Field names and ranges follow OpenAI; vLLM's
-extensions (`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `stop_token_ids`) are
-marked as such.
+cannot drift from what the handlers accept. Field names, ranges and nullability follow OpenAI
+(`null` means the default wherever OpenAI allows it); vLLM's extensions are marked as such;
+OpenAI fields that mean nothing for a self-hosted model are accepted and ignored (`Ignored`,
+listed in the README). Any other field is a 400 naming it.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
+from api.openai.fields import (
+    GENERATION_MAX_BODY_BYTES,
+    MAX_CHOICES,
+    MAX_CONTEXT_TOKENS,
+    MAX_LOGIT_BIAS,
+    MAX_N,
+    MAX_NAME_CHARS,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TOP_K,
+    Prompts,
+    Stop,
+    StopTokenIds,
+    Strict,
+)
+from api.openai.messages import ChatMessage
 from services.inference.params import SamplingOptions
 from services.inference.requests import ChatInput, PromptInput
 
-MAX_STOP = 4  # stop strings per request (OpenAI's limit)
-MAX_STOP_CHARS = 512  # per stop string: the detokenizer matches every stop after every token
-MAX_STOP_TOKEN_IDS = 256
-MAX_TOKEN_ID = 2**31 - 1  # no vocabulary comes near; the model's own size is checked per request
-MAX_TOP_K = 1_000_000  # beyond any vocabulary; the sampler clamps to the model's
-MAX_CONTEXT_TOKENS = 1 << 20  # bound of max_tokens: no served model has a longer context
-MAX_NAME_CHARS = 256  # model names and end-user ids
-GENERATION_MAX_BODY_BYTES = 4 * 1024 * 1024  # a generation's body: a long context's prompt with room to spare
+IGNORED = "Accepted and ignored: it has no meaning for a self-hosted model."
+# apply_chat_template's own arguments: set by the server or by a top-level field, never by the template's variables
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs"})
+MAX_TEMPLATE_KWARGS = 64
 
-
-def str_or_list(text: Any, items: Any) -> Any:
-    """`text | items`, told apart by the input's type, so an error names what was sent
-    (`stop.list.0: String should have at least 1 character`, not the other member's complaint)."""
-    return Annotated[Annotated[text, Tag("str")] | Annotated[items, Tag("list")],
-                     Discriminator(lambda v: "str" if isinstance(v, str) else "list")]
-
-
-StopText = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
-Stop = Annotated[str_or_list(StopText, Annotated[list[StopText], Field(max_length=MAX_STOP)]) | None,
-                 Field(description=f"Up to {MAX_STOP} stop sequences of at most {MAX_STOP_CHARS} characters.")]
-TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
-Prompt = str_or_list(Annotated[str, Field(min_length=1)], Annotated[list[TokenId], Field(min_length=1)])
-StopTokenIds = Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)]
-
-
-MAX_N = 16  # choices per request: each is a whole generation (its own prefill and KV blocks)
-
-
-class Strict(BaseModel):
-    """Unknown fields are errors, and no float may be NaN or infinite (every bound holds)."""
-
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+TokenIdKey = Annotated[str, Field(pattern=r"^[0-9]{1,10}$")]
+LogitBias = Annotated[dict[TokenIdKey, Annotated[float, Field(ge=-100.0, le=100.0)]],
+                      Field(max_length=MAX_LOGIT_BIAS)]
+TemplateKwargs = Annotated[dict[str, Any], Field(max_length=MAX_TEMPLATE_KWARGS)]
 
 
 class StreamOptions(Strict):
-    include_usage: bool = False
-
-
-class TextPart(Strict):
-    type: Literal["text"]
-    text: str
-
-
-class ChatMessage(Strict):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
-
-    def text(self) -> str:
-        if isinstance(self.content, list):
-            return "".join(part.text for part in self.content)
-        return self.content or ""
+    include_usage: bool | None = Field(None, description="A last chunk with the usage (and `choices: []`).")
+    continuous_usage_stats: bool | None = Field(None, description="vLLM extension: with `include_usage`, every "
+                                                "chunk also carries the usage so far.")
+    include_obfuscation: bool | None = Field(None, description="Accepted and ignored: OpenAI pads chunks against "
+                                             "length side channels on its shared service; galley adds no padding.")
 
 
 class GalleyOptions(Strict):
@@ -78,28 +62,36 @@ class GalleyOptions(Strict):
 
 
 class SamplingFields(Strict):
-    """Fields shared by chat and text completions."""
+    """Fields shared by chat and text completions (and the native generate)."""
 
     max_body_bytes: ClassVar[int] = GENERATION_MAX_BODY_BYTES  # read by api.validation.parse_body
 
     model: str = Field(min_length=1, max_length=MAX_NAME_CHARS)
-    stream: bool = False
+    stream: bool | None = Field(None, description="Default false.")
     stream_options: StreamOptions | None = None
-    temperature: float = Field(1.0, ge=0.0, le=2.0, description="Below 1e-5: greedy (as 0).")
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    n: int = Field(1, ge=1, le=MAX_N, description=f"Choices to generate (at most {MAX_N}); more than 1 not in a "
-                   "conversation.")
+    temperature: float | None = Field(None, ge=0.0, le=2.0, description="Default 1; below 1e-5: greedy (as 0).")
+    top_p: float | None = Field(None, gt=0.0, le=1.0, description="Default 1.")
+    n: int | None = Field(None, ge=1, le=MAX_N, description=f"Choices per prompt (default 1, at most {MAX_N}); "
+                          "more than 1 not in a conversation.")
     max_tokens: int | None = Field(None, ge=1, le=MAX_CONTEXT_TOKENS)
     stop: Stop = None
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, description="Default 0.")
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, description="Default 0.")
+    logit_bias: LogitBias | None = Field(None, description="Token id (a decimal string, as OpenAI's) -> a bias in "
+                                         f"[-100, 100] added to its logit; at most {MAX_LOGIT_BIAS} entries, each id "
+                                         "below the model's vocabulary size.")
     user: str | None = Field(None, max_length=MAX_NAME_CHARS)
     top_k: int | None = Field(None, ge=-1, le=MAX_TOP_K, description="vLLM extension; -1 or 0 disables; "
                               "above the vocabulary: the whole vocabulary.")
-    min_p: float = Field(0.0, ge=0.0, le=1.0, description="vLLM extension.")
-    repetition_penalty: float = Field(1.0, gt=0.0, le=2.0, description="vLLM extension.")
+    min_p: float | None = Field(None, ge=0.0, le=1.0, description="vLLM extension. Default 0.")
+    repetition_penalty: float | None = Field(None, gt=0.0, le=2.0, description="vLLM extension. Default 1.")
     ignore_eos: bool = Field(False, description="vLLM extension: keep generating past EOS.")
+    min_tokens: int = Field(0, ge=0, le=MAX_CONTEXT_TOKENS, description="vLLM extension: no EOS or stop token (and "
+                            "no stop string) ends the completion before this many tokens.")
+    include_stop_str_in_output: bool = Field(False, description="vLLM extension: keep the stop string (or the stop "
+                                             "token's text) at the end of the text.")
+    skip_special_tokens: bool = Field(True, description="vLLM extension: false keeps special tokens' text.")
     stop_token_ids: StopTokenIds | None = Field(None, description=f"vLLM extension; at most {MAX_STOP_TOKEN_IDS}, "
                                                 "each below the model's vocabulary size.")
     cache_salt: str | None = Field(None, max_length=MAX_NAME_CHARS, description="vLLM extension: only requests "
@@ -110,34 +102,70 @@ class SamplingFields(Strict):
     )
     galley: GalleyOptions | None = Field(None, description="galley extensions")
 
+    @property
+    def streamed(self) -> bool:
+        return bool(self.stream)
+
     def stop_list(self) -> tuple[str, ...]:
         if self.stop is None:
             return ()
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
     def sampling_options(self) -> SamplingOptions:
+        def given(value: Any, default: Any) -> Any:
+            return default if value is None else value
+
         return SamplingOptions(
-            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
-            repetition_penalty=self.repetition_penalty, frequency_penalty=self.frequency_penalty,
-            presence_penalty=self.presence_penalty, seed=self.seed, stop=self.stop_list(),
-            stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
+            temperature=given(self.temperature, 1.0), top_p=given(self.top_p, 1.0), top_k=self.top_k,
+            min_p=given(self.min_p, 0.0), repetition_penalty=given(self.repetition_penalty, 1.0),
+            frequency_penalty=given(self.frequency_penalty, 0.0), presence_penalty=given(self.presence_penalty, 0.0),
+            seed=self.seed, stop=self.stop_list(), stop_token_ids=tuple(self.stop_token_ids or ()),
+            ignore_eos=self.ignore_eos, logit_bias=tuple((int(k), v) for k, v in (self.logit_bias or {}).items()),
+            min_tokens=self.min_tokens, include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
         )
 
     def generation_fields(self) -> dict[str, Any]:
         """What every generation input takes from the body (`services.inference.requests`)."""
-        return {"model": self.model, "options": self.sampling_options(), "n": self.n, "user": self.user,
+        options = self.stream_options
+        return {"model": self.model, "options": self.sampling_options(), "n": self.n or 1, "user": self.user,
                 "priority": self.priority,
-                "include_usage": bool(self.stream_options and self.stream_options.include_usage),
+                "include_usage": bool(options and options.include_usage),
+                "continuous_usage": bool(options and options.continuous_usage_stats),
                 "on_disconnect": self.galley.on_disconnect if self.galley else None,
                 "cache_salt": self.cache_salt or ""}
 
 
-class ChatCompletionRequest(SamplingFields):
-    model_config = ConfigDict(json_schema_extra={"allOf": [  # for the spec: `_check_logprobs`, and `check_n`
-        {"if": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer"}}},  # of inference
-         "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}},
+class Ignored(Strict):
+    """OpenAI's chat fields that a self-hosted model has no use for: accepted, then ignored."""
+
+    store: bool | None = Field(None, description=IGNORED + " (Nothing is kept for OpenAI's evals; conversations: "
+                               "`conversation_id`.)")
+    metadata: dict[str, str] | None = Field(None, max_length=16, description=IGNORED)
+    service_tier: str | None = Field(None, max_length=32, description=IGNORED)
+    prompt_cache_key: str | None = Field(None, max_length=MAX_NAME_CHARS, description=IGNORED + " (The prefix "
+                                         "cache is automatic; `cache_salt` keeps requests apart.)")
+    prompt_cache_retention: str | None = Field(None, max_length=32, description=IGNORED)
+    safety_identifier: str | None = Field(None, max_length=MAX_NAME_CHARS, description=IGNORED)
+    verbosity: Literal["low", "medium", "high"] | None = Field(None, description=IGNORED)
+    reasoning_effort: str | None = Field(None, max_length=32, description="Accepted and ignored for now.")
+    modalities: list[Literal["text"]] | None = Field(None, max_length=2, description="Only text.")
+    audio: None = Field(None, description="Only null: audio output is not supported.")
+    prediction: dict[str, Any] | None = Field(None, description=IGNORED + " (A speed hint: the output is the same.)")
+    web_search_options: dict[str, Any] | None = Field(None, description="Accepted and ignored: the model answers "
+                                                      "without searching.")
+
+
+class ChatCompletionRequest(SamplingFields, Ignored):
+    model_config = ConfigDict(json_schema_extra={"allOf": [  # for the spec: `_check_logprobs`, `_check_template`
+        {"if": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer"}}},  # and `check_n`
+         "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}},  # of inference
         {"if": {"required": ["conversation_id"], "properties": {"conversation_id": {"type": "string"}}},
-         "then": {"properties": {"n": {"const": 1}}}},
+         "then": {"properties": {"n": {"enum": [1, None]}}}},
+        {"if": {"required": ["continue_final_message"], "properties": {"continue_final_message": {"const": True}}},
+         "then": {"required": ["add_generation_prompt"], "properties": {"add_generation_prompt": {"const": False}}}},
+        {"properties": {"chat_template_kwargs": {
+            "propertyNames": {"not": {"enum": sorted(RESERVED_TEMPLATE_KWARGS)}}}}},
     ]})
 
     messages: list[ChatMessage] = Field(min_length=1)
@@ -145,8 +173,14 @@ class ChatCompletionRequest(SamplingFields):
         None, max_length=MAX_NAME_CHARS, description="galley extension: continue a stored conversation (its history "
         "is prepended, the new messages and the answer are stored)")
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_CONTEXT_TOKENS)
-    logprobs: bool = False
+    logprobs: bool | None = Field(None, description="Default false.")
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    chat_template_kwargs: TemplateKwargs | None = Field(None, description="vLLM extension: variables for the chat "
+                                                        "template (e.g. `enable_thinking`).")
+    add_generation_prompt: bool = Field(True, description="vLLM extension: end the prompt with the assistant's "
+                                        "header.")
+    continue_final_message: bool = Field(False, description="vLLM extension: continue the last (assistant) "
+                                         "message instead of starting a new one; needs add_generation_prompt false.")
 
     @model_validator(mode="after")
     def _check_logprobs(self) -> ChatCompletionRequest:
@@ -154,138 +188,69 @@ class ChatCompletionRequest(SamplingFields):
             raise ValueError("top_logprobs requires logprobs to be true")
         return self
 
+    @model_validator(mode="after")
+    def _check_template(self) -> ChatCompletionRequest:
+        check_template_fields(self.chat_template_kwargs, self.add_generation_prompt, self.continue_final_message)
+        return self
+
+    def template_kwargs(self) -> dict[str, Any]:
+        return {**(self.chat_template_kwargs or {}), "add_generation_prompt": self.add_generation_prompt,
+                "continue_final_message": self.continue_final_message}
+
     def chat_input(self) -> ChatInput:
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                    for m in self.messages]
         return ChatInput(**self.generation_fields(), max_tokens=self.max_completion_tokens or self.max_tokens,
-                         logprobs=(self.top_logprobs or 0) if self.logprobs else None, messages=messages,
-                         conversation_id=self.conversation_id)
+                         logprobs=(self.top_logprobs or 0) if self.logprobs else None,
+                         messages=[m.for_template() for m in self.messages], conversation_id=self.conversation_id,
+                         template_kwargs=self.template_kwargs())
+
+
+def check_template_fields(kwargs: dict[str, Any] | None, add_generation_prompt: bool,
+                          continue_final_message: bool) -> None:
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(kwargs or {}))
+    if reserved:
+        raise ValueError(f"chat_template_kwargs may not set {reserved[0]!r}: the server (or a top-level field) "
+                         "sets it")
+    if add_generation_prompt and continue_final_message:
+        raise ValueError("continue_final_message continues the last message, so add_generation_prompt must be false")
 
 
 class CompletionRequest(SamplingFields):
-    prompt: Prompt = Field(description="A string or a list of token ids (each below the model's vocabulary size).")
+    model_config = ConfigDict(json_schema_extra={"allOf": [  # for the spec: `_check_echo`
+        {"if": {"required": ["echo"], "properties": {"echo": {"const": True}}},
+         "then": {"properties": {"logprobs": {"type": "null"}}}},
+    ]})
+
+    prompt: Prompts = Field(description="A string, a list of token ids, or a list of either (one choice, or n, "
+                            "per prompt: prompt i's choices have indexes i*n to i*n+n-1); token ids must be below "
+                            "the model's vocabulary size.")
     logprobs: int | None = Field(None, ge=0, le=5)
-    echo: Literal[False] = False
+    echo: bool | None = Field(None, description="The prompt's text starts each choice's text (not with logprobs).")
+    best_of: int | None = Field(None, ge=1, le=MAX_N, description="Only equal to n: every generated choice is "
+                                "returned.")
+    suffix: str | None = Field(None, max_length=0, description="Not supported (no fill-in-the-middle): null or empty.")
+
+    @field_validator("suffix", mode="before")
+    @classmethod
+    def _no_suffix(cls, value: Any) -> Any:
+        if isinstance(value, str) and value:
+            raise ValueError("suffix is not supported: this server does not fill in the middle; send null or omit it")
+        return value
+
+    @model_validator(mode="after")
+    def _check_choices(self) -> CompletionRequest:
+        n = self.n or 1
+        if self.best_of is not None and self.best_of != n:
+            raise ValueError(f"best_of ({self.best_of}) must equal n ({n}) or be left out: galley returns every "
+                             "choice it generates, it does not rank them")
+        num_prompts = len(self.prompt) if isinstance(self.prompt, list) and isinstance(self.prompt[0], (str, list)) \
+            else 1
+        if num_prompts * n > MAX_CHOICES:
+            raise ValueError(f"{num_prompts} prompts with n={n} make {num_prompts * n} choices, over the limit of "
+                             f"{MAX_CHOICES} per request")
+        if self.echo and self.logprobs is not None:
+            raise ValueError("echo with logprobs is not supported (the prompt's logprobs are not computed)")
+        return self
 
     def prompt_input(self) -> PromptInput:
         return PromptInput(**self.generation_fields(), max_tokens=self.max_tokens, logprobs=self.logprobs,
-                           prompt=self.prompt, default_max_tokens=16)
-    suffix: None = None
-
-
-# ---- responses -------------------------------------------------------------------------
-
-
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int
-    owned_by: str = "galley"
-    kind: Literal["generate", "embed", "classify"] = "generate"
-    max_model_len: int | None  # context (generate) or longest input (encoders), in tokens; null until loaded
-    ready: bool  # a version is loaded and can answer now; false: the first request loads it (cold)
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
-
-
-class TopLogprob(BaseModel):
-    token: str
-    logprob: float
-    bytes: list[int] | None
-
-
-class ChatTokenLogprob(TopLogprob):
-    top_logprobs: list[TopLogprob]
-
-
-class ChatLogprobs(BaseModel):
-    content: list[ChatTokenLogprob] | None
-
-
-class AssistantMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str
-
-
-class ChatChoice(BaseModel):
-    index: int
-    message: AssistantMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None
-
-
-class ChatCompletion(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage
-
-
-class ChatDelta(BaseModel):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-
-
-class ChatChunkChoice(BaseModel):
-    index: int
-    delta: ChatDelta
-    logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None = None
-
-
-class ChatCompletionChunk(BaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatChunkChoice]
-    usage: Usage | None = None
-
-
-class CompletionLogprobs(BaseModel):
-    tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]] | None
-    text_offset: list[int]
-
-
-class CompletionChoice(BaseModel):
-    index: int
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None = None
-
-
-class Completion(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
-
-
-class ErrorDetail(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | None = None
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorDetail
-
-
-class Health(BaseModel):
-    status: Literal["ok", "loading", "draining", "stalled", "storage_failing"]
+                           prompt=self.prompt, echo=bool(self.echo), default_max_tokens=16)

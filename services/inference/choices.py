@@ -1,4 +1,4 @@
-"""n > 1: the choices of one prompt as one parent request.
+"""n > 1, or several prompts: the choices of a request as one parent request.
 
 Submitted all or nothing, read together (collected, or merged in the order their tokens come)
 and aborted together: a caller that leaves, or a choice that fails, ends every choice.
@@ -19,13 +19,17 @@ class Choices:
     """Invariant: once the caller is done with them (`collect` returned or raised, `events` closed),
     no choice is left running."""
 
-    def __init__(self, router: Router, metrics: Metrics, streams: list[RequestStream]) -> None:
+    def __init__(self, router: Router, metrics: Metrics, streams: list[RequestStream], n: int) -> None:
         self.router = router
         self.metrics = metrics
-        self.streams = streams
+        self.streams = streams  # choice i is choice i % n of prompt i // n
+        self.n = n
 
     def __len__(self) -> int:
         return len(self.streams)
+
+    def num_prompt_tokens(self, index: int) -> int:
+        return len(self.streams[index].request.prompt_token_ids)
 
     def abort(self) -> None:
         for stream in self.streams:

@@ -89,9 +89,10 @@ def usage(event: TokenEvent) -> dict:
     }
 
 
-def usage_n(usages: list[dict]) -> dict:
-    """Of n choices of one prompt: the prompt counted once; every choice's completion tokens."""
-    prompt = usages[0]["prompt_tokens"]
+def usage_n(usages: list[dict], n: int) -> dict:
+    """Of n choices per prompt (in choice order: a prompt's n choices side by side): each prompt
+    counted once; every choice's completion tokens."""
+    prompt = sum(u["prompt_tokens"] for u in usages[::n])
     completion = sum(u["completion_tokens"] for u in usages)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 

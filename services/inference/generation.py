@@ -29,7 +29,7 @@ from services.inference.admission import Admission
 from services.inference.choices import Choices
 from services.inference.events import Answer, collect, finish_reason, scheduled_events, stream_failed
 from services.inference.params import sampling_params
-from services.inference.prompts import encode_chat, encode_prompt
+from services.inference.prompts import decode_tokens, encode_chat, encode_prompt
 from services.inference.requests import ChatInput, GenerationInput, PromptInput
 from services.observability.metrics import Metrics
 from services.streams.events import ChunkFormat
@@ -49,6 +49,7 @@ class Plan:
     prompt_ids: list[int]
     params: SamplingParams
     new_messages: list[dict] = field(default_factory=list)  # a conversation's messages to store
+    echo: str = ""  # a text completion's prompt text, when `echo` asks for it
 
     @property
     def conversation_id(self) -> str | None:
@@ -65,7 +66,8 @@ class Outcome:
     choices: Choices | None = None  # n > 1 choices to stream, merged
     cached: Answer | None = None  # a cache hit to stream
     live: LiveStream | None = None  # a live, resumable stream to serve
-    resumable: bool = True  # the answer names its stream (X-Stream-Id); n > 1 choices are not resumable
+    resumable: bool = True  # the answer names its stream (X-Stream-Id); several choices are not resumable
+    n: int = 1  # choices per prompt (`answers` and `choices` hold a prompt's n choices side by side)
     served: Callable[[], None] = lambda: None  # to call once `live` was served: its answer may go to the cache
 
 
@@ -109,29 +111,43 @@ class Inference:
             history, pinned = await self.conversations.history(caller, ask.conversation_id, ask.model)
         model = await self.models.route(caller, ask.model, user=ask.user, conversation_id=ask.conversation_id,
                                        pinned_version=pinned)
-        prompt_ids = await encode_chat(model, history + ask.messages)
+        prompt_ids = await encode_chat(model, history + ask.messages, template_kwargs=ask.template_kwargs)
         params = sampling_params(ask.options, ask.max_tokens, len(prompt_ids), model, ask.logprobs,
                                  cap=caller.tenant.max_tokens, prompt_param="messages")
         return Plan("chat", ask, model, prompt_ids, params, ask.messages)
 
-    async def plan_prompt(self, caller: Caller, ask: PromptInput) -> Plan:
-        """Route, check and tokenize a text prompt (a text completion, a native generation)."""
+    async def plan_prompts(self, caller: Caller, ask: PromptInput) -> list[Plan]:
+        """Route once, then check and tokenize each prompt (a text completion's, a native generation's one)."""
         check_n(ask)
         model = await self.models.route(caller, ask.model, user=ask.user)
         caller.check_priority(ask.priority)
-        prompt_ids = await encode_prompt(model, ask.prompt)
+        prompts = ask.prompts()
+        return [await self.plan_text(caller, ask, model, prompt, "prompt" if len(prompts) == 1 else f"prompt.{i}")
+                for i, prompt in enumerate(prompts)]
+
+    async def plan_prompt(self, caller: Caller, ask: PromptInput) -> Plan:
+        """A request of one prompt (a native generation), planned."""
+        return (await self.plan_prompts(caller, ask))[0]
+
+    async def plan_text(self, caller: Caller, ask: PromptInput, model: ServedModel, prompt: str | list[int],
+                        param: str) -> Plan:
+        prompt_ids = await encode_prompt(model, prompt, param)
         default = ask.default_max_tokens
         if default is not None and ask.default_within_context:
             default = max(1, min(default, model.max_model_len - len(prompt_ids)))
         params = sampling_params(ask.options, ask.max_tokens, len(prompt_ids), model, ask.logprobs,
-                                 cap=caller.tenant.max_tokens, default_max_tokens=default)
-        return Plan("completion", ask, model, prompt_ids, params)
+                                 cap=caller.tenant.max_tokens, default_max_tokens=default, prompt_param=param)
+        echo = "" if not ask.echo else prompt if isinstance(prompt, str) else await decode_tokens(model, prompt)
+        return Plan("completion", ask, model, prompt_ids, params, echo=echo)
 
-    def format(self, plan: Plan, request_id: str) -> ChunkFormat:
-        """The chunk format of `plan`'s answer; its id (the stream id) from `request_id`."""
-        ask = plan.ask
-        return ChunkFormat(plan.kind, f"{CHUNK_ID_PREFIX[plan.kind]}-{request_id}", int(time.time()),
-                           self.router.label(plan.model), ask.include_usage, ask.logprobs is not None)
+    def format(self, plans: list[Plan], request_id: str) -> ChunkFormat:
+        """The chunk format of the answer to `plans` (their choices in order); its id (the stream
+        id) from `request_id`."""
+        ask = plans[0].ask
+        echo = tuple(plan.echo for plan in plans for _ in range(ask.n)) if getattr(ask, "echo", False) else ()
+        return ChunkFormat(plans[0].kind, f"{CHUNK_ID_PREFIX[plans[0].kind]}-{request_id}", int(time.time()),
+                           self.router.label(plans[0].model), ask.include_usage, ask.logprobs is not None,
+                           continuous_usage=ask.include_usage and ask.continuous_usage, echo=echo)
 
     # ---- answering ---------------------------------------------------------------------
 
@@ -142,9 +158,11 @@ class Inference:
 
     async def complete(self, caller: Caller, ask: PromptInput, *, stream: bool,
                        cache_asked: bool | None) -> Outcome:
-        """A text completion, planned and answered."""
-        plan = await self.plan_prompt(caller, ask)
-        return await self.answer(caller, plan, stream=stream, cache_asked=cache_asked)
+        """A text completion (of one prompt or several), planned and answered."""
+        plans = await self.plan_prompts(caller, ask)
+        if len(plans) > 1:
+            return await self.answer_choices(caller, plans, stream=stream)
+        return await self.answer(caller, plans[0], stream=stream, cache_asked=cache_asked)
 
     async def generate(self, caller: Caller, ask: PromptInput, *, stream: bool,
                        cache_asked: bool | None) -> Generated:
@@ -169,17 +187,13 @@ class Inference:
         resumable stream (streamed, or followed to its end for a conversation turn, whose answer the
         stream stores)."""
         if plan.ask.n > 1:
-            choices = self.submit_n(caller, plan)
-            fmt = self.format(plan, uuid.uuid4().hex)
-            if stream:
-                return Outcome(fmt, plan.model, choices=choices, resumable=False)
-            return Outcome(fmt, plan.model, answers=await choices.collect(), resumable=False)
+            return await self.answer_choices(caller, [plan], stream=stream)
         key = self.cache.generation_key(caller, plan.model, plan.prompt_ids, plan.params, cache_asked, "openai",
                                         plan.conversation_id)
         cached = self.cache.lookup(caller, plan.model.name, key)  # None: not cacheable, or a miss
         if cached is not None:
             hit = Answer(cached.text, [], cached.finish_reason, cached.usage)
-            fmt = self.format(plan, uuid.uuid4().hex)
+            fmt = self.format([plan], uuid.uuid4().hex)
             return Outcome(fmt, plan.model, cached=hit) if stream else Outcome(fmt, plan.model, answers=[hit])
         started = await self.start(caller, plan)
         if not stream and not plan.conversation_id:
@@ -190,6 +204,14 @@ class Inference:
         if stream:
             return Outcome(started.fmt, plan.model, live=live, served=lambda: self.cache.remember_live(key, live))
         return Outcome(started.fmt, plan.model, answers=[await self.collect_live(live)])
+
+    async def answer_choices(self, caller: Caller, plans: list[Plan], *, stream: bool) -> Outcome:
+        """n choices of each planned prompt as one parent request, streamed merged or collected."""
+        choices = self.submit_n(caller, plans)
+        fmt, n = self.format(plans, uuid.uuid4().hex), plans[0].ask.n
+        if stream:
+            return Outcome(fmt, plans[0].model, choices=choices, resumable=False, n=n)
+        return Outcome(fmt, plans[0].model, answers=await choices.collect(), resumable=False, n=n)
 
     # ---- submitting --------------------------------------------------------------------
 
@@ -205,28 +227,30 @@ class Inference:
     def submit_plan(self, caller: Caller, plan: Plan) -> RequestStream:
         return self.submit(caller, plan.model, plan.prompt_ids, plan.params, plan.ask.priority, plan.ask.cache_salt)
 
-    def submit_n(self, caller: Caller, plan: Plan) -> Choices:
-        """`plan.ask.n` generations of one prompt, side by side (seeded: seed, seed + 1, ..., so the
-        choices differ yet repeat); all or nothing: if one is refused, the others are aborted."""
-        params, streams = plan.params, []
-        priority = caller.priority(plan.ask.priority)  # once, not per choice
+    def submit_n(self, caller: Caller, plans: list[Plan]) -> Choices:
+        """`n` generations of each planned prompt, side by side (seeded: seed, seed + 1, ..., so a
+        prompt's choices differ yet repeat); all or nothing: if one is refused, the others are aborted."""
+        n, streams = plans[0].ask.n, []
+        priority = caller.priority(plans[0].ask.priority)  # once, not per choice
         try:
-            for i in range(plan.ask.n):
-                seed = None if params.seed is None else (params.seed + i) % 2**63
-                streams.append(self.submit(caller, plan.model, plan.prompt_ids,
-                                           dataclasses.replace(params, seed=seed), priority, plan.ask.cache_salt))
+            for plan in plans:
+                for i in range(n):
+                    seed = None if plan.params.seed is None else (plan.params.seed + i) % 2**63
+                    streams.append(self.submit(caller, plan.model, plan.prompt_ids,
+                                               dataclasses.replace(plan.params, seed=seed), priority,
+                                               plan.ask.cache_salt))
         except Exception:
             for stream in streams:
                 self.router.abort(stream)
             raise
-        return Choices(self.router, self.metrics, streams)
+        return Choices(self.router, self.metrics, streams, n)
 
     async def start(self, caller: Caller, plan: Plan) -> Started:
         """Submit a planned generation; store the new messages of a conversation. Nothing owns the
         stream until this returns, so if the write fails (or the caller leaves during it) the
         generation is aborted: left running it would hold a slot to the end of the context for no one."""
         stream = self.submit_plan(caller, plan)
-        started = Started(stream, self.format(plan, stream.request_id))
+        started = Started(stream, self.format([plan], stream.request_id))
         conversation_id = plan.conversation_id
         if conversation_id:
             try:

@@ -31,6 +31,10 @@ class SamplingOptions:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
 
 def sampling_params(options: SamplingOptions, max_tokens: int | None, prompt_len: int, model: ServedModel,
@@ -54,4 +58,10 @@ def sampling_params(options: SamplingOptions, max_tokens: int | None, prompt_len
     if cap is not None:
         room = min(room, cap)
     check_token_ids(model, list(options.stop_token_ids), "stop_token_ids")
-    return SamplingParams(max_tokens=max_tokens or room, logprobs=logprobs, **dataclasses.asdict(options))
+    check_token_ids(model, [token for token, _ in options.logit_bias], "logit_bias")
+    max_tokens = max_tokens or room
+    if options.min_tokens > max_tokens:
+        raise InvalidRequestError(f"min_tokens is {options.min_tokens}, over the {max_tokens} tokens this "
+                                  "completion may have (max_tokens, or the room the context leaves)",
+                                  param="min_tokens")
+    return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **dataclasses.asdict(options))

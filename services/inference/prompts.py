@@ -51,10 +51,11 @@ async def off_loop(num_chars: int, work: Callable[[], T]) -> T:
     return await asyncio.get_running_loop().run_in_executor(_POOL, work)
 
 
-async def encode_text(model: ServedModel, text: str, param: str = "prompt") -> list[int]:
-    """A completion prompt's token ids (the tokenizer's special tokens added)."""
+async def encode_text(model: ServedModel, text: str, param: str = "prompt", add_special_tokens: bool = True
+                      ) -> list[int]:
+    """A completion prompt's token ids (by default with the tokenizer's special tokens added)."""
     check_prompt_chars(model, len(text), param)
-    token_ids = await off_loop(len(text), lambda: model.tokenizer.encode(text))
+    token_ids = await off_loop(len(text), lambda: model.tokenizer.encode(text, add_special_tokens=add_special_tokens))
     check_token_ids(model, token_ids, param)
     return token_ids
 
@@ -67,23 +68,37 @@ async def encode_prompt(model: ServedModel, prompt: str | list[int], param: str 
     return list(prompt)
 
 
-def _render(model: ServedModel, messages: list[dict[str, Any]], param: str) -> str:
+def _render(model: ServedModel, messages: list[dict[str, Any]], param: str, template_kwargs: dict[str, Any]) -> str:
     try:
-        rendered = model.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    except TemplateError as exc:  # the template refuses this conversation; its message is written for users
+        rendered = model.tokenizer.apply_chat_template(
+            messages, tokenize=False, **{"add_generation_prompt": True, **template_kwargs})
+    except (TemplateError, ValueError) as exc:  # the template (or transformers) refuses this conversation;
+        # its message is written for users
         raise InvalidRequestError(f"the chat template rejected these messages: {exc}", param=param) from exc
     check_prompt_chars(model, len(rendered), param)
     return rendered
 
 
-async def encode_chat(model: ServedModel, messages: list[dict[str, Any]], param: str = "messages") -> list[int]:
-    """A conversation through the model's chat template, then its token ids."""
-    num_chars = sum(len(m["content"]) for m in messages)
+def chat_chars(messages: list[dict[str, Any]]) -> int:
+    return sum(len(m.get("content") or "") for m in messages)
+
+
+async def encode_chat(model: ServedModel, messages: list[dict[str, Any]], param: str = "messages",
+                      template_kwargs: dict[str, Any] | None = None, add_special_tokens: bool = False) -> list[int]:
+    """A conversation through the model's chat template (which writes its special tokens), then its token ids."""
+    num_chars = chat_chars(messages)
     check_prompt_chars(model, num_chars, param)
 
     def work() -> list[int]:
-        return model.tokenizer.encode(_render(model, messages, param), add_special_tokens=False)
+        rendered = _render(model, messages, param, template_kwargs or {})
+        return model.tokenizer.encode(rendered, add_special_tokens=add_special_tokens)
 
     token_ids = await off_loop(num_chars + 64 * len(messages), work)  # each message adds template text
     check_token_ids(model, token_ids, param)
     return token_ids
+
+
+async def decode_tokens(model: ServedModel, token_ids: list[int], param: str = "tokens") -> str:
+    """Token ids (each a row of the model's embedding) as text, special tokens included."""
+    check_token_ids(model, token_ids, param)
+    return await off_loop(len(token_ids), lambda: model.tokenizer.decode(token_ids))

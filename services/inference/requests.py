@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from services.inference.params import SamplingOptions
 
@@ -17,18 +18,27 @@ class GenerationInput:
     user: str | None = None
     priority: str | None = None  # high | normal | low; None: the caller's default
     include_usage: bool = False  # a stream ends with a usage chunk
+    continuous_usage: bool = False  # and every chunk carries the usage so far (vLLM's continuous_usage_stats)
     on_disconnect: str | None = None  # continue | cancel; None: the stream hub's default for the kind
     cache_salt: str = ""  # vLLM's field: only requests with the same salt (and tenant) share cached prefixes
 
 
 @dataclass(frozen=True)
 class ChatInput(GenerationInput):
-    messages: list[dict] = field(default_factory=list)  # {"role", "content"} with `developer` as `system`
+    messages: list[dict] = field(default_factory=list)  # {"role", "content", ...} with `developer` as `system`
     conversation_id: str | None = None
+    template_kwargs: dict[str, Any] = field(default_factory=dict)  # for `apply_chat_template` (checked by the API)
 
 
 @dataclass(frozen=True)
 class PromptInput(GenerationInput):
-    prompt: str | list[int] = ""
+    prompt: str | list[int] | list[str] | list[list[int]] = ""  # one prompt, or a list of prompts (texts or ids)
+    echo: bool = False  # each choice's text starts with its prompt's text
     default_max_tokens: int | None = None  # when `max_tokens` is not given (within the caller's cap)
     default_within_context: bool = False  # the default shrinks to the room the prompt leaves (at least 1)
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts asked for: a string or a list of token ids is one."""
+        if isinstance(self.prompt, str) or not self.prompt or isinstance(self.prompt[0], int):
+            return [self.prompt]
+        return list(self.prompt)

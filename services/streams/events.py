@@ -21,13 +21,15 @@ class ChunkFormat:
     model: str
     include_usage: bool = False
     logprobs: bool = False
+    continuous_usage: bool = False  # vLLM's continuous_usage_stats: every chunk carries the usage so far
+    echo: tuple[str, ...] = ()  # text completions' `echo`: each choice's prompt text, sent before its output
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, data: dict) -> ChunkFormat:
-        return cls(**data)
+        return cls(**{**data, "echo": tuple(data.get("echo", ()))})
 
     @property
     def base(self) -> dict:
@@ -49,3 +51,6 @@ class StreamEvent:
     error: str | None = None
     error_status: int = 500
     error_code: str | None = None
+    has_token: bool = True  # false for an end without a token (a cancel): it shows no text chunk
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0  # generated so far, this event's tokens included

@@ -123,9 +123,9 @@ class LiveStream:
 
 def replayed(record: StreamRecord) -> list[StreamEvent]:
     """Events rebuilt from a stored record (usage and finish on the last one when finished)."""
-    events, offset = [], 0
+    events, offset, num_prompt = [], 0, len(record.prompt_token_ids)
     for index, text in enumerate(record.texts):
-        events.append(StreamEvent(index, text, offset))
+        events.append(StreamEvent(index, text, offset, num_prompt_tokens=num_prompt, num_output_tokens=index + 1))
         offset += len(text)
     if events and record.status != StreamStatus.RUNNING:
         events[-1].finish_reason = record.finish_reason
@@ -279,6 +279,8 @@ class StreamHub:
             finish_reason=event.finish_reason.value if event.finish_reason else None,
             usage=usage(event) if event.finished else None,
             error=event.error, error_code="generation_failed" if event.error else None,
+            has_token=bool(event.token_ids), num_prompt_tokens=event.num_prompt_tokens,
+            num_output_tokens=event.num_output_tokens,
         ))
 
     def _finish(self, live: LiveStream, token_ids: list[int], texts: list[str], status: str,

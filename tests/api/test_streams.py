@@ -45,8 +45,9 @@ async def stack(aiohttp_server, llama_path, db):
 
 
 async def read_events(resp: aiohttp.ClientResponse, limit: int | None = None) -> list[tuple[int | None, dict | str]]:
-    """(id, data) for each SSE event, stopping after `limit` events that carry an id."""
-    events, event_id, seen = [], None, 0
+    """(id, data) for each SSE event (id None without an `id:` line), stopping after `limit` chunks;
+    any other line than `id:`, `data:` and the blank line between events fails the test."""
+    events, event_id = [], None
     async for raw in resp.content:
         line = raw.decode().rstrip("\n")
         if line.startswith("id: "):
@@ -54,10 +55,11 @@ async def read_events(resp: aiohttp.ClientResponse, limit: int | None = None) ->
         elif line.startswith("data: "):
             data = line[6:]
             events.append((event_id, data if data == "[DONE]" else json.loads(data)))
-            seen += event_id is not None
             event_id = None
-            if limit is not None and seen >= limit:
+            if limit is not None and len(events) >= limit:
                 break
+        else:
+            assert line == "", line
     return events
 
 
@@ -97,13 +99,17 @@ async def test_dropped_sse_resumes_with_last_event_id_without_gap_or_duplicate(s
     first = await read_events(resp, limit=10)
     resp.close()  # the phone goes into a tunnel
     assert all(data["id"] == stream_id for _, data in first)
-    last_id = max(i for i, _ in first if i is not None)
-    async with session.get(f"/api/v1/streams/{stream_id}", headers={**auth(key), "Last-Event-ID": str(last_id)}) as r:
+    assert all(i is None for i, _ in first)  # /v1 streams are plain OpenAI SSE: `data:` lines only
+    # the resume point is the count of chunks received; the resume endpoint numbers the rest after it
+    async with session.get(f"/api/v1/streams/{stream_id}", headers={**auth(key), "Last-Event-ID": "10"}) as r:
         rest = await read_events(r)
-    assert rest[-1][1] == "[DONE]"
-    ids = [i for i, _ in first + rest if i is not None]
-    assert ids == sorted(ids) and len(set(ids)) == len(set(ids))
+    assert rest[-1] == (None, "[DONE]")
+    assert [i for i, _ in rest[:-1]] == list(range(11, 11 + len(rest) - 1))
     assert text_of(first) + text_of(rest) == await reference_text(session, key, body)
+    async with session.get(f"/api/v1/streams/{stream_id}", headers=auth(key)) as r:  # from the start
+        whole = await read_events(r)
+    assert [data for _, data in whole] == [data for _, data in first + rest]  # the same chunks, numbered 1, 2, ...
+    assert [i for i, _ in whole[:-1]] == list(range(1, len(whole)))
 
 
 async def test_plain_completion_resumes_when_asked_to_continue_and_replays_from_sqlite(stack):
@@ -115,7 +121,7 @@ async def test_plain_completion_resumes_when_asked_to_continue_and_replays_from_
     stream_id = resp.headers["X-Stream-Id"]
     first = await read_events(resp, limit=5)
     resp.close()
-    async with session.get(f"/api/v1/streams/{stream_id}?after={first[-1][0]}", headers=auth(key)) as r:
+    async with session.get(f"/api/v1/streams/{stream_id}?after={len(first)}", headers=auth(key)) as r:
         rest = await read_events(r)
     whole = text_of(first, "completion") + text_of(rest, "completion")
     plain = {k: v for k, v in body.items() if k not in ("stream", "galley")}
