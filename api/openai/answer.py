@@ -17,12 +17,14 @@ from api.errors import json_response
 from api.openai.cached import replay
 from api.openai.chunks import error_chunk, event_chunks, opening_chunks
 from api.openai.schemas import SamplingFields
+from api.openai.tooling import tool_event_chunks
 from api.response_cache import cache_flag
 from api.sse import Frame, serve_sse
 from api.streams import serve_live
 from services.inference.choices import Choices
 from services.inference.events import Answer, failure, generation_failed, usage, usage_n
 from services.inference.generation import Outcome
+from services.inference.tool_parser import ToolCallParser
 from services.streams.events import ChunkFormat, StreamEvent
 
 
@@ -44,7 +46,7 @@ async def respond(request: web.Request, outcome: Outcome, shape: Shape) -> web.S
     """The service's answer as JSON, or as SSE (merged choices, a cached replay, a live stream)."""
     fmt, tokenizer, headers = outcome.fmt, outcome.model.tokenizer, {"X-Request-Id": request["request_id"]}
     if outcome.choices is not None:
-        return await serve_sse(request, choice_frames(fmt, tokenizer, outcome.choices), headers)
+        return await serve_sse(request, choice_frames(fmt, tokenizer, outcome.choices, outcome.tool_format), headers)
     if outcome.cached is not None:
         return await replay(request, fmt, outcome.cached)
     if outcome.live is not None:
@@ -67,13 +69,15 @@ def render(request: web.Request, shape: Shape, fmt: ChunkFormat, choices: list[d
     return json_response(body, headers=headers)
 
 
-async def choice_frames(fmt: ChunkFormat, tokenizer: Any, choices: Choices) -> AsyncGenerator[Frame, None]:
+async def choice_frames(fmt: ChunkFormat, tokenizer: Any, choices: Choices, tool_format: str | None = None
+                        ) -> AsyncGenerator[Frame, None]:
     """Several choices as one SSE stream: chunks in the order their tokens come, each with its
     choice's index; with `include_usage`, one usage chunk over all choices at the end. Not
     resumable (no X-Stream-Id). A failure before the first token is a plain HTTP error, after it
     an error chunk."""
     n = len(choices)
     counts, offsets, usages, opened = [0] * n, [0] * n, [None] * n, False
+    parsers = [ToolCallParser(tool_format) for _ in range(n)] if tool_format else None  # tool calls in the text
     events = choices.events()
     try:
         async for index, event in events:
@@ -95,7 +99,9 @@ async def choice_frames(fmt: ChunkFormat, tokenizer: Any, choices: Choices) -> A
             step = StreamEvent(counts[index], event.text, offsets[index], event.logprobs, finish,
                                has_token=bool(event.token_ids), num_prompt_tokens=event.num_prompt_tokens,
                                num_output_tokens=event.num_output_tokens)
-            for chunk in event_chunks(fmt, tokenizer, step):
+            chunks = tool_event_chunks(parsers[index], fmt, tokenizer, step) if parsers else \
+                event_chunks(fmt, tokenizer, step)
+            for chunk in chunks:
                 chunk["choices"][0]["index"] = index
                 yield chunk, None
             counts[index] += 1

@@ -23,7 +23,10 @@ from services.streams.events import ChunkFormat
 
 
 def chat_choice(fmt: ChunkFormat, tokenizer: Any, index: int, result: Answer) -> dict:
-    return {"index": index, "message": {"role": "assistant", "content": result.text},
+    message = {"role": "assistant", "content": result.text}
+    if result.tool_calls:  # content is null when the answer is only calls
+        message.update(content=result.text or None, tool_calls=result.tool_calls)
+    return {"index": index, "message": message,
             "logprobs": chat_logprobs(tokenizer, result.logprobs) if fmt.logprobs else None,
             "finish_reason": result.finish_reason}
 

@@ -28,6 +28,7 @@ from api.openai.fields import (
     Strict,
 )
 from api.openai.messages import ChatMessage
+from api.openai.tooling import GuidedFields, ToolFields
 from services.inference.params import SamplingOptions
 from services.inference.requests import ChatInput, PromptInput
 
@@ -156,7 +157,7 @@ class Ignored(Strict):
                                                       "without searching.")
 
 
-class ChatCompletionRequest(SamplingFields, Ignored):
+class ChatCompletionRequest(SamplingFields, Ignored, ToolFields):
     model_config = ConfigDict(json_schema_extra={"allOf": [  # for the spec: `_check_logprobs`, `_check_template`
         {"if": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer"}}},  # and `check_n`
          "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}},  # of inference
@@ -201,7 +202,7 @@ class ChatCompletionRequest(SamplingFields, Ignored):
         return ChatInput(**self.generation_fields(), max_tokens=self.max_completion_tokens or self.max_tokens,
                          logprobs=(self.top_logprobs or 0) if self.logprobs else None,
                          messages=[m.for_template() for m in self.messages], conversation_id=self.conversation_id,
-                         template_kwargs=self.template_kwargs())
+                         template_kwargs=self.template_kwargs(), output=self.output_format(), tools=self.tool_use())
 
 
 def check_template_fields(kwargs: dict[str, Any] | None, add_generation_prompt: bool,
@@ -214,7 +215,7 @@ def check_template_fields(kwargs: dict[str, Any] | None, add_generation_prompt: 
         raise ValueError("continue_final_message continues the last message, so add_generation_prompt must be false")
 
 
-class CompletionRequest(SamplingFields):
+class CompletionRequest(SamplingFields, GuidedFields):
     model_config = ConfigDict(json_schema_extra={"allOf": [  # for the spec: `_check_echo`
         {"if": {"required": ["echo"], "properties": {"echo": {"const": True}}},
          "then": {"properties": {"logprobs": {"type": "null"}}}},
@@ -253,4 +254,5 @@ class CompletionRequest(SamplingFields):
 
     def prompt_input(self) -> PromptInput:
         return PromptInput(**self.generation_fields(), max_tokens=self.max_tokens, logprobs=self.logprobs,
-                           prompt=self.prompt, echo=bool(self.echo), default_max_tokens=16)
+                           prompt=self.prompt, echo=bool(self.echo), default_max_tokens=16,
+                           output=self.output_format())

@@ -109,8 +109,9 @@ class Answer:
 
     text: str
     logprobs: list[TokenLogprob]
-    finish_reason: str | None  # stop | length | None
+    finish_reason: str | None  # stop | length | None (tool_calls once its calls are parsed out)
     usage: dict
+    tool_calls: list[dict] | None = None  # OpenAI's shape; `text` is then the content beside them
 
 
 async def collect(router: Router, metrics: Metrics, stream: RequestStream) -> Answer:

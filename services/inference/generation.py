@@ -31,6 +31,8 @@ from services.inference.events import Answer, collect, finish_reason, scheduled_
 from services.inference.params import sampling_params
 from services.inference.prompts import decode_tokens, encode_chat, encode_prompt
 from services.inference.requests import ChatInput, GenerationInput, PromptInput
+from services.inference.structured import constrain
+from services.inference.tools import constrained_params, prompt_with_tools, with_tool_calls
 from services.observability.metrics import Metrics
 from services.streams.events import ChunkFormat
 from services.streams.hub import LiveStream, StreamHub
@@ -50,6 +52,7 @@ class Plan:
     params: SamplingParams
     new_messages: list[dict] = field(default_factory=list)  # a conversation's messages to store
     echo: str = ""  # a text completion's prompt text, when `echo` asks for it
+    tool_format: str | None = None  # tools are in play: the answer's calls are parsed in this format
 
     @property
     def conversation_id(self) -> str | None:
@@ -68,6 +71,7 @@ class Outcome:
     live: LiveStream | None = None  # a live, resumable stream to serve
     resumable: bool = True  # the answer names its stream (X-Stream-Id); several choices are not resumable
     n: int = 1  # choices per prompt (`answers` and `choices` hold a prompt's n choices side by side)
+    tool_format: str | None = None  # the format of tool calls in the choices' text (`answers` have them parsed)
     served: Callable[[], None] = lambda: None  # to call once `live` was served: its answer may go to the cache
 
 
@@ -111,10 +115,13 @@ class Inference:
             history, pinned = await self.conversations.history(caller, ask.conversation_id, ask.model)
         model = await self.models.route(caller, ask.model, user=ask.user, conversation_id=ask.conversation_id,
                                        pinned_version=pinned)
-        prompt_ids = await encode_chat(model, history + ask.messages, template_kwargs=ask.template_kwargs)
+        tools = prompt_with_tools(model.tokenizer, history + ask.messages, ask.tools)
+        prompt_ids = await encode_chat(model, tools.messages,
+                                       template_kwargs=tools.template_kwargs(ask.template_kwargs))
         params = sampling_params(ask.options, ask.max_tokens, len(prompt_ids), model, ask.logprobs,
                                  cap=caller.tenant.max_tokens, prompt_param="messages")
-        return Plan("chat", ask, model, prompt_ids, params, ask.messages)
+        params = await constrained_params(model, params, ask.tools, ask.output, tools.format)
+        return Plan("chat", ask, model, prompt_ids, params, ask.messages, tool_format=tools.format)
 
     async def plan_prompts(self, caller: Caller, ask: PromptInput) -> list[Plan]:
         """Route once, then check and tokenize each prompt (a text completion's, a native generation's one)."""
@@ -137,6 +144,8 @@ class Inference:
             default = max(1, min(default, model.max_model_len - len(prompt_ids)))
         params = sampling_params(ask.options, ask.max_tokens, len(prompt_ids), model, ask.logprobs,
                                  cap=caller.tenant.max_tokens, default_max_tokens=default, prompt_param=param)
+        if ask.output is not None:
+            params = await constrain(model, params, ask.output.spec(), ask.output.param)
         echo = "" if not ask.echo else prompt if isinstance(prompt, str) else await decode_tokens(model, prompt)
         return Plan("completion", ask, model, prompt_ids, params, echo=echo)
 
@@ -186,7 +195,7 @@ class Inference:
         choices (streamed merged, or collected); a response-cache hit; a collected answer; a live,
         resumable stream (streamed, or followed to its end for a conversation turn, whose answer the
         stream stores)."""
-        if plan.ask.n > 1:
+        if plan.ask.n > 1 or plan.tool_format:  # tool calls are parsed as they come: not a resumable stream
             return await self.answer_choices(caller, [plan], stream=stream)
         key = self.cache.generation_key(caller, plan.model, plan.prompt_ids, plan.params, cache_asked, "openai",
                                         plan.conversation_id)
@@ -208,10 +217,11 @@ class Inference:
     async def answer_choices(self, caller: Caller, plans: list[Plan], *, stream: bool) -> Outcome:
         """n choices of each planned prompt as one parent request, streamed merged or collected."""
         choices = self.submit_n(caller, plans)
-        fmt, n = self.format(plans, uuid.uuid4().hex), plans[0].ask.n
+        fmt, n, tool_format = self.format(plans, uuid.uuid4().hex), plans[0].ask.n, plans[0].tool_format
         if stream:
-            return Outcome(fmt, plans[0].model, choices=choices, resumable=False, n=n)
-        return Outcome(fmt, plans[0].model, answers=await choices.collect(), resumable=False, n=n)
+            return Outcome(fmt, plans[0].model, choices=choices, resumable=False, n=n, tool_format=tool_format)
+        answers = [with_tool_calls(answer, tool_format) for answer in await choices.collect()]
+        return Outcome(fmt, plans[0].model, answers=answers, resumable=False, n=n, tool_format=tool_format)
 
     # ---- submitting --------------------------------------------------------------------
 
@@ -309,4 +319,6 @@ def check_n(ask: GenerationInput) -> None:
     if ask.n > 1 and getattr(ask, "conversation_id", None):
         raise InvalidRequestError("n > 1 cannot continue a conversation: it would not know which choice to keep",
                                   param="n")
+    if getattr(ask, "conversation_id", None) and ask.tools.active:
+        raise InvalidRequestError("tools cannot be used in a stored conversation (conversation_id)", param="tools")
 

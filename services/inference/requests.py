@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.inference.params import SamplingOptions
+from services.inference.structured import OutputFormat
+from services.inference.tools import ToolUse
 
 
 @dataclass(frozen=True)
@@ -21,6 +23,7 @@ class GenerationInput:
     continuous_usage: bool = False  # and every chunk carries the usage so far (vLLM's continuous_usage_stats)
     on_disconnect: str | None = None  # continue | cancel; None: the stream hub's default for the kind
     cache_salt: str = ""  # vLLM's field: only requests with the same salt (and tenant) share cached prefixes
+    output: OutputFormat | None = None  # the answer must match this (response_format, vLLM's guided_*)
 
 
 @dataclass(frozen=True)
@@ -28,6 +31,7 @@ class ChatInput(GenerationInput):
     messages: list[dict] = field(default_factory=list)  # {"role", "content", ...} with `developer` as `system`
     conversation_id: str | None = None
     template_kwargs: dict[str, Any] = field(default_factory=dict)  # for `apply_chat_template` (checked by the API)
+    tools: ToolUse = ToolUse()
 
 
 @dataclass(frozen=True)

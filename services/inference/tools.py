@@ -11,14 +11,18 @@ with arguments matching each function's JSON schema, so the answer is always a v
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from typing import Any
 
 from engine.grammar import JSON_OPTIONS
-from engine.types import GuidedSpec
+from engine.types import GuidedSpec, SamplingParams
+from scheduling.router import ServedModel
 from services.errors import InvalidRequestError
-from services.inference.tool_parser import HERMES_CLOSE, HERMES_OPEN, MISTRAL_MARK
+from services.inference.events import Answer
+from services.inference.structured import OutputFormat, constrain
+from services.inference.tool_parser import HERMES_CLOSE, HERMES_OPEN, MISTRAL_MARK, parse_all
 
 FORMATS = ("hermes", "llama3_json", "mistral")
 MAX_PARALLEL_CALLS = 8  # a forced answer holds at most this many calls (a weak model could repeat forever)
@@ -86,17 +90,52 @@ def chat_template_of(tokenizer: Any) -> str | None:
 
 @dataclass(frozen=True)
 class ToolPrompt:
-    """How a conversation with tools is rendered: messages and `tools=` for the template."""
+    """How a conversation with tools is rendered (messages, and `tools=` for the template) and
+    the format its answer is parsed in (None: tools are not in play)."""
 
     messages: list[dict]
     template_tools: list[dict] | None
+    format: str | None
+
+    def template_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        return kwargs if self.template_tools is None else {**kwargs, "tools": self.template_tools}
 
 
 def prompt_with_tools(tokenizer: Any, messages: list[dict], use: ToolUse) -> ToolPrompt:
     template = chat_template_of(tokenizer)
+    fmt = detect_format(template) if use.active else None
     if renders_tools(template):
-        return ToolPrompt(messages, list(use.tools) if use.active else None)
-    return ToolPrompt(hermes_messages(messages, use.tools if use.active else ()), None)
+        return ToolPrompt(messages, list(use.tools) if use.active else None, fmt)
+    if not use.active and not any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
+        return ToolPrompt(messages, None, None)
+    return ToolPrompt(hermes_messages(messages, use.tools if use.active else ()), None, fmt)
+
+
+async def constrained_params(model: ServedModel, params: SamplingParams, use: ToolUse, output: OutputFormat | None,
+                             fmt: str | None) -> SamplingParams:
+    """`params` under the grammar the request asks for: a forced call's, or `response_format`'s."""
+    if use.active and output is not None:
+        raise InvalidRequestError(f"{output.param} cannot be combined with tools (unless tool_choice is `none`)",
+                                  param=output.param)
+    if fmt in ("mistral", "llama3_json"):  # their call markers are special tokens: keep their text to parse
+        params = dataclasses.replace(params, skip_special_tokens=False)
+    if use.forced:
+        mark = special_token_id(model.tokenizer, MISTRAL_MARK) if fmt == "mistral" else None
+        return await constrain(model, params, forced_grammar(use, fmt or "hermes", mark), "tools")
+    if output is not None:
+        return await constrain(model, params, output.spec(), output.param)
+    return params
+
+
+def with_tool_calls(answer: Answer, fmt: str | None) -> Answer:
+    """A collected answer with its calls parsed out of its text (`finish_reason` tool_calls)."""
+    if fmt is None:
+        return answer
+    parsed = parse_all(fmt, answer.text)
+    if not parsed.tool_calls:
+        return answer
+    finish = "tool_calls" if answer.finish_reason == "stop" else answer.finish_reason
+    return dataclasses.replace(answer, text=parsed.content or "", tool_calls=parsed.tool_calls, finish_reason=finish)
 
 
 def hermes_messages(messages: list[dict], tools: tuple[dict, ...]) -> list[dict]:

@@ -136,7 +136,8 @@ def replayed(record: StreamRecord) -> list[StreamEvent]:
 
 
 def params_to_json(params: SamplingParams) -> dict:
-    return {**params.__dict__, "stop": list(params.stop), "stop_token_ids": sorted(params.stop_token_ids)}
+    return {**params.__dict__, "stop": list(params.stop), "stop_token_ids": sorted(params.stop_token_ids),
+            "guided": list(params.guided) if params.guided is not None else None}
 
 
 def params_from_json(data: dict) -> SamplingParams:
