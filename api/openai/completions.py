@@ -20,7 +20,8 @@ from services.streams.events import ChunkFormat
 
 def completion_choice(fmt: ChunkFormat, tokenizer: Any, index: int, result: Answer) -> dict:
     logprobs = completion_logprobs(tokenizer, result.logprobs, 0) if fmt.logprobs else None
-    return {"index": index, "text": result.text, "logprobs": logprobs, "finish_reason": result.finish_reason}
+    text = fmt.echo[index] + result.text if fmt.echo else result.text
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": result.finish_reason}
 
 
 COMPLETION = Shape("text_completion", completion_choice, resumable=False)

@@ -9,7 +9,7 @@ from typing import Annotated, Any, Literal
 import orjson
 from pydantic import Field
 
-from api.openai.fields import MAX_NAME_CHARS, Strict
+from api.openai.fields import MAX_NAME_CHARS, Strict, str_or_list
 
 
 class TextPart(Strict):
@@ -40,7 +40,7 @@ class ToolCall(Strict):
 
 class ChatMessage(Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[ContentPart] | None = None
+    content: str_or_list(str, list[ContentPart]) | None = None
     name: str | None = Field(None, max_length=MAX_NAME_CHARS)
     tool_calls: list[ToolCall] | None = Field(None, description="An assistant's calls, in the history.")
     tool_call_id: str | None = Field(None, max_length=MAX_NAME_CHARS, description="A `tool` message: the call "
