@@ -82,6 +82,15 @@ def _chunk(fmt: ChunkFormat, tokenizer: Any, event: StreamEvent, text: str, logp
     return chunk
 
 
+def reasoning_chunk(fmt: ChunkFormat, event: StreamEvent, thoughts: str) -> dict:
+    """A chat chunk of a thinking model's thoughts (vLLM's `reasoning_content` delta)."""
+    chunk = {**fmt.base, "choices": [{"index": 0, "delta": {"reasoning_content": thoughts}, "logprobs": None,
+                                      "finish_reason": None}]}
+    if fmt.continuous_usage:
+        chunk["usage"] = usage_of(event.num_prompt_tokens, event.num_output_tokens)
+    return chunk
+
+
 def shows_token(fmt: ChunkFormat, event: StreamEvent) -> bool:
     """An event's token gets a chunk when it has text, or (logprobs asked) whenever it is a token:
     decided from what a stored event keeps, so a replay numbers its chunks as the live stream did."""

@@ -64,6 +64,7 @@ class AssistantMessage(BaseModel):
     tool_calls: list[ToolCall] | None = None
     refusal: None = None
     annotations: list[dict] = []
+    reasoning_content: str | None = None  # vLLM's field: a thinking model's thoughts (absent for other models)
 
 
 class ChatChoice(BaseModel):
@@ -98,6 +99,7 @@ class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
+    reasoning_content: str | None = None  # vLLM's field: a piece of a thinking model's thoughts
 
 
 class ChatChunkChoice(BaseModel):

@@ -112,6 +112,7 @@ class Answer:
     finish_reason: str | None  # stop | length | None (tool_calls once its calls are parsed out)
     usage: dict
     tool_calls: list[dict] | None = None  # OpenAI's shape; `text` is then the content beside them
+    reasoning_content: str | None = None  # a thinking model's thoughts (`text` is then the answer after them)
 
 
 async def collect(router: Router, metrics: Metrics, stream: RequestStream) -> Answer:

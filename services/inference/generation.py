@@ -30,9 +30,10 @@ from services.inference.choices import Choices
 from services.inference.events import Answer, collect, finish_reason, scheduled_events, stream_failed
 from services.inference.params import sampling_params
 from services.inference.prompts import decode_tokens, encode_chat, encode_prompt
+from services.inference.reasoning import Reasoning, marks_are_special, reasoning_for, with_reasoning
 from services.inference.requests import ChatInput, GenerationInput, PromptInput
 from services.inference.structured import constrain
-from services.inference.tools import constrained_params, prompt_with_tools, with_tool_calls
+from services.inference.tools import chat_template_of, constrained_params, prompt_with_tools, with_tool_calls
 from services.observability.metrics import Metrics
 from services.streams.events import ChunkFormat
 from services.streams.hub import LiveStream, StreamHub
@@ -53,6 +54,7 @@ class Plan:
     new_messages: list[dict] = field(default_factory=list)  # a conversation's messages to store
     echo: str = ""  # a text completion's prompt text, when `echo` asks for it
     tool_format: str | None = None  # tools are in play: the answer's calls are parsed in this format
+    reasoning: Reasoning | None = None  # a thinking model: its thoughts are split from its answer
 
     @property
     def conversation_id(self) -> str | None:
@@ -72,6 +74,7 @@ class Outcome:
     resumable: bool = True  # the answer names its stream (X-Stream-Id); several choices are not resumable
     n: int = 1  # choices per prompt (`answers` and `choices` hold a prompt's n choices side by side)
     tool_format: str | None = None  # the format of tool calls in the choices' text (`answers` have them parsed)
+    reasoning: Reasoning | None = None  # the choices' text holds thoughts to split (`answers` have them split)
     served: Callable[[], None] = lambda: None  # to call once `live` was served: its answer may go to the cache
 
 
@@ -121,7 +124,13 @@ class Inference:
         params = sampling_params(ask.options, ask.max_tokens, len(prompt_ids), model, ask.logprobs,
                                  cap=caller.tenant.max_tokens, prompt_param="messages")
         params = await constrained_params(model, params, ask.tools, ask.output, tools.format)
-        return Plan("chat", ask, model, prompt_ids, params, ask.messages, tool_format=tools.format)
+        reasoning = None
+        if not ask.conversation_id and params.guided is None:  # a grammar decides the answer from its first token
+            reasoning = reasoning_for(model.tokenizer, chat_template_of(model.tokenizer), prompt_ids)
+            if reasoning is not None and marks_are_special(model.tokenizer):
+                params = dataclasses.replace(params, skip_special_tokens=False)
+        return Plan("chat", ask, model, prompt_ids, params, ask.messages, tool_format=tools.format,
+                    reasoning=reasoning)
 
     async def plan_prompts(self, caller: Caller, ask: PromptInput) -> list[Plan]:
         """Route once, then check and tokenize each prompt (a text completion's, a native generation's one)."""
@@ -195,7 +204,7 @@ class Inference:
         choices (streamed merged, or collected); a response-cache hit; a collected answer; a live,
         resumable stream (streamed, or followed to its end for a conversation turn, whose answer the
         stream stores)."""
-        if plan.ask.n > 1 or plan.tool_format:  # tool calls are parsed as they come: not a resumable stream
+        if plan.ask.n > 1 or plan.tool_format or plan.reasoning:  # parsed as they come: not a resumable stream
             return await self.answer_choices(caller, [plan], stream=stream)
         key = self.cache.generation_key(caller, plan.model, plan.prompt_ids, plan.params, cache_asked, "openai",
                                         plan.conversation_id)
@@ -218,10 +227,14 @@ class Inference:
         """n choices of each planned prompt as one parent request, streamed merged or collected."""
         choices = self.submit_n(caller, plans)
         fmt, n, tool_format = self.format(plans, uuid.uuid4().hex), plans[0].ask.n, plans[0].tool_format
+        reasoning = plans[0].reasoning
         if stream:
-            return Outcome(fmt, plans[0].model, choices=choices, resumable=False, n=n, tool_format=tool_format)
-        answers = [with_tool_calls(answer, tool_format) for answer in await choices.collect()]
-        return Outcome(fmt, plans[0].model, answers=answers, resumable=False, n=n, tool_format=tool_format)
+            return Outcome(fmt, plans[0].model, choices=choices, resumable=False, n=n, tool_format=tool_format,
+                           reasoning=reasoning)
+        answers = [with_tool_calls(with_reasoning(answer, reasoning), tool_format)
+                   for answer in await choices.collect()]
+        return Outcome(fmt, plans[0].model, answers=answers, resumable=False, n=n, tool_format=tool_format,
+                       reasoning=reasoning)
 
     # ---- submitting --------------------------------------------------------------------
 

@@ -1,0 +1,115 @@
+"""Reasoning models: their `<think>...</think>` text apart from the answer (vLLM's `reasoning_content`).
+
+A model thinks when its chat template speaks of `<think>` (Qwen3, DeepSeek-R1 distills, SmolLM3).
+Where its answer starts is read from the prompt: a template that opens `<think>` itself
+(DeepSeek-R1's) starts the answer inside the thoughts; one that closes it (Qwen3 with
+`enable_thinking: false`) or never opens it starts it outside, and a `<think>` the model writes
+first opens them. The split is one parser for streamed and collected answers: each view is a
+pure function of the text so far and only grows, so streamed deltas add up to the collected
+answer. Thoughts are trimmed of surrounding whitespace, the answer after them of leading
+whitespace (Qwen3 writes `</think>\\n\\n`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from services.inference.events import Answer
+
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+PROMPT_TAIL_TOKENS = 8  # enough of a prompt's end to see whether it leaves `<think>` open
+
+
+@dataclass(frozen=True)
+class Reasoning:
+    """A thinking model's answer: whether it starts inside its thoughts."""
+
+    starts_inside: bool = False
+
+
+def thinks(chat_template: str | None) -> bool:
+    return THINK_CLOSE in (chat_template or "") or THINK_OPEN in (chat_template or "")
+
+
+def opens_thoughts(prompt_tail: str) -> bool:
+    """The prompt ends inside `<think>` (its template opened it for the model)."""
+    return prompt_tail.rfind(THINK_OPEN) > prompt_tail.rfind(THINK_CLOSE)
+
+
+def reasoning_for(tokenizer: Any, chat_template: str | None, prompt_ids: list[int]) -> Reasoning | None:
+    """How a chat's answer is split, None when the model does not think."""
+    if not thinks(chat_template):
+        return None
+    tail = tokenizer.decode(prompt_ids[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
+    return Reasoning(starts_inside=opens_thoughts(tail))
+
+
+def marks_are_special(tokenizer: Any) -> bool:
+    """The think marks are special tokens (decoding would drop them unless asked to keep them)."""
+    special = set(getattr(tokenizer, "all_special_tokens", ()))
+    return THINK_OPEN in special or THINK_CLOSE in special
+
+
+def held_back(text: str, marker: str) -> int:
+    """Characters at the end of `text` that may be the start of `marker`."""
+    for size in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-size:]):
+            return size
+    return 0
+
+
+def split(text: str, starts_inside: bool, final: bool) -> tuple[str, str]:
+    """(thoughts, answer) as far as `text` tells; not `final`: what may still change is held back."""
+    body = text
+    if not starts_inside:
+        lead = text.lstrip()
+        if not lead.startswith(THINK_OPEN):
+            if not final and THINK_OPEN.startswith(lead):  # may still become `<think>`
+                return "", ""
+            return "", text
+        body = lead[len(THINK_OPEN):]
+    close = body.find(THINK_CLOSE)
+    if close >= 0:
+        return body[:close].strip(), body[close + len(THINK_CLOSE):].lstrip()
+    if final:
+        return body.strip(), ""
+    return body[: len(body) - held_back(body, THINK_CLOSE)].strip(), ""
+
+
+class ReasoningParser:
+    """Invariant: what was sent of the thoughts and of the answer are prefixes of the latest view."""
+
+    def __init__(self, reasoning: Reasoning) -> None:
+        self.starts_inside = reasoning.starts_inside
+        self.text = ""
+        self.sent = (0, 0)
+
+    def feed(self, text: str) -> tuple[str, str]:
+        """(thoughts, answer) added by `text`."""
+        self.text += text
+        return self._delta(final=False)
+
+    def finish(self) -> tuple[str, str]:
+        return self._delta(final=True)
+
+    @property
+    def thinking(self) -> bool:
+        """The text so far is inside the thoughts (what comes next counts as reasoning tokens)."""
+        inside = self.starts_inside or self.text.lstrip().startswith(THINK_OPEN)
+        return inside and THINK_CLOSE not in self.text
+
+    def _delta(self, final: bool) -> tuple[str, str]:
+        thoughts, answer = split(self.text, self.starts_inside, final)
+        delta = thoughts[self.sent[0]:], answer[self.sent[1]:]
+        self.sent = (max(self.sent[0], len(thoughts)), max(self.sent[1], len(answer)))
+        return delta
+
+
+def with_reasoning(answer: Answer, reasoning: Reasoning | None) -> Answer:
+    """A collected answer with its thoughts apart (`reasoning_content`; None when it had none)."""
+    if reasoning is None:
+        return answer
+    thoughts, text = split(answer.text, reasoning.starts_inside, final=True)
+    return dataclasses.replace(answer, text=text, reasoning_content=thoughts or None)
