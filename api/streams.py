@@ -54,8 +54,7 @@ async def live_frames(hub: StreamHub, live: LiveStream, after: int, ids: bool) -
             start, number = number, number + len(chunks)
             return [(chunk, start + i + 1 if ids else None) for i, chunk in enumerate(chunks) if start + i >= after]
 
-        num_prompt = first.num_prompt_tokens if first is not None else len(live.record.prompt_token_ids)
-        for frame in numbered(opening_chunks(fmt, 0, num_prompt)):
+        for frame in numbered(opening_chunks(fmt, 0, len(live.record.prompt_token_ids))):
             yield frame
         if first is not None:
             async for event in prepend(first, events):
