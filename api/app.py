@@ -23,6 +23,7 @@ from api.openai import chat as chat_api
 from api.openai import completions as completions_api
 from api.openai import embeddings as embeddings_api
 from api.openai import models as models_api
+from api.openai import responses_api
 from api.openapi import build_spec
 from api.routes import Route
 from api.services import SERVICES
@@ -84,7 +85,7 @@ def all_routes() -> list[Route]:
     return [*health.ROUTES, *models_api.ROUTES, *chat_api.ROUTES, *completions_api.ROUTES, *stream_api.ROUTES,
             *admin.ROUTES, *conversations.ROUTES, *ws.ROUTES, *batch.ROUTES, *native.ROUTES, *embeddings_api.ROUTES,
             *encoders_api.ROUTES, *deployments_api.ROUTES, *dashboard.ROUTES, *profiling.ROUTES,
-            *tokenize.ROUTES]
+            *tokenize.ROUTES, *responses_api.ROUTES]
 
 
 async def run_services(app: web.Application):

@@ -16,7 +16,8 @@ from api.errors import StreamEnded, error_body
 
 REQUEST = "galley_sse_request"  # response[REQUEST]: the request the stream answers
 
-Frame = tuple[dict | str, int | None] | None  # (data, event id); None: open the response, send nothing yet
+# (data, event id) or (data, event id, event name); None: open the response, send nothing yet
+Frame = tuple[dict | str, int | None] | tuple[dict | str, int | None, str] | None
 
 
 async def serve_sse(request: web.Request, frames: AsyncGenerator[Frame, None],
@@ -51,7 +52,8 @@ async def open_sse(request: web.Request, headers: dict[str, str] | None = None) 
     return response
 
 
-async def send_event(response: web.StreamResponse, data: dict | str, event_id: int | None = None) -> None:
+async def send_event(response: web.StreamResponse, data: dict | str, event_id: int | None = None,
+                     event: str | None = None) -> None:
     request = response.get(REQUEST)
     if request is not None and TENANT in request and current_tenant(request) is None:
         # a final error event and the end of the body; the handler unwinds as if the client had
@@ -60,10 +62,12 @@ async def send_event(response: web.StreamResponse, data: dict | str, event_id: i
                                                   code="invalid_api_key")))
         await response.write_eof()
         raise StreamEnded(response, "the stream's API key was revoked")
-    await response.write(sse_frame(data, event_id))
+    await response.write(sse_frame(data, event_id, event))
 
 
-def sse_frame(data: dict | str, event_id: int | None = None) -> bytes:
+def sse_frame(data: dict | str, event_id: int | None = None, event: str | None = None) -> bytes:
+    """An SSE event; `event` names it (the Responses API's `event: response.created` lines, as OpenAI sends)."""
     payload = data.encode() if isinstance(data, str) else orjson.dumps(data)
     head = f"id: {event_id}\n".encode() if event_id is not None else b""
+    head += f"event: {event}\n".encode() if event is not None else b""
     return head + b"data: " + payload + b"\n\n"

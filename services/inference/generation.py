@@ -109,11 +109,12 @@ class Inference:
 
     # ---- planning ----------------------------------------------------------------------
 
-    async def plan_chat(self, caller: Caller, ask: ChatInput) -> Plan:
-        """Check, route and apply the chat template (after the conversation's history)."""
+    async def plan_chat(self, caller: Caller, ask: ChatInput, pinned_version: str | None = None) -> Plan:
+        """Check, route and apply the chat template (after the conversation's history); `pinned_version`:
+        the version a continued chat ran on (a stored response's, `services.inference.responses`)."""
         check_n(ask)
         caller.check_priority(ask.priority)
-        history, pinned = [], None
+        history, pinned = [], pinned_version
         if ask.conversation_id:
             history, pinned = await self.conversations.history(caller, ask.conversation_id, ask.model)
         model = await self.models.route(caller, ask.model, user=ask.user, conversation_id=ask.conversation_id,

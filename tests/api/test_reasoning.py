@@ -13,10 +13,12 @@ import shutil
 import pytest
 import torch
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
+from openai.types.responses import Response
 
 from services.inference.reasoning import THINK_CLOSE, THINK_OPEN, Reasoning, ReasoningParser, split
 from tests.api.test_api import client, start_server, wait_blocks_free
-from tests.api.test_openai_wire import assert_only_openai_fields
+from tests.api.test_openai_wire import assert_only_openai_fields, strict
+from tests.api.test_responses import event_types, raw_events
 from tests.models import CHAT_TEMPLATE, build_tokenizer, model_for
 
 TURNS = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -135,6 +137,26 @@ async def test_a_model_that_does_not_think_answers_as_before(serve, thinking_pat
     answer = await sdk.chat.completions.create(model="tiny", messages=ASK, temperature=0, max_tokens=40)
     assert answer.choices[0].message.content == f"{THINK_OPEN}{THOUGHTS}{THINK_CLOSE}{ANSWER}"
     assert_only_openai_fields(ChatCompletion.model_validate_json(answer.model_dump_json(), strict=True))
+
+
+async def test_responses_show_thoughts_as_a_reasoning_item(serve, thinking_path):
+    sdk = await serve(thinking_path)
+    ask = {"model": "tiny", "input": "Hi", "temperature": 0, "max_output_tokens": 40}
+    answer = strict(Response, (await sdk.responses.with_raw_response.create(**ask)).content)
+    thought, message = answer.output
+    assert thought.type == "reasoning" and thought.content[0].text == THOUGHTS
+    assert message.type == "message" and answer.output_text == ANSWER
+    assert answer.usage.output_tokens_details.reasoning_tokens >= 3
+    events = await raw_events(sdk, ask)
+    assert event_types(events) == [
+        "response.created", "response.in_progress", "response.output_item.added", "response.content_part.added",
+        "response.reasoning_text.delta", "response.reasoning_text.done", "response.content_part.done",
+        "response.output_item.done", "response.output_item.added", "response.content_part.added",
+        "response.output_text.delta", "response.output_text.done", "response.content_part.done",
+        "response.output_item.done", "response.completed"]
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == THOUGHTS
+    off = await sdk.responses.create(**ask, reasoning={"effort": "none"})  # enable_thinking: false
+    assert [item.type for item in off.output] == ["message"] and off.output_text == ANSWER
 
 
 @pytest.mark.parametrize("text", ["<think>\nI think.\n</think>\n\nHello", "  <think>a</think>", "no thoughts",

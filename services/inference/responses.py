@@ -1,0 +1,394 @@
+"""The Responses API's work (`POST /v1/responses`): input items -> a chat -> output items, stored so
+that `previous_response_id` continues it.
+
+A stored response is a conversation of its tenant (`services.conversations`), so only that tenant
+can read or continue it: the chain's earlier items, this response's input items and its output
+items, then a record of the response (what `GET /v1/responses/{id}` shows). The response id is the
+conversation's (`resp_<hex>` names `conv_<hex>`). Messages of plain text are stored as they are;
+other items (calls, call outputs, thoughts, the record) as JSON under ITEM_KEY. Instructions are
+not carried into a follow-up (as OpenAI does); thoughts are not shown to the model again.
+
+The generation is planned like a chat completion (`Inference.plan_chat`: routing, the chat
+template with tools, constrained decoding) and read as one choice; `ResponseOutput` turns its text
+into output items (thoughts, a message, function calls) as it comes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from scheduling.router import ServedModel
+from services.conversations import Conversations
+from services.errors import NotFoundError
+from services.inference.choices import Choices
+from services.inference.events import failure, generation_failed, usage
+from services.inference.generation import Inference, Plan
+from services.inference.params import SamplingOptions
+from services.inference.reasoning import Reasoning, ReasoningParser
+from services.inference.requests import ChatInput
+from services.inference.structured import OutputFormat
+from services.inference.tool_parser import ToolCallDelta, ToolCallParser
+from services.inference.tools import ToolUse
+from services.tenancy import Caller
+
+ITEM_KEY = "galley_response_item"
+RESPONSE_PREFIX, CONVERSATION_PREFIX = "resp_", "conv_"
+ITEM_PREFIX = {"message": "msg_", "function_call": "fc_", "reasoning": "rs_"}
+_background: set[asyncio.Task] = set()  # discards of unfinished responses' conversations, until they ran
+
+
+@dataclass(frozen=True)
+class ResponseInput:
+    """A `POST /v1/responses` as plain values. Items: {"type": "message", "role", "content": text},
+    {"type": "function_call", "call_id", "name", "arguments"}, {"type": "function_call_output",
+    "call_id", "output"}."""
+
+    model: str
+    items: list[dict]
+    instructions: str | None = None
+    options: SamplingOptions = SamplingOptions()
+    max_output_tokens: int | None = None
+    tools: ToolUse = ToolUse()
+    output: OutputFormat | None = None  # `text.format`
+    previous_response_id: str | None = None
+    store: bool = True
+    user: str | None = None
+    priority: str | None = None
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+    settings: dict[str, Any] = field(default_factory=dict)  # how the response shows its request (stored with it)
+
+
+@dataclass
+class OutputItem:
+    """One output item: thoughts (`reasoning`), a `message`, or a `function_call`; `text` is the
+    thoughts, the message's text or the call's arguments (JSON text)."""
+
+    type: str
+    id: str
+    text: str = ""
+    name: str | None = None  # function_call
+    call_id: str | None = None  # function_call
+    done: bool = False
+
+
+@dataclass(frozen=True)
+class Change:
+    """What one piece of the answer did to the output: `added` an item, a `delta` of its text, or
+    `done` with it (item `index` of the output)."""
+
+    kind: str
+    index: int
+    text: str = ""
+
+
+class ResponseOutput:
+    """A generation's text -> output items, in the order they come (thoughts, then a message, then
+    calls); one item is open at a time. Invariant: the items' texts are what the changes added."""
+
+    def __init__(self, reasoning: Reasoning | None, tool_format: str | None) -> None:
+        self.thinker = ReasoningParser(reasoning) if reasoning else None
+        self.calls = ToolCallParser(tool_format) if tool_format else None
+        self.items: list[OutputItem] = []
+        self.num_reasoning_tokens = 0
+
+    def feed(self, text: str, num_tokens: int = 1) -> list[Change]:
+        thinking = self.thinker is not None and self.thinker.thinking
+        thoughts, content = self.thinker.feed(text) if self.thinker else ("", text)
+        if thinking or (self.thinker is not None and self.thinker.thinking):
+            self.num_reasoning_tokens += num_tokens
+        return self._add(thoughts, content, final=False)
+
+    def finish(self) -> list[Change]:
+        """The rest of the text, every item closed; an answer of no text is an empty message."""
+        thoughts, content = self.thinker.finish() if self.thinker else ("", "")
+        changes = self._add(thoughts, content, final=True)
+        if not any(item.type != "reasoning" for item in self.items):
+            changes += self._open("message")
+        if self.items and not self.items[-1].done:
+            changes.append(self._close())
+        return changes
+
+    def _add(self, thoughts: str, content: str, final: bool) -> list[Change]:
+        calls: list[ToolCallDelta] = []
+        if self.calls is not None:
+            delta = self.calls.feed(content)
+            rest = self.calls.finish() if final else None
+            content = delta.content + (rest.content if rest else "")
+            calls = delta.tool_calls + (rest.tool_calls if rest else [])
+        changes = self._write("reasoning", thoughts) + self._write("message", content)
+        for call in calls:
+            if call.id is not None:
+                changes += self._open("function_call", name=call.name, call_id=call.id)
+            changes += self._append(call.arguments)
+        return changes
+
+    def _write(self, kind: str, text: str) -> list[Change]:
+        if not text:
+            return []
+        opened = [] if self.items and self.items[-1].type == kind and not self.items[-1].done else self._open(kind)
+        return opened + self._append(text)
+
+    def _open(self, kind: str, **fields: Any) -> list[Change]:
+        changes = [self._close()] if self.items and not self.items[-1].done else []
+        self.items.append(OutputItem(kind, ITEM_PREFIX[kind] + uuid.uuid4().hex, **fields))
+        return [*changes, Change("added", len(self.items) - 1)]
+
+    def _append(self, text: str) -> list[Change]:
+        if not text:
+            return []
+        self.items[-1].text += text
+        return [Change("delta", len(self.items) - 1, text)]
+
+    def _close(self) -> Change:
+        self.items[-1].done = True
+        return Change("done", len(self.items) - 1)
+
+
+@dataclass
+class Record:
+    """A response as `GET /v1/responses/{id}` shows it, less its output items."""
+
+    id: str
+    created_at: int
+    model: str
+    settings: dict[str, Any]
+    status: str = "in_progress"  # in_progress | completed | incomplete | failed
+    incomplete_reason: str | None = None  # max_output_tokens
+    usage: dict | None = None  # input_tokens, output_tokens, reasoning_tokens
+    error: str | None = None
+    completed_at: int | None = None
+
+
+class ResponseRun:
+    """A submitted response: read its `changes` (streamed) or `collect` it; at its end it is stored.
+    Invariant: once read (to its end, or left), its generation is not running, and a response
+    that did not complete left nothing stored."""
+
+    def __init__(self, record: Record, output: ResponseOutput, choices: Choices, conversations: Conversations,
+                 tenant: str, stored: list[dict] | None) -> None:
+        self.record = record
+        self.output = output
+        self.choices = choices
+        self.conversations = conversations
+        self.tenant = tenant
+        self.stored = stored  # the items to store before the output (None: not stored)
+
+    @property
+    def items(self) -> list[OutputItem]:
+        return self.output.items
+
+    async def changes(self) -> AsyncIterator[list[Change]]:
+        """The output's changes, token event by token event; the record's status and usage are set
+        before the last. A failure is raised (before the first change: nothing was sent yet)."""
+        events, done = self.choices.events(), False
+        try:
+            async for _, event in events:
+                if isinstance(event, Exception):
+                    raise failure(event)
+                if event.error is not None:
+                    raise generation_failed(event)
+                changes = self.output.feed(event.text, len(event.token_ids))
+                if event.finished:
+                    changes += self.output.finish()
+                    self.finish(event)
+                    await self.store()
+                    done = True
+                yield changes
+        except Exception as exc:
+            self.record.status, self.record.error = "failed", failure(exc).message
+            raise
+        finally:
+            await events.aclose()
+            if not done:
+                self.discard()
+
+    async def collect(self) -> ResponseRun:
+        async for _ in self.changes():
+            pass
+        return self
+
+    def finish(self, event: Any) -> None:
+        counts = usage(event)
+        self.record.usage = {"input_tokens": counts["prompt_tokens"], "output_tokens": counts["completion_tokens"],
+                             "reasoning_tokens": self.output.num_reasoning_tokens}
+        self.record.completed_at = int(time.time())
+        if getattr(event.finish_reason, "value", event.finish_reason) == "length":
+            self.record.status, self.record.incomplete_reason = "incomplete", "max_output_tokens"
+        else:
+            self.record.status = "completed"
+
+    async def store(self) -> None:
+        if self.stored is None:
+            return
+        items = [*self.stored, *(stored_item(item) for item in self.items),
+                 {"type": "response", **vars(self.record), "num_output": len(self.items)}]
+        await self.conversations.append(conversation_id(self.record.id), [encode(item) for item in items])
+
+    def discard(self) -> None:
+        if self.stored is not None:
+            task = asyncio.ensure_future(self.conversations.discard(self.tenant, conversation_id(self.record.id)))
+            _background.add(task)
+            task.add_done_callback(_background.discard)
+
+
+class Responses:
+    """Creates and reads responses, over the generation service and the conversations."""
+
+    def __init__(self, inference: Inference) -> None:
+        self.inference = inference
+        self.conversations = inference.conversations
+
+    async def plan(self, caller: Caller, ask: ResponseInput) -> tuple[Plan, list[dict]]:
+        """The response planned as a chat (after its chain's items, on the version the chain ran on
+        when the model is the same), and the chain's items."""
+        history, pinned = [], None
+        if ask.previous_response_id:
+            history, model_name, pinned = await self.chain(caller, ask.previous_response_id)
+            pinned = pinned if ask.model == model_name else None
+        messages = ([{"role": "system", "content": ask.instructions}] if ask.instructions else []) + \
+            chat_messages(history + ask.items)
+        chat = ChatInput(model=ask.model, options=ask.options, max_tokens=ask.max_output_tokens, user=ask.user,
+                         priority=ask.priority, messages=messages, template_kwargs=ask.template_kwargs,
+                         tools=ask.tools, output=ask.output)
+        return await self.inference.plan_chat(caller, chat, pinned_version=pinned), history
+
+    async def count_input_tokens(self, caller: Caller, ask: ResponseInput) -> int:
+        """The prompt tokens a response to `ask` would have (its usage's `input_tokens`)."""
+        plan, _ = await self.plan(caller, ask)
+        return len(plan.prompt_ids)
+
+    async def create(self, caller: Caller, ask: ResponseInput) -> ResponseRun:
+        """Plan, store the start of, and submit a response (read it from the returned run)."""
+        plan, history = await self.plan(caller, ask)
+        response_id = RESPONSE_PREFIX + uuid.uuid4().hex
+        if ask.store:
+            response_id = await self.start_conversation(caller, plan.model)
+        record = Record(response_id, int(time.time()), self.inference.router.label(plan.model), ask.settings)
+        try:
+            choices = self.inference.submit_n(caller, [plan])
+        except BaseException:
+            if ask.store:
+                await self.conversations.discard(caller.tenant.name, conversation_id(response_id))
+            raise
+        return ResponseRun(record, ResponseOutput(plan.reasoning, plan.tool_format), choices, self.conversations,
+                           caller.tenant.name, history + ask.items if ask.store else None)
+
+    async def start_conversation(self, caller: Caller, model: ServedModel) -> str:
+        conversation = await asyncio.wrap_future(self.conversations.store.create(
+            caller.tenant.name, model.name, model.version, "Responses API"))
+        return RESPONSE_PREFIX + conversation.id.removeprefix(CONVERSATION_PREFIX)
+
+    async def chain(self, caller: Caller, response_id: str) -> tuple[list[dict], str, str]:
+        """The items of the caller's stored response `response_id` (earlier responses' included),
+        the model and version it ran on; 404 when it is not the caller's or not stored."""
+        items, conversation = await self.stored(caller, response_id, "previous_response_id")
+        return [item for item in items if item["type"] in CHAT_ITEMS], conversation.model, conversation.model_version
+
+    async def retrieve(self, caller: Caller, response_id: str) -> tuple[Record, list[OutputItem]]:
+        """The caller's stored response and its output items."""
+        items, _ = await self.stored(caller, response_id, "response_id")
+        records = [i for i, item in enumerate(items) if item["type"] == "response"]
+        if not records:
+            raise response_not_found(response_id, "response_id")
+        data = dict(items[records[-1]])
+        num_output = data.pop("num_output")
+        del data["type"]
+        output = [output_item(item) for item in items[records[-1] - num_output: records[-1]]]
+        return Record(**data), output
+
+    async def delete(self, caller: Caller, response_id: str) -> None:
+        """Deletes the caller's stored response (its conversation); 404 when it is not theirs."""
+        await self.stored(caller, response_id, "response_id")  # the same 404 as GET
+        await self.conversations.delete(caller, conversation_id(response_id))
+
+    async def stored(self, caller: Caller, response_id: str, param: str) -> tuple[list[dict], Any]:
+        if not response_id.startswith(RESPONSE_PREFIX):
+            raise response_not_found(response_id, param)
+        try:
+            conversation, messages = await self.conversations.get(caller, conversation_id(response_id))
+        except NotFoundError:
+            raise response_not_found(response_id, param) from None
+        return [decode(m.role, m.content) for m in messages], conversation
+
+
+def response_not_found(response_id: str, param: str) -> NotFoundError:
+    return NotFoundError(f"No stored response with id {response_id!r}.", param=param, code="response_not_found")
+
+
+def conversation_id(response_id: str) -> str:
+    return CONVERSATION_PREFIX + response_id.removeprefix(RESPONSE_PREFIX)
+
+
+# ---- items in the conversation store and in the chat template ----------------------------
+
+CHAT_ITEMS = ("message", "function_call", "function_call_output")
+STORED_ROLE = {"function_call": "assistant", "reasoning": "assistant", "function_call_output": "tool",
+               "response": "system"}
+
+
+def encode(item: dict) -> dict:
+    """An item as a conversation message ({"role", "content"})."""
+    if item["type"] == "message":
+        return {"role": item["role"], "content": item["content"]}
+    return {"role": STORED_ROLE[item["type"]], "content": json.dumps({ITEM_KEY: item}, ensure_ascii=False)}
+
+
+def decode(role: str, content: str) -> dict:
+    if content.startswith('{"' + ITEM_KEY + '"'):
+        try:
+            return json.loads(content)[ITEM_KEY]
+        except (ValueError, KeyError):
+            pass
+    return {"type": "message", "role": role, "content": content}
+
+
+def stored_item(item: OutputItem) -> dict:
+    if item.type == "message":
+        return {"type": "message", "role": "assistant", "content": item.text}
+    if item.type == "function_call":
+        return {"type": "function_call", "id": item.id, "call_id": item.call_id, "name": item.name,
+                "arguments": item.text}
+    return {"type": "reasoning", "id": item.id, "text": item.text}
+
+
+def output_item(item: dict) -> OutputItem:
+    """A stored output item back (a message's id is not kept: it gets a fresh one)."""
+    if item["type"] == "message":
+        return OutputItem("message", ITEM_PREFIX["message"] + uuid.uuid4().hex, item["content"], done=True)
+    if item["type"] == "function_call":
+        return OutputItem("function_call", item["id"], item["arguments"], item["name"], item["call_id"], done=True)
+    return OutputItem("reasoning", item["id"], item["text"], done=True)
+
+
+def chat_messages(items: list[dict]) -> list[dict]:
+    """Items as chat-template messages: a turn's calls on one assistant message (after its text),
+    call outputs as `tool` messages; thoughts are not shown again."""
+    out: list[dict] = []
+    for item in items:
+        kind = item["type"]
+        if kind == "message":
+            out.append({"role": "system" if item["role"] == "developer" else item["role"], "content": item["content"]})
+        elif kind == "function_call":
+            call = {"id": item["call_id"], "type": "function",
+                    "function": {"name": item["name"], "arguments": parsed_arguments(item["arguments"])}}
+            if out and out[-1]["role"] == "assistant":
+                out[-1].setdefault("tool_calls", []).append(call)
+            else:
+                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            out.append({"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]})
+    return out
+
+
+def parsed_arguments(arguments: str) -> Any:
+    """A call's arguments as chat templates expect them: an object when they are JSON."""
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return arguments
