@@ -37,6 +37,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     seed: int = 0
     worker_stall_seconds: float = 60.0  # a device worker busy this long on one round of steps: /ready says 503
+    cpu_kernels: bool = True  # CPU float32: the C++ decode attention kernel (built once in the background, cached)
     policy: str = "fair"  # fair (priority classes + per-tenant fair share) | fifo
     fair_share: FairShareConfig = FairShareConfig()
     cache: CacheConfig = CacheConfig()
@@ -51,7 +52,7 @@ def build_engine(loaded: LoadedModel, cfg: EngineConfig, num_blocks: int | None 
     if num_blocks is None:
         num_blocks = num_kv_blocks(loaded.model, cfg.cache, loaded.device, loaded.dtype)
     block_size = cfg.cache.block_size
-    runner = ModelRunner(loaded.model, loaded.device, loaded.dtype, block_size, num_blocks)
+    runner = ModelRunner(loaded.model, loaded.device, loaded.dtype, block_size, num_blocks, cfg.cpu_kernels)
     max_model_len = min(cfg.max_model_len or loaded.max_model_len, loaded.max_model_len)
     if max_model_len > num_blocks * block_size:
         log.warning("KV cache smaller than the context; capping max_model_len",

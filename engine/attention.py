@@ -1,13 +1,15 @@
 """Paged attention over a flat batch, with torch ops only (runs on CPU and GPU alike).
 
 Tokens of one step are packed: decode tokens first (one per sequence), then the prefill
-chunks. Decodes run as one batched SDPA call over keys gathered from the paged cache;
-each prefill chunk runs its own SDPA call (causal, offset by what is already cached).
-The metadata is built once per step and shared by all layers.
+chunks. Decodes run as one call: the CPU kernel of `engine.cpu_attention` when the runner
+passes it (it reads the blocks in place), else one batched SDPA call over keys gathered
+from the paged cache. Each prefill chunk runs its own SDPA call (causal, offset by what is
+already cached). The metadata is built once per step and shared by all layers.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -28,8 +30,11 @@ class AttentionMetadata:
     block_size: int
     num_decodes: int
     decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks], padded with block 0
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] bool
+    decode_context_lens: torch.Tensor | None  # [num_decodes] tokens in the cache, the new one included
+    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] bool; None with a kernel
     prefills: list[PrefillChunk]
+    sliding_window: int | None = None
+    decode_kernel: Callable[..., None] | None = None  # engine.cpu_attention's op, when built
 
 
 def visible_mask(
@@ -53,16 +58,19 @@ def build_metadata(
     block_size: int,
     sliding_window: int | None,
     device: torch.device,
+    decode_kernel: Callable[..., None] | None = None,
 ) -> AttentionMetadata:
     """decode_contexts: (block_table, context_len); prefill_chunks: (block_table, start_pos, chunk_len)."""
-    decode_tables = decode_mask = None
+    decode_tables = decode_lens = decode_mask = None
     if decode_contexts:
         num_blocks = [cdiv(ctx, block_size) for _, ctx in decode_contexts]
         width = max(num_blocks)
         rows = [table[:n] + [0] * (width - n) for (table, _), n in zip(decode_contexts, num_blocks)]
         decode_tables = torch.tensor(rows, dtype=torch.long, device=device)
-        last = torch.tensor([ctx - 1 for _, ctx in decode_contexts], device=device)
-        decode_mask = visible_mask(last, width * block_size, last[:, None] + 1, sliding_window)[:, None, None, :]
+        decode_lens = torch.tensor([ctx for _, ctx in decode_contexts], dtype=torch.long, device=device)
+        if decode_kernel is None:
+            last = decode_lens - 1
+            decode_mask = visible_mask(last, width * block_size, decode_lens[:, None], sliding_window)[:, None, None, :]
 
     prefills = []
     offset = len(decode_contexts)
@@ -82,8 +90,11 @@ def build_metadata(
         block_size=block_size,
         num_decodes=len(decode_contexts),
         decode_block_tables=decode_tables,
+        decode_context_lens=decode_lens,
         decode_mask=decode_mask,
         prefills=prefills,
+        sliding_window=sliding_window,
+        decode_kernel=decode_kernel,
     )
 
 
@@ -115,7 +126,11 @@ def paged_attention(
     v_cache.index_copy_(0, meta.slot_mapping, v)
     out = torch.empty_like(q)
     nd = meta.num_decodes
-    if nd:
+    if nd and meta.decode_kernel is not None:
+        meta.decode_kernel(out[:nd], q[:nd].contiguous(), k_cache, v_cache,
+                           meta.decode_block_tables, meta.decode_context_lens, meta.block_size, scale,
+                           meta.sliding_window or 0)
+    elif nd:
         keys = gather_blocks(k_cache, meta.decode_block_tables, meta.block_size)  # [nd, kv_heads, ctx, head_dim]
         values = gather_blocks(v_cache, meta.decode_block_tables, meta.block_size)
         out[:nd] = F.scaled_dot_product_attention(

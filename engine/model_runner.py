@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention import build_metadata
+from engine.cpu_attention import DECODE_KERNEL
 from engine.models.llama import LlamaForCausalLM
 from engine.types import ScheduledBatch, ScheduledSeq, Sequence
 
@@ -48,7 +49,8 @@ class StepInputs:
 
 class ModelRunner:
     def __init__(
-        self, model: LlamaForCausalLM, device: torch.device, dtype: torch.dtype, block_size: int, num_blocks: int
+        self, model: LlamaForCausalLM, device: torch.device, dtype: torch.dtype, block_size: int, num_blocks: int,
+        cpu_kernels: bool = True,
     ) -> None:
         self.model = model
         self.device = device
@@ -63,6 +65,10 @@ class ModelRunner:
             )
             for _ in range(s.num_layers)
         ]
+        # the C++ decode attention builds in the background; steps use the torch path until it is ready
+        self.decode_kernel = DECODE_KERNEL if cpu_kernels and device.type == "cpu" and dtype == torch.float32 else None
+        if self.decode_kernel is not None:
+            self.decode_kernel.start()
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> tuple[list[Sequence], torch.Tensor]:
@@ -88,7 +94,8 @@ class ModelRunner:
             if item.completes_prefill:
                 logits_indices.append(len(input_ids) - 1)
                 sample_seqs.append(seq)
-        meta = build_metadata(decodes, prefills, slot_mapping, bs, self.model.shape.sliding_window, self.device)
+        kernel = self.decode_kernel.op if self.decode_kernel is not None else None
+        meta = build_metadata(decodes, prefills, slot_mapping, bs, self.model.shape.sliding_window, self.device, kernel)
         as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
         logits = self.model(
             as_tensor(input_ids), as_tensor(positions), self.kv_caches, meta, as_tensor(logits_indices)

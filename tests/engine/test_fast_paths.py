@@ -12,8 +12,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.attention import build_metadata, paged_attention
+from engine.cpu_attention import DECODE_KERNEL
 from engine.loader import load_model
 from engine.packed_linear import PackedLinear, can_pack
+from tests.engine.test_reference import GREEDY, hf_greedy, prompts
+from tests.helpers import assert_all_blocks_free, make_engine, run_to_completion
+from tests.models import FAMILIES
 
 needs_mkldnn = pytest.mark.skipif(not can_pack(torch.device("cpu"), torch.float32), reason="no oneDNN in this torch")
 
@@ -38,3 +43,48 @@ def test_cpu_float32_models_load_with_packed_linears(tiny_models):
     linears = [m for m in model.modules() if isinstance(m, nn.Linear | PackedLinear)]
     assert linears and all(isinstance(m, PackedLinear) for m in linears)
     assert not model.embed_tokens.weight.is_mkldnn
+
+
+@pytest.fixture(scope="module")
+def decode_kernel():
+    if not DECODE_KERNEL.wait(timeout_s=900):
+        pytest.skip("the C++ decode attention kernel could not be built here (no compiler?)")
+    return DECODE_KERNEL.op
+
+
+@pytest.mark.parametrize("sliding_window", [None, 5])
+def test_decode_kernel_matches_torch_path(decode_kernel, sliding_window):
+    """Random caches, block tables out of order, contexts ending mid-block and on a block edge, GQA."""
+    torch.manual_seed(0)
+    block_size, num_blocks, num_heads, num_kv_heads, head_dim = 4, 40, 6, 2, 16
+    k_cache = torch.randn(num_blocks * block_size, num_kv_heads, head_dim)
+    v_cache = torch.randn(num_blocks * block_size, num_kv_heads, head_dim)
+    context_lens = [1, 7, 8, 13, 30]
+    tables = [torch.randperm(num_blocks)[: -(-n // block_size)].tolist() for n in context_lens]
+    q = torch.randn(len(context_lens), num_heads, head_dim)
+    k = torch.randn(len(context_lens), num_kv_heads, head_dim)
+    v = torch.randn(len(context_lens), num_kv_heads, head_dim)
+    slots = [table[(n - 1) // block_size] * block_size + (n - 1) % block_size for table, n in zip(tables, context_lens)]
+    outs = []
+    for kernel in (None, decode_kernel):
+        meta = build_metadata(list(zip(tables, context_lens)), [], slots, block_size, sliding_window,
+                              torch.device("cpu"), kernel)
+        outs.append(paged_attention(q, k, v, k_cache.clone(), v_cache.clone(), meta, head_dim**-0.5))
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_engine_with_decode_kernel_matches_hf(tiny_models, decode_kernel, family):
+    path = tiny_models[family]
+    engine = make_engine(path, max_num_batched_tokens=20)  # chunked prefills beside decodes
+    assert engine.runner.decode_kernel.op is decode_kernel
+    batch = prompts(6, 300)
+    assert run_to_completion(engine, batch, GREEDY) == [hf_greedy(path, p, 16) for p in batch]
+    assert_all_blocks_free(engine.scheduler.kv)
+
+
+def test_engine_without_cpu_kernels_uses_the_torch_path(tiny_models):
+    engine = make_engine(tiny_models["llama"], cpu_kernels=False)
+    assert engine.runner.decode_kernel is None
+    [prompt] = prompts(1, 300, lengths=[11])
+    assert run_to_completion(engine, [prompt], GREEDY) == [hf_greedy(tiny_models["llama"], prompt, 16)]
