@@ -288,6 +288,8 @@ class Responses:
         """The items of the caller's stored response `response_id` (earlier responses' included),
         the model and version it ran on; 404 when it is not the caller's or not stored."""
         items, conversation = await self.stored(caller, response_id, "previous_response_id")
+        if not any(item["type"] == "response" for item in items):  # not a response, or one not finished
+            raise response_not_found(response_id, "previous_response_id")
         return [item for item in items if item["type"] in CHAT_ITEMS], conversation.model, conversation.model_version
 
     async def retrieve(self, caller: Caller, response_id: str) -> tuple[Record, list[OutputItem]]:

@@ -2,10 +2,12 @@
 and item input, streamed and not (every event and answer validated strictly against the SDK's own
 types, the stream exactly as OpenAI frames it), the same greedy text as a chat completion of the
 same messages, a forced function call and its streamed arguments, `previous_response_id` with a
-call's output (only for the tenant that stored it), GET and DELETE, the input token count, and 400s naming what cannot be done."""
+call's output (only for the tenant that stored it), GET and DELETE, the input token count, a client
+that leaves, and 400s naming what cannot be done."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import typing
 
@@ -166,6 +168,23 @@ async def test_unstored_and_unknown_responses_are_not_found(sdk):
         assert info.value.body["param"] == "previous_response_id"
         with pytest.raises(openai.NotFoundError):
             await sdk.responses.retrieve(bad)
+
+
+async def test_a_client_that_leaves_mid_stream_stores_nothing(served, sdk):
+    body = {"model": "tiny", "input": "Hello", "max_output_tokens": 400, "stream": True}
+    async with aiohttp.ClientSession() as session:
+        async with session.post(f"{sdk.base_url}responses", json=body) as resp:
+            await resp.content.readuntil(b"\n\n")
+            created = json.loads((await resp.content.readuntil(b"\n\n")).decode().split("data: ", 1)[1])
+    conversation = "conv_" + created["response"]["id"].removeprefix("resp_")
+    async with aiohttp.ClientSession() as session:
+        for _ in range(200):  # the conversation started for it is discarded in the background
+            async with session.get(f"{sdk.base_url}".replace("/v1/", "/api/v1/conversations")) as resp:
+                if conversation not in [c["id"] for c in (await resp.json())["data"]]:
+                    break
+            await asyncio.sleep(0.05)
+        else:
+            raise AssertionError("the unfinished response's conversation was kept")
 
 
 async def test_json_schema_text_format(sdk):
