@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.inference.events import Answer
+from services.inference.tool_parser import held_back
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 PROMPT_TAIL_TOKENS = 8  # enough of a prompt's end to see whether it leaves `<think>` open
@@ -50,14 +51,6 @@ def marks_are_special(tokenizer: Any) -> bool:
     """The think marks are special tokens (decoding would drop them unless asked to keep them)."""
     special = set(getattr(tokenizer, "all_special_tokens", ()))
     return THINK_OPEN in special or THINK_CLOSE in special
-
-
-def held_back(text: str, marker: str) -> int:
-    """Characters at the end of `text` that may be the start of `marker`."""
-    for size in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-size:]):
-            return size
-    return 0
 
 
 def split(text: str, starts_inside: bool, final: bool) -> tuple[str, str]:
