@@ -32,6 +32,7 @@ import itertools
 import json
 import os
 import random
+import shutil
 import signal
 import statistics
 import subprocess
@@ -61,7 +62,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 EOS = "<|endoftext|>"
-DEFAULT_VLLM_PYTHON = Path.home() / ".cache/galley-bench/vllm-venv/bin/python"
+CACHE_DIR = Path.home() / ".cache/galley-bench"
+DEFAULT_VLLM_PYTHON = CACHE_DIR / "vllm-venv/bin/python"
 MAX_MODEL_LEN = 2048
 GALLEY, VLLM = "galley", "vLLM"
 PREFIX_COUNTERS = {  # (queries, hits), both in prompt tokens
@@ -86,6 +88,18 @@ def build_word_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=EOS))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=EOS)
+
+
+def cached_model(shape: ModelShape, seed: int) -> Path:
+    """The model folder, built once per shape and seed: vLLM's compile cache is keyed by the
+    model's path, so a rerun on the same folder skips minutes of compilation."""
+    path = CACHE_DIR / f"peers-model-{shape.num_layers}l-seed{seed}"
+    if not path.exists():
+        partial = path.with_name(path.name + ".partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        save_model(shape, partial, seed, build_word_tokenizer(shape.vocab_size))
+        partial.rename(path)
+    return path
 
 
 def ids_from_text(text: str) -> list[int]:
@@ -157,11 +171,11 @@ class System:
         return f"http://127.0.0.1:{self.port}"
 
 
-def start_galley(args: argparse.Namespace, model_dir: Path, max_num_seqs: int) -> System:
-    port, log_path = free_port(), model_dir.with_name("galley.log")
+def start_galley(args: argparse.Namespace, model_dir: Path, work_dir: Path, max_num_seqs: int) -> System:
+    port, log_path = free_port(), work_dir / "galley.log"
     server_args = [
         "--dtype", "float32",
-        "--data-dir", str(model_dir.with_name("galley-data")),
+        "--data-dir", str(work_dir / "galley-data"),
         "--log-format", "console",
         "--max-num-seqs", str(max_num_seqs),
         "--max-num-batched-tokens", "2048",
@@ -172,9 +186,9 @@ def start_galley(args: argparse.Namespace, model_dir: Path, max_num_seqs: int) -
     return System(GALLEY, proc, port, log_path)
 
 
-def start_vllm(args: argparse.Namespace, model_dir: Path) -> System:
+def start_vllm(args: argparse.Namespace, model_dir: Path, work_dir: Path) -> System:
     """TESTING.md's recipe: its KV cache as big as galley's, its OpenMP team on every core."""
-    port, log_path = free_port(), model_dir.with_name("vllm.log")
+    port, log_path = free_port(), work_dir / "vllm.log"
     cmd = [
         str(args.vllm_python), "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(model_dir),
@@ -388,7 +402,11 @@ async def settle(systems: list[System], max_wait_s: float = 15.0) -> None:
             return
 
 
-async def measure(args: argparse.Namespace, systems: list[System], workloads: list[Workload], vocab_size: int) -> dict:
+async def measure(
+    args: argparse.Namespace, systems: list[System], workloads: list[Workload], vocab_size: int, runs: list[Run]
+) -> dict[str, float]:
+    """Appends each run to `runs` as it ends (an interrupted benchmark still reports them);
+    returns the cores each server burnt while idle."""
     timeout = aiohttp.ClientTimeout(total=None, sock_read=900)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as session:
         for system, path in ((s, "/ready" if s.name == GALLEY else "/v1/models") for s in systems):
@@ -398,7 +416,6 @@ async def measure(args: argparse.Namespace, systems: list[System], workloads: li
         await settle(systems)
         idle = await idle_cores(systems)
         log(f"idle cores: {fmt_cores(idle)}")
-        runs: list[Run] = []
         for rep in range(args.repetitions):
             order = systems if rep % 2 == 0 else systems[::-1]
             for w in workloads:
@@ -416,7 +433,7 @@ async def measure(args: argparse.Namespace, systems: list[System], workloads: li
                             f"cores {fmt_cores(r.cores)}"
                         )
                     )
-    return {"idle_cores": idle, "runs": runs}
+    return idle
 
 
 def fmt_cores(cores: dict[str, float]) -> str:
@@ -625,19 +642,24 @@ def main(argv: list[str] | None = None) -> int:
         log(f"vLLM skipped: no {args.vllm_python} (install it as ../shared/TESTING.md says, or pass --vllm-python)")
         names.remove(VLLM)
     shape = ModelShape(num_layers=args.layers)
+    torch.set_num_threads(args.threads)
+    model_dir = cached_model(shape, args.seed)
     with tempfile.TemporaryDirectory(prefix="galley-peers-") as tmp:
-        model_dir = Path(tmp) / "model"
-        torch.set_num_threads(args.threads)
-        save_model(shape, model_dir, args.seed, build_word_tokenizer(shape.vocab_size))
         max_num_seqs = max(w.num_conversations for w in workloads)
         starters = {
-            GALLEY: lambda: start_galley(args, model_dir, max_num_seqs),
-            VLLM: lambda: start_vllm(args, model_dir),
+            GALLEY: lambda: start_galley(args, model_dir, Path(tmp), max_num_seqs),
+            VLLM: lambda: start_vllm(args, model_dir, Path(tmp)),
         }
         systems: list[System] = []
+        runs: list[Run] = []
+        idle: dict[str, float] = {}
+        interrupted = False
         try:
             systems = [starters[n]() for n in names]
-            result = asyncio.run(measure(args, systems, workloads, shape.vocab_size))
+            idle = asyncio.run(measure(args, systems, workloads, shape.vocab_size, runs))
+        except (KeyboardInterrupt, SystemExit):
+            log(f"interrupted: reporting the {len(runs)} runs done")
+            interrupted = True
         except Exception:
             for system in systems:
                 log(
@@ -648,12 +670,11 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             for system in systems:
                 stop_system(system)
-    runs: list[Run] = result["runs"]
     header = [
         f"galley {git_commit(args.galley_dir)}" + (f" vs {vllm_version(args.vllm_python)}" if VLLM in names else ""),
         f"model: Llama {shape.num_layers} layers, hidden {shape.hidden_size}, vocab {shape.vocab_size}, float32, "
         f"random weights; {args.repetitions} repetitions; {args.threads} threads per server on {os.cpu_count()} cpus; "
-        f"{time.strftime('%Y-%m-%d')}, {(time.monotonic() - started) / 60:.1f} min",
+        f"{time.strftime('%Y-%m-%d')}, {(time.monotonic() - started) / 60:.1f} min" + (" (interrupted)" * interrupted),
         "medians over repetitions; galley / vLLM: median (range) of the paired ratios; "
         "others: cores busy with other processes during the run",
     ]
@@ -663,7 +684,7 @@ def main(argv: list[str] | None = None) -> int:
         "header": header,
         "shape": dataclasses.asdict(shape),
         "workloads": [dataclasses.asdict(w) | {"what": w.describe()} for w in workloads],
-        "idle_cores": result["idle_cores"],
+        "idle_cores": idle,
         "runs": [r.summary() for r in runs],
         "report": report,
     }
@@ -672,7 +693,7 @@ def main(argv: list[str] | None = None) -> int:
     log(f"results written to {args.json}")
     draw_chart(args.chart, runs, workloads, names, header[0])
     print(report)
-    return 0
+    return 1 if interrupted else 0
 
 
 if __name__ == "__main__":
