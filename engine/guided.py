@@ -39,8 +39,11 @@ def apply_token_mask(logits: torch.Tensor, mask: TokenMask) -> torch.Tensor:
     allowed = ((words.unsqueeze(-1) >> shifts) & 1).view(words.shape[0], -1).bool()  # [rows, words * 32]
     if allowed.shape[1] < vocab:
         allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))
+    allowed = allowed[:, :vocab]
+    if len(mask.rows) == logits.shape[0]:  # every row constrained: no gather and scatter
+        return logits.masked_fill(~allowed, float("-inf"))
     rows = torch.tensor(mask.rows, device=logits.device)
-    return logits.index_put((rows,), logits[rows].masked_fill(~allowed[:, :vocab], float("-inf")))
+    return logits.index_put((rows,), logits[rows].masked_fill(~allowed, float("-inf")))
 
 
 class GuidedDecoding:
