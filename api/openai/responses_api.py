@@ -187,11 +187,12 @@ async def delete_response(request: web.Request) -> web.Response:
     return json_response({"id": response_id, "object": "response", "deleted": True})
 
 
+RESPONSE_PATH = "/v1/responses/{response_id:(?!input_tokens$)[^/]+}"  # input_tokens is POST's alone
 ROUTES = [
     Route("POST", "/v1/responses", create_response, "Create a model response (OpenAI's Responses API)",
           request=ResponseCreateRequest, response=ResponseObject, stream_response=ResponseEvent),
     Route("POST", "/v1/responses/input_tokens", count_input_tokens, "Count a response's input tokens",
           request=InputTokensRequest, response=InputTokens),
-    Route("GET", "/v1/responses/{response_id}", get_response, "A stored response", response=ResponseObject),
-    Route("DELETE", "/v1/responses/{response_id}", delete_response, "Delete a stored response"),
+    Route("GET", RESPONSE_PATH, get_response, "A stored response", response=ResponseObject),
+    Route("DELETE", RESPONSE_PATH, delete_response, "Delete a stored response"),
 ]
