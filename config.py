@@ -80,6 +80,7 @@ class ModelSpec:
     shared_prefix_cache: bool = False  # generate: tenants may reuse each other's cached prefixes (common system prompt)
     preload: bool = True  # load at start; false: on its first request (a quick start with a large model)
     install_hint: str = ""  # set: a missing source is a warning naming this, and the server serves the rest
+    tool_parser: str = ""  # generate: hermes | llama3_json | mistral; empty: detected from the chat template
 
     @property
     def options(self) -> dict[str, Any]:
@@ -91,6 +92,8 @@ class ModelSpec:
             options["shared_prefix_cache"] = True
         if not self.preload:
             options["preload"] = False
+        if self.tool_parser:
+            options["tool_parser"] = self.tool_parser
         if self.kind != "generate":
             options.update(max_batch=self.max_batch, max_wait_ms=self.max_wait_ms)
         return options

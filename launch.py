@@ -156,6 +156,7 @@ class EngineLoader:
             vocab_size=loaded.model.shape.vocab_size, max_token_chars=max_token_chars(loaded.tokenizer),
             version=spec.version, created=int(time.time()), block_size=self.cfg.cache.block_size,
             shared_prefix_cache=bool(spec.options.get("shared_prefix_cache", False)),
+            tool_parser=spec.options.get("tool_parser"),
         )
 
     def new_engine(self, spec: ModelVersion, loaded: LoadedModel) -> LLMEngine:

@@ -79,6 +79,7 @@ class ServedModel:
     draining: bool = False  # being unloaded: in-flight requests finish, new ones go elsewhere
     block_size: int = 16  # of the replicas' KV caches: prefix routing hashes prompts by block
     shared_prefix_cache: bool = False  # tenants may reuse each other's cached prefixes (a common system prompt)
+    tool_parser: str | None = None  # the tool-call format its answers are parsed in; None: from the chat template
 
     @property
     def ref(self) -> str:

@@ -119,7 +119,7 @@ class Inference:
             history, pinned = await self.conversations.history(caller, ask.conversation_id, ask.model)
         model = await self.models.route(caller, ask.model, user=ask.user, conversation_id=ask.conversation_id,
                                        pinned_version=pinned)
-        tools = prompt_with_tools(model.tokenizer, history + ask.messages, ask.tools)
+        tools = prompt_with_tools(model.tokenizer, history + ask.messages, ask.tools, model.tool_parser)
         prompt_ids = await encode_chat(model, tools.messages,
                                        template_kwargs=tools.template_kwargs(ask.template_kwargs))
         params = sampling_params(ask.options, ask.max_tokens, len(prompt_ids), model, ask.logprobs,

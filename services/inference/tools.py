@@ -101,9 +101,10 @@ class ToolPrompt:
         return kwargs if self.template_tools is None else {**kwargs, "tools": self.template_tools}
 
 
-def prompt_with_tools(tokenizer: Any, messages: list[dict], use: ToolUse) -> ToolPrompt:
+def prompt_with_tools(tokenizer: Any, messages: list[dict], use: ToolUse, parser: str | None = None) -> ToolPrompt:
+    """`parser`: the model's configured tool-call format (None: detected from its chat template)."""
     template = chat_template_of(tokenizer)
-    fmt = detect_format(template) if use.active else None
+    fmt = (parser or detect_format(template)) if use.active else None
     if renders_tools(template):
         return ToolPrompt(messages, list(use.tools) if use.active else None, fmt)
     if not use.active and not any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
