@@ -65,7 +65,10 @@ class GrammarCompiler:
     def __init__(self, tokenizer: Any, vocab_size: int) -> None:
         # the mask covers the model's rows (a model may have more embedding rows than the tokenizer has tokens)
         self.vocab_size = max(vocab_size, len(tokenizer))
-        self.ll_tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=self.vocab_size)
+        try:
+            self.ll_tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=self.vocab_size)
+        except ValueError as exc:  # a slow (Python-only) tokenizer: llguidance reads the Rust one
+            raise GrammarError(f"this model's tokenizer cannot drive constrained decoding: {exc}") from exc
         self._compiled: OrderedDict[GuidedSpec, LLMatcher] = OrderedDict()
         self._lock = threading.Lock()
 
