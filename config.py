@@ -81,6 +81,7 @@ class ModelSpec:
     preload: bool = True  # load at start; false: on its first request (a quick start with a large model)
     install_hint: str = ""  # set: a missing source is a warning naming this, and the server serves the rest
     tool_parser: str = ""  # generate: hermes | llama3_json | mistral; empty: detected from the chat template
+    reasoning_parser: str = ""  # generate: qwen3 | deepseek_r1 | none; empty: detected from the chat template
 
     @property
     def options(self) -> dict[str, Any]:
@@ -94,6 +95,8 @@ class ModelSpec:
             options["preload"] = False
         if self.tool_parser:
             options["tool_parser"] = self.tool_parser
+        if self.reasoning_parser:
+            options["reasoning_parser"] = self.reasoning_parser
         if self.kind != "generate":
             options.update(max_batch=self.max_batch, max_wait_ms=self.max_wait_ms)
         return options

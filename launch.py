@@ -157,6 +157,7 @@ class EngineLoader:
             version=spec.version, created=int(time.time()), block_size=self.cfg.cache.block_size,
             shared_prefix_cache=bool(spec.options.get("shared_prefix_cache", False)),
             tool_parser=spec.options.get("tool_parser"),
+            reasoning_parser=spec.options.get("reasoning_parser"),
         )
 
     def new_engine(self, spec: ModelVersion, loaded: LoadedModel) -> LLMEngine:

@@ -80,6 +80,7 @@ class ServedModel:
     block_size: int = 16  # of the replicas' KV caches: prefix routing hashes prompts by block
     shared_prefix_cache: bool = False  # tenants may reuse each other's cached prefixes (a common system prompt)
     tool_parser: str | None = None  # the tool-call format its answers are parsed in; None: from the chat template
+    reasoning_parser: str | None = None  # how <think> thoughts are split: qwen3 | deepseek_r1 | none; None: detected
 
     @property
     def ref(self) -> str:

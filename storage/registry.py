@@ -31,6 +31,7 @@ STATES = ("unloaded", "loading", "ready", "failed")
 EVENT_KINDS = ("deploy", "traffic", "rollback", "auto_rollback")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 TOOL_PARSERS = ("hermes", "llama3_json", "mistral")  # services.inference.tool_parser's formats
+REASONING_PARSERS = ("qwen3", "deepseek_r1", "none")  # services.inference.reasoning's
 # option -> (accepted types, what it means); anything else is rejected
 OPTIONS: dict[str, tuple[tuple[type, ...], str]] = {
     "dtype": ((str,), "auto | float32 | bfloat16 | float16"),
@@ -40,6 +41,7 @@ OPTIONS: dict[str, tuple[tuple[type, ...], str]] = {
     "preload": ((bool,), "false: loads on its first request instead of at start"),
     "shared_prefix_cache": ((bool,), "generative: tenants may reuse each other's cached prompt prefixes"),
     "tool_parser": ((str,), "generative: hermes | llama3_json | mistral; default: detected from the chat template"),
+    "reasoning_parser": ((str,), "generative: qwen3 | deepseek_r1 | none; default: detected from the chat template"),
     "max_batch": ((int,), "encoders: most inputs in one forward"),
     "max_wait_ms": ((int, float), "encoders: how long a batch waits to fill"),
 }
@@ -70,6 +72,8 @@ def validate_options(options: Mapping[str, Any]) -> dict[str, Any]:
         raise ValueError("option 'max_batch' must be >= 1")
     if options.get("tool_parser", "hermes") not in TOOL_PARSERS:
         raise ValueError(f"option 'tool_parser' must be one of {TOOL_PARSERS}")
+    if options.get("reasoning_parser", "none") not in REASONING_PARSERS:
+        raise ValueError(f"option 'reasoning_parser' must be one of {REASONING_PARSERS}")
     return dict(options)
 
 

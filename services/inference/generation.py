@@ -127,7 +127,8 @@ class Inference:
         params = await constrained_params(model, params, ask.tools, ask.output, tools.format)
         reasoning = None
         if not ask.conversation_id and params.guided is None:  # a grammar decides the answer from its first token
-            reasoning = reasoning_for(model.tokenizer, chat_template_of(model.tokenizer), prompt_ids)
+            reasoning = reasoning_for(model.tokenizer, chat_template_of(model.tokenizer), prompt_ids,
+                                      model.reasoning_parser)
             if reasoning is not None and marks_are_special(model.tokenizer):
                 params = dataclasses.replace(params, skip_special_tokens=False)
         return Plan("chat", ask, model, prompt_ids, params, ask.messages, tool_format=tools.format,

@@ -1,10 +1,12 @@
 """Reasoning models: their `<think>...</think>` text apart from the answer (vLLM's `reasoning_content`).
 
-A model thinks when its chat template speaks of `<think>` (Qwen3, DeepSeek-R1 distills, SmolLM3).
-Where its answer starts is read from the prompt: a template that opens `<think>` itself
-(DeepSeek-R1's) starts the answer inside the thoughts; one that closes it (Qwen3 with
-`enable_thinking: false`) or never opens it starts it outside, and a `<think>` the model writes
-first opens them. The split is one parser for streamed and collected answers: each view is a
+A model thinks when its chat template speaks of `<think>` (Qwen3, DeepSeek-R1 distills, SmolLM3),
+or when its `reasoning_parser` option says so. Where its answer starts is read from the prompt: a
+template that opens `<think>` itself (DeepSeek-R1's) starts the answer inside the thoughts; one
+that closes it (Qwen3 with `enable_thinking: false`) or never opens it starts it outside, and a
+`<think>` the model writes first opens them. `deepseek_r1` starts inside unless the prompt closed
+them (R1 distills often skip the opening tag, as vLLM's parser of that name assumes); `none`
+never splits. The split is one parser for streamed and collected answers: each view is a
 pure function of the text so far and only grows, so streamed deltas add up to the collected
 answer. Thoughts are trimmed of surrounding whitespace, the answer after them of leading
 whitespace (Qwen3 writes `</think>\\n\\n`).
@@ -39,11 +41,15 @@ def opens_thoughts(prompt_tail: str) -> bool:
     return prompt_tail.rfind(THINK_OPEN) > prompt_tail.rfind(THINK_CLOSE)
 
 
-def reasoning_for(tokenizer: Any, chat_template: str | None, prompt_ids: list[int]) -> Reasoning | None:
-    """How a chat's answer is split, None when the model does not think."""
-    if not thinks(chat_template):
+def reasoning_for(tokenizer: Any, chat_template: str | None, prompt_ids: list[int],
+                  parser: str | None = None) -> Reasoning | None:
+    """How a chat's answer is split, None when the model does not think; `parser`: the model's
+    `reasoning_parser` option (None: detected from the template)."""
+    if parser == "none" or (parser is None and not thinks(chat_template)):
         return None
     tail = tokenizer.decode(prompt_ids[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
+    if parser == "deepseek_r1":
+        return Reasoning(starts_inside=tail.rfind(THINK_CLOSE) <= tail.rfind(THINK_OPEN))  # unless closed
     return Reasoning(starts_inside=opens_thoughts(tail))
 
 
@@ -55,14 +61,15 @@ def marks_are_special(tokenizer: Any) -> bool:
 
 def split(text: str, starts_inside: bool, final: bool) -> tuple[str, str]:
     """(thoughts, answer) as far as `text` tells; not `final`: what may still change is held back."""
-    body = text
-    if not starts_inside:
-        lead = text.lstrip()
-        if not lead.startswith(THINK_OPEN):
-            if not final and THINK_OPEN.startswith(lead):  # may still become `<think>`
-                return "", ""
-            return "", text
+    lead = text.lstrip()
+    if not final and THINK_OPEN.startswith(lead):  # may still become `<think>`
+        return "", ""
+    if lead.startswith(THINK_OPEN):  # opened by the model (again, when its prompt had opened them)
         body = lead[len(THINK_OPEN):]
+    elif starts_inside:
+        body = text
+    else:
+        return "", text
     close = body.find(THINK_CLOSE)
     if close >= 0:
         return body[:close].strip(), body[close + len(THINK_CLOSE):].lstrip()

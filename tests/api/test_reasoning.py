@@ -14,8 +14,11 @@ import pytest
 import torch
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from openai.types.responses import Response
+from transformers import AutoTokenizer
 
-from services.inference.reasoning import THINK_CLOSE, THINK_OPEN, Reasoning, ReasoningParser, split
+from config import ModelSpec
+from services.inference.reasoning import THINK_CLOSE, THINK_OPEN, Reasoning, ReasoningParser, reasoning_for, split
+from storage.registry import validate_options
 from tests.api.test_api import client, start_server, wait_blocks_free
 from tests.api.test_openai_wire import assert_only_openai_fields, strict
 from tests.api.test_responses import event_types, raw_events
@@ -157,6 +160,46 @@ async def test_responses_show_thoughts_as_a_reasoning_item(serve, thinking_path)
     assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == THOUGHTS
     off = await sdk.responses.create(**ask, reasoning={"effort": "none"})  # enable_thinking: false
     assert [item.type for item in off.output] == ["message"] and off.output_text == ANSWER
+
+
+async def test_the_reasoning_parser_option_overrides_detection(aiohttp_server, thinking_path, tmp_path):
+    plain = with_template(thinking_path, tmp_path / "plain", CHAT_TEMPLATE)
+    server, router, workers = await start_server(aiohttp_server, plain)
+    try:
+        async with client(server) as sdk:
+            for parser in ("qwen3", "deepseek_r1"):  # the model opens its thoughts: either way they come apart
+                router.models["tiny"].reasoning_parser = parser
+                answer = await sdk.chat.completions.create(model="tiny", messages=ASK, temperature=0, max_tokens=40)
+                message = answer.choices[0].message
+                assert (message.reasoning_content, message.content) == (THOUGHTS, ANSWER), parser
+            router.models["tiny"].reasoning_parser = "none"
+            answer = await sdk.chat.completions.create(model="tiny", messages=ASK, temperature=0, max_tokens=40)
+            assert answer.choices[0].message.content == f"{THINK_OPEN}{THOUGHTS}{THINK_CLOSE}{ANSWER}"
+        await wait_blocks_free(router)
+    finally:
+        for worker in workers:
+            worker.stop()
+
+
+def test_where_the_answer_starts(thinking_path):
+    tokenizer = AutoTokenizer.from_pretrained(thinking_path)
+
+    def starts(prompt: str, template: str | None, parser: str | None = None) -> bool | None:
+        reasoning = reasoning_for(tokenizer, template, tokenizer.encode(prompt), parser)
+        return None if reasoning is None else reasoning.starts_inside
+
+    assert starts("<|im_start|>assistant\n", CHAT_TEMPLATE) is None  # the template never thinks
+    assert starts("<|im_start|>assistant\n", QWEN3_LIKE) is False
+    assert starts("<|im_start|>assistant\n<think>", CHAT_TEMPLATE, "qwen3") is True
+    assert starts("<|im_start|>assistant\n", QWEN3_LIKE, "none") is None
+    assert starts("<|im_start|>assistant\n", CHAT_TEMPLATE, "deepseek_r1") is True  # R1 may skip `<think>`
+    assert starts("<|im_start|>assistant\n<think></think>", CHAT_TEMPLATE, "deepseek_r1") is False
+    assert split("Paris</think>Yes", starts_inside=True, final=True) == ("Paris", "Yes")
+    assert split("<think>Paris</think>Yes", starts_inside=True, final=True) == ("Paris", "Yes")
+    assert validate_options(ModelSpec("m", "p", reasoning_parser="deepseek_r1").options) == {
+        "reasoning_parser": "deepseek_r1"}
+    with pytest.raises(ValueError, match="reasoning_parser"):
+        validate_options({"reasoning_parser": "granite"})
 
 
 @pytest.mark.parametrize("text", ["<think>\nI think.\n</think>\n\nHello", "  <think>a</think>", "no thoughts",
