@@ -37,7 +37,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     seed: int = 0
     worker_stall_seconds: float = 60.0  # a device worker busy this long on one round of steps: /ready says 503
-    cpu_kernels: bool = True  # CPU float32: the C++ decode attention kernel (built once in the background, cached)
+    cpu_kernels: bool = True  # CPU float32: C++ decode attention, norms, rotary (built in the background, cached)
     policy: str = "fair"  # fair (priority classes + per-tenant fair share) | fifo
     fair_share: FairShareConfig = FairShareConfig()
     cache: CacheConfig = CacheConfig()

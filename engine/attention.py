@@ -1,16 +1,16 @@
 """Paged attention over a flat batch, with torch ops only (runs on CPU and GPU alike).
 
 Tokens of one step are packed: decode tokens first (one per sequence), then the prefill
-chunks. Decodes run as one call: the CPU kernel of `engine.cpu_attention` when the runner
-passes it (it reads the blocks in place), else one batched SDPA call over keys gathered
-from the paged cache. Each prefill chunk runs its own SDPA call (causal, offset by what is
+chunks. Decodes run as one call: the C++ kernel of `engine.cpu_kernels` when the runner
+passes those ops (it reads the blocks in place), else one batched SDPA call over keys
+gathered from the paged cache. Each prefill chunk runs its own SDPA call (causal, offset by what is
 already cached). The metadata is built once per step and shared by all layers.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -34,7 +34,7 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] bool; None with a kernel
     prefills: list[PrefillChunk]
     sliding_window: int | None = None
-    decode_kernel: Callable[..., None] | None = None  # engine.cpu_attention's op, when built
+    kernels: Any = None  # torch.ops.galley_cpu (engine.cpu_kernels) once built, for CPU float32; else None
 
 
 def visible_mask(
@@ -58,7 +58,7 @@ def build_metadata(
     block_size: int,
     sliding_window: int | None,
     device: torch.device,
-    decode_kernel: Callable[..., None] | None = None,
+    kernels: Any = None,
 ) -> AttentionMetadata:
     """decode_contexts: (block_table, context_len); prefill_chunks: (block_table, start_pos, chunk_len)."""
     decode_tables = decode_lens = decode_mask = None
@@ -68,7 +68,7 @@ def build_metadata(
         rows = [table[:n] + [0] * (width - n) for (table, _), n in zip(decode_contexts, num_blocks)]
         decode_tables = torch.tensor(rows, dtype=torch.long, device=device)
         decode_lens = torch.tensor([ctx for _, ctx in decode_contexts], dtype=torch.long, device=device)
-        if decode_kernel is None:
+        if kernels is None:
             last = decode_lens - 1
             decode_mask = visible_mask(last, width * block_size, decode_lens[:, None], sliding_window)[:, None, None, :]
 
@@ -94,7 +94,7 @@ def build_metadata(
         decode_mask=decode_mask,
         prefills=prefills,
         sliding_window=sliding_window,
-        decode_kernel=decode_kernel,
+        kernels=kernels,
     )
 
 
@@ -126,10 +126,9 @@ def paged_attention(
     v_cache.index_copy_(0, meta.slot_mapping, v)
     out = torch.empty_like(q)
     nd = meta.num_decodes
-    if nd and meta.decode_kernel is not None:
-        meta.decode_kernel(out[:nd], q[:nd].contiguous(), k_cache, v_cache,
-                           meta.decode_block_tables, meta.decode_context_lens, meta.block_size, scale,
-                           meta.sliding_window or 0)
+    if nd and meta.kernels is not None:
+        meta.kernels.paged_decode_attention(out[:nd], q[:nd].contiguous(), k_cache, v_cache, meta.decode_block_tables,
+                                            meta.decode_context_lens, meta.block_size, scale, meta.sliding_window or 0)
     elif nd:
         keys = gather_blocks(k_cache, meta.decode_block_tables, meta.block_size)  # [nd, kv_heads, ctx, head_dim]
         values = gather_blocks(v_cache, meta.decode_block_tables, meta.block_size)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention import build_metadata
-from engine.cpu_attention import DECODE_KERNEL
+from engine.cpu_kernels import CPU_KERNELS
 from engine.models.llama import LlamaForCausalLM
 from engine.types import ScheduledBatch, ScheduledSeq, Sequence
 
@@ -65,10 +65,10 @@ class ModelRunner:
             )
             for _ in range(s.num_layers)
         ]
-        # the C++ decode attention builds in the background; steps use the torch path until it is ready
-        self.decode_kernel = DECODE_KERNEL if cpu_kernels and device.type == "cpu" and dtype == torch.float32 else None
-        if self.decode_kernel is not None:
-            self.decode_kernel.start()
+        # the C++ kernels build in the background; steps use the torch path until they are ready
+        self.cpu_kernels = CPU_KERNELS if cpu_kernels and device.type == "cpu" and dtype == torch.float32 else None
+        if self.cpu_kernels is not None:
+            self.cpu_kernels.start()
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> tuple[list[Sequence], torch.Tensor]:
@@ -94,8 +94,8 @@ class ModelRunner:
             if item.completes_prefill:
                 logits_indices.append(len(input_ids) - 1)
                 sample_seqs.append(seq)
-        kernel = self.decode_kernel.op if self.decode_kernel is not None else None
-        meta = build_metadata(decodes, prefills, slot_mapping, bs, self.model.shape.sliding_window, self.device, kernel)
+        kernels = self.cpu_kernels.ops if self.cpu_kernels is not None else None
+        meta = build_metadata(decodes, prefills, slot_mapping, bs, self.model.shape.sliding_window, self.device, kernels)
         as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
         logits = self.model(
             as_tensor(input_ids), as_tensor(positions), self.kv_caches, meta, as_tensor(logits_indices)

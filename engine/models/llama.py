@@ -2,12 +2,16 @@
 
 Reads like the HF reference on purpose (same RMSNorm and rotary formulas), so greedy
 outputs match `transformers`; differs in layout: fused qkv and gate/up projections, a flat
-[num_tokens, hidden] batch with per-token positions, and paged KV written in place.
+[num_tokens, hidden] batch with per-token positions, paged KV written in place, and the
+residual add done by the next norm (so the C++ kernels of `engine.cpu_kernels`, passed in
+the step's metadata on CPU float32, can fuse them; without them the same formulas run as
+torch ops).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -78,11 +82,25 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kernels: Any = None) -> torch.Tensor:  # [rows, dim]
+        if kernels is not None:
+            out = torch.empty_like(x)
+            kernels.rms_norm(out, x.contiguous(), self.weight, self.eps)
+            return out
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
+
+    def add_forward(
+        self, x: torch.Tensor, residual: torch.Tensor, kernels: Any = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + x), residual + x); the kernel computes both in place of x and residual."""
+        if kernels is not None:
+            kernels.add_rms_norm(x, residual, self.weight, self.eps)
+            return x, residual
+        residual = residual + x
+        return self(residual), residual
 
 
 class RotaryEmbedding(nn.Module):
@@ -119,6 +137,14 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + rotate_half(x) * sin
 
 
+def rotate_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+              kernels: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    if kernels is not None:
+        kernels.rotary_embedding(q, k, cos, sin)  # in place, also through views of the qkv output
+        return q, k
+    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+
 class Attention(nn.Module):
     def __init__(self, shape: DecoderShape) -> None:
         super().__init__()
@@ -139,8 +165,9 @@ class Attention(nn.Module):
         k = k.view(n, s.num_kv_heads, s.head_dim)
         v = v.view(n, s.num_kv_heads, s.head_dim)
         if s.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            q = self.q_norm(q.reshape(-1, s.head_dim), meta.kernels).view(n, s.num_heads, s.head_dim)
+            k = self.k_norm(k.reshape(-1, s.head_dim), meta.kernels).view(n, s.num_kv_heads, s.head_dim)
+        q, k = rotate_qk(q, k, cos, sin, meta.kernels)
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(out.reshape(n, self.q_size))
 
@@ -166,9 +193,16 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
         self.mlp = MLP(shape)
 
-    def forward(self, x, cos, sin, kv_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, cos, sin, kv_cache, meta):
+        """x: the previous layer's output, residual: the stream before it (None at the first layer);
+        returns the same pair for this layer (the add happens in the next norm)."""
+        if residual is None:
+            x, residual = self.input_layernorm(x, meta.kernels), x
+        else:
+            x, residual = self.input_layernorm.add_forward(x, residual, meta.kernels)
+        x = self.self_attn(x, cos, sin, kv_cache, meta)
+        x, residual = self.post_attention_layernorm.add_forward(x, residual, meta.kernels)
+        return self.mlp(x), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -193,7 +227,8 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:  # [num_samples, vocab_size] float32
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, x.dtype)
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, cos, sin, kv_cache, meta)
-        x = self.norm(x[logits_indices])
+            x, residual = layer(x, residual, cos, sin, kv_cache, meta)
+        x = self.norm(residual[logits_indices] + x[logits_indices], meta.kernels)
         return self.lm_head(x).float()

@@ -13,8 +13,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import build_metadata, paged_attention
-from engine.cpu_attention import DECODE_KERNEL
+from engine.cpu_kernels import CPU_KERNELS
 from engine.loader import load_model
+from engine.models.llama import RMSNorm, apply_rotary, rotate_qk
 from engine.packed_linear import PackedLinear, can_pack
 from tests.engine.test_reference import GREEDY, hf_greedy, prompts
 from tests.helpers import assert_all_blocks_free, make_engine, run_to_completion
@@ -46,14 +47,14 @@ def test_cpu_float32_models_load_with_packed_linears(tiny_models):
 
 
 @pytest.fixture(scope="module")
-def decode_kernel():
-    if not DECODE_KERNEL.wait(timeout_s=900):
-        pytest.skip("the C++ decode attention kernel could not be built here (no compiler?)")
-    return DECODE_KERNEL.op
+def kernels():
+    if not CPU_KERNELS.wait(timeout_s=900):
+        pytest.skip("the C++ kernels could not be built here (no compiler?)")
+    return CPU_KERNELS.ops
 
 
 @pytest.mark.parametrize("sliding_window", [None, 5])
-def test_decode_kernel_matches_torch_path(decode_kernel, sliding_window):
+def test_decode_kernel_matches_torch_path(kernels, sliding_window):
     """Random caches, block tables out of order, contexts ending mid-block and on a block edge, GQA."""
     torch.manual_seed(0)
     block_size, num_blocks, num_heads, num_kv_heads, head_dim = 4, 40, 6, 2, 16
@@ -66,7 +67,7 @@ def test_decode_kernel_matches_torch_path(decode_kernel, sliding_window):
     v = torch.randn(len(context_lens), num_kv_heads, head_dim)
     slots = [table[(n - 1) // block_size] * block_size + (n - 1) % block_size for table, n in zip(tables, context_lens)]
     outs = []
-    for kernel in (None, decode_kernel):
+    for kernel in (None, kernels):
         meta = build_metadata(list(zip(tables, context_lens)), [], slots, block_size, sliding_window,
                               torch.device("cpu"), kernel)
         outs.append(paged_attention(q, k, v, k_cache.clone(), v_cache.clone(), meta, head_dim**-0.5))
@@ -74,10 +75,10 @@ def test_decode_kernel_matches_torch_path(decode_kernel, sliding_window):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_engine_with_decode_kernel_matches_hf(tiny_models, decode_kernel, family):
+def test_engine_with_kernels_matches_hf(tiny_models, kernels, family):
     path = tiny_models[family]
     engine = make_engine(path, max_num_batched_tokens=20)  # chunked prefills beside decodes
-    assert engine.runner.decode_kernel.op is decode_kernel
+    assert engine.runner.cpu_kernels.ops is kernels
     batch = prompts(6, 300)
     assert run_to_completion(engine, batch, GREEDY) == [hf_greedy(path, p, 16) for p in batch]
     assert_all_blocks_free(engine.scheduler.kv)
@@ -85,6 +86,35 @@ def test_engine_with_decode_kernel_matches_hf(tiny_models, decode_kernel, family
 
 def test_engine_without_cpu_kernels_uses_the_torch_path(tiny_models):
     engine = make_engine(tiny_models["llama"], cpu_kernels=False)
-    assert engine.runner.decode_kernel is None
+    assert engine.runner.cpu_kernels is None
     [prompt] = prompts(1, 300, lengths=[11])
     assert run_to_completion(engine, [prompt], GREEDY) == [hf_greedy(tiny_models["llama"], prompt, 16)]
+
+
+@pytest.mark.parametrize("num_tokens", [1, 5, 300])
+def test_norm_kernels_match_torch(kernels, num_tokens):
+    torch.manual_seed(0)
+    norm = RMSNorm(96, 1e-5)
+    norm.weight.data.normal_()
+    x, residual = torch.randn(num_tokens, 96), torch.randn(num_tokens, 96)
+    with torch.inference_mode():
+        torch.testing.assert_close(norm(x, kernels), norm(x), rtol=1e-6, atol=1e-6)
+        expected, expected_residual = norm.add_forward(x, residual)
+        got, got_residual = norm.add_forward(x.clone(), residual.clone(), kernels)
+    assert torch.equal(got_residual, expected_residual)
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_rotary_kernel_rounds_as_torch(kernels):
+    """In place through views of a fused qkv output, as the model calls it; bit for bit."""
+    torch.manual_seed(0)
+    num_tokens, heads, kv_heads, head_dim = 7, 4, 2, 16
+    qkv = torch.randn(num_tokens, (heads + 2 * kv_heads) * head_dim)
+    cos, sin = torch.randn(num_tokens, 1, head_dim), torch.randn(num_tokens, 1, head_dim)
+    def views(t):
+        q, k, _ = t.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+        return q.view(num_tokens, heads, head_dim), k.view(num_tokens, kv_heads, head_dim)
+    expected = [apply_rotary(t, cos, sin) for t in views(qkv)]
+    got = rotate_qk(*views(qkv), cos, sin, kernels)
+    assert all(torch.equal(g, e) for g, e in zip(got, expected))
+    assert torch.equal(views(qkv)[0], got[0])  # written in place
