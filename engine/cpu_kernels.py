@@ -10,17 +10,20 @@ with a fresh tensor (14% of a 2048-token prefill, one thread); here each is one 
 norm and rotary follow the reference formulas operation by operation (no FMA contraction),
 so they round as the torch path does up to the order of the norm's sum.
 
-Compiled with the C++ compiler on first use (43 s of CPU here), in a background thread
-while the torch path serves, and cached by torch's extension builder (TORCH_EXTENSIONS_DIR,
-default ~/.cache/torch_extensions), so later starts load it in about a second. Without a
+Compiled with the C++ compiler by torch's extension builder on first use (~40 s of CPU
+here), in a background thread while the torch path serves, into TORCH_EXTENSIONS_DIR
+(default ~/.cache/torch_extensions); later starts load that library directly. Without a
 compiler, or if the build fails, the torch path stays in use (logged once).
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 import platform
 import threading
+import time
+from pathlib import Path
 
 import structlog
 import torch
@@ -247,6 +250,28 @@ def _build_name(flags: list[str], cpu: str) -> str:
     return f"galley_cpu_kernels_{digest.hexdigest()[:12]}"
 
 
+STALE_LOCK_S = 900.0  # a build lock this old was left by a killed process
+
+
+def _load_or_build(flags: list[str], cpu: str) -> None:
+    """Load the cached library directly when it exists: torch's builder would take its file lock and
+    run ninja on every start, and a process killed holding that lock (SIGKILL in the first seconds)
+    would make every later start wait on it forever. Build only when it is missing."""
+    from torch.utils.cpp_extension import get_default_build_root, load_inline
+
+    name = _build_name(flags, cpu)
+    directory = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()) / name
+    library = directory / f"{name}.so"
+    if library.is_file():
+        torch.ops.load_library(str(library))
+        return
+    directory.mkdir(parents=True, exist_ok=True)
+    lock = directory / "lock"
+    if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+        lock.unlink(missing_ok=True)
+    load_inline(name, cpp_sources=_SOURCE, extra_cflags=flags, is_python_module=False, build_directory=str(directory))
+
+
 class CpuKernels:
     """The build of the kernels, shared by every engine of the process (a library of torch ops
     can be loaded once per process). Invariant: `ops` is set only once the library is loaded;
@@ -274,11 +299,8 @@ class CpuKernels:
 
     def _build(self) -> None:
         try:
-            from torch.utils.cpp_extension import load_inline
-
             cpu = _cpu_identity()
-            flags = _flags(cpu)
-            load_inline(_build_name(flags, cpu), cpp_sources=_SOURCE, extra_cflags=flags, is_python_module=False)
+            _load_or_build(_flags(cpu), cpu)
             self.ops = torch.ops.galley_cpu
             log.info("cpu kernels ready")
         except Exception as exc:  # no compiler, no headers: the torch path serves
