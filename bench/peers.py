@@ -359,9 +359,12 @@ async def run_workload(
 
     before = await prefix_counters(session, system)
     meter, start = CpuMeter(systems), time.perf_counter()
-    try:
-        await asyncio.gather(*(converse(c) for c in range(w.num_conversations)))
-    except Exception as exc:  # one failed run must not lose the others
+    try:  # a failure cancels the other streams, so none runs on into the next measurement
+        async with asyncio.TaskGroup() as group:
+            for c in range(w.num_conversations):
+                group.create_task(converse(c))
+    except* Exception as failures:  # one failed run must not lose the others
+        exc = failures.exceptions[0]
         run.error = f"{type(exc).__name__}: {str(exc)[:300]}"
     run.wall_s = time.perf_counter() - start
     run.cores = meter.stop()
@@ -691,7 +694,7 @@ def main(argv: list[str] | None = None) -> int:
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(doc, indent=2))
     log(f"results written to {args.json}")
-    draw_chart(args.chart, runs, workloads, names, header[0])
+    draw_chart(args.chart, runs, workloads, names, f"{header[0]}; bars: medians, whiskers: range over repetitions")
     print(report)
     return 1 if interrupted else 0
 
