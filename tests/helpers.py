@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib.util
 import itertools
+import json
+import shutil
 
 from engine.engine import LLMEngine
 from engine.kv_cache import KVCacheManager
@@ -120,3 +122,15 @@ def make_app(router=None, *, state=None, db=None, loader=None, span_exporter=Non
 
     return create_app(router if router is not None else Router(), state, db=db, settings=Settings(**settings),
                       loader=loader, span_exporter=span_exporter)
+
+
+def long_context_copy(source, out, chat_template: str | None = None):
+    """The tiny model with room for tool definitions in its prompt (its RoPE runs at any length)."""
+    shutil.copytree(source, out)
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 4096}))
+    if chat_template is not None:
+        tokenizer_config = json.loads((out / "tokenizer_config.json").read_text())
+        (out / "tokenizer_config.json").write_text(json.dumps({**tokenizer_config, "chat_template": chat_template}))
+        (out / "chat_template.jinja").unlink(missing_ok=True)
+    return out

@@ -19,21 +19,6 @@ GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
 
 
 @pytest.fixture
-async def served(aiohttp_server, llama_path):
-    server, router, workers = await start_server(aiohttp_server, llama_path)
-    yield server
-    await wait_blocks_free(router)
-    for worker in workers:
-        worker.stop()
-
-
-@pytest.fixture
-async def sdk(served):
-    async with client(served) as sdk:
-        yield sdk
-
-
-@pytest.fixture
 async def http(served):
     async with aiohttp.ClientSession(base_url=served.make_url("/")) as session:
         yield session

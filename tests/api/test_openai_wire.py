@@ -14,27 +14,10 @@ from openai.types import Completion, Model
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from pydantic import BaseModel
 
-from tests.api.test_api import client, start_server, wait_blocks_free
-
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 6,
         "temperature": 0, "extra_body": {"ignore_eos": True}}
 PROMPT = {"model": "tiny", "prompt": "The quick brown", "max_tokens": 6, "temperature": 0,
           "extra_body": {"ignore_eos": True}}
-
-
-@pytest.fixture
-async def served(aiohttp_server, llama_path):
-    server, router, workers = await start_server(aiohttp_server, llama_path)
-    yield server
-    await wait_blocks_free(router)
-    for worker in workers:
-        worker.stop()
-
-
-@pytest.fixture
-async def sdk(served):
-    async with client(served) as sdk:
-        yield sdk
 
 
 def assert_only_openai_fields(value: object, path: str = "$") -> None:

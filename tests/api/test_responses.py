@@ -17,10 +17,10 @@ import openai
 import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 
-from tests.api.test_api import client, start_server, wait_blocks_free
+from tests.api.test_api import wait_blocks_free
 from tests.api.test_auth import Client, auth_app
 from tests.api.test_openai_wire import strict
-from tests.api.test_structured_output import WEATHER, long_context_copy
+from tests.api.test_structured_output import WEATHER
 from tests.helpers import start_tiny_engines
 
 EVENT_TYPES = {cls.model_fields["type"].annotation.__args__[0]: cls
@@ -36,18 +36,8 @@ ITEM_EVENTS = {  # the events of one output item, in order (deltas may repeat)
 
 
 @pytest.fixture
-async def served(aiohttp_server, llama_path, tmp_path):
-    server, router, workers = await start_server(aiohttp_server, long_context_copy(llama_path, tmp_path / "long"))
-    yield server
-    await wait_blocks_free(router)
-    for worker in workers:
-        worker.stop()
-
-
-@pytest.fixture
-async def sdk(served):
-    async with client(served) as sdk:
-        yield sdk
+def model_dir(long_context_dir):
+    return long_context_dir
 
 
 async def strict_response(sdk: openai.AsyncOpenAI, **kw) -> Response:

@@ -6,7 +6,6 @@ call), history with calls and results, and 400s in OpenAI's error shape for what
 from __future__ import annotations
 
 import json
-import shutil
 from typing import Literal
 
 import jsonschema
@@ -16,6 +15,7 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from pydantic import BaseModel, Field
 
 from tests.api.test_api import client, start_server, wait_blocks_free
+from tests.helpers import long_context_copy
 
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 WEATHER = {"type": "object", "properties": {
@@ -45,31 +45,9 @@ class Forecast(BaseModel):
     hours: list[int] = Field(max_length=3)
 
 
-def long_context_copy(source, out, chat_template: str | None = None):
-    """The tiny model with room for tool definitions in its prompt (its RoPE runs at any length)."""
-    shutil.copytree(source, out)
-    config = json.loads((out / "config.json").read_text())
-    (out / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 4096}))
-    if chat_template is not None:
-        tokenizer_config = json.loads((out / "tokenizer_config.json").read_text())
-        (out / "tokenizer_config.json").write_text(json.dumps({**tokenizer_config, "chat_template": chat_template}))
-        (out / "chat_template.jinja").unlink(missing_ok=True)
-    return out
-
-
 @pytest.fixture
-async def served(aiohttp_server, llama_path, tmp_path):
-    server, router, workers = await start_server(aiohttp_server, long_context_copy(llama_path, tmp_path / "long"))
-    yield server
-    await wait_blocks_free(router)
-    for worker in workers:
-        worker.stop()
-
-
-@pytest.fixture
-async def sdk(served):
-    async with client(served) as sdk:
-        yield sdk
+def model_dir(long_context_dir):
+    return long_context_dir
 
 
 def strict_answer(answer) -> ChatCompletion:
