@@ -142,8 +142,9 @@ class LLMEngine:
         self.batch_token_counts[bisect.bisect_left(BATCH_TOKEN_BOUNDS, batch.num_tokens)] += 1
         now = time.monotonic()
         for item in batch.seqs:
-            if item.seq.first_scheduled_s is None:
+            if item.seq.first_scheduled_s is None:  # first admission: what it computed so far came from the cache
                 item.seq.first_scheduled_s = now
+                item.seq.num_cached_tokens = min(item.seq.num_computed_tokens, item.seq.num_prompt_tokens)
         try:
             sample_seqs, logits = self.runner.execute(batch)
         except Exception:
@@ -237,6 +238,7 @@ class LLMEngine:
             finish_reason=finish,
             scheduled_s=seq.first_scheduled_s,
             num_preemptions=seq.num_preemptions,
+            num_cached_tokens=seq.num_cached_tokens,
         )
 
     def fail_all(self) -> list[TokenEvent]:

@@ -146,6 +146,7 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.num_preemptions = 0
         self.first_scheduled_s: float | None = None  # monotonic; when it first ran (queue wait ends)
+        self.num_cached_tokens = 0  # prompt tokens its first admission found in the prefix cache
 
     @property
     def num_tokens(self) -> int:
@@ -215,6 +216,7 @@ class TokenEvent:
     error_code: str | None = None  # with `error`: a stable code for clients when the cause is known (a shutdown)
     scheduled_s: float | None = None  # monotonic time the sequence first ran: arrival -> here is queue wait
     num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (usage's cached_tokens)
 
     @property
     def finished(self) -> bool:
