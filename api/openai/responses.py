@@ -11,10 +11,15 @@ from typing import Literal
 from pydantic import BaseModel
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int  # prompt tokens whose KV came from the prefix cache (a multiple of the block size)
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None  # on the final usage, not on continuous_usage_stats
 
 
 class ModelCard(BaseModel):

@@ -58,7 +58,7 @@ def usage_json(usage: dict | None) -> dict | None:
     if usage is None:
         return None
     return {"input_tokens": usage["input_tokens"],
-            "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+            "input_tokens_details": {"cached_tokens": usage.get("cached_tokens", 0), "cache_write_tokens": 0},
             "output_tokens": usage["output_tokens"],
             "output_tokens_details": {"reasoning_tokens": usage["reasoning_tokens"]},
             "total_tokens": usage["input_tokens"] + usage["output_tokens"]}

@@ -81,20 +81,29 @@ def failure(exc: Exception) -> ServiceError:
     return ServiceError("internal server error", code="internal_error")
 
 
+def usage_of(num_prompt_tokens: int, num_output_tokens: int, num_cached_tokens: int) -> dict:
+    """OpenAI's usage; `cached_tokens`: prompt tokens whose KV came from the prefix cache (always
+    there, as OpenAI sends it; vLLM only with --enable-prompt-tokens-details)."""
+    return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_output_tokens,
+            "total_tokens": num_prompt_tokens + num_output_tokens,
+            "prompt_tokens_details": {"cached_tokens": num_cached_tokens}}
+
+
 def usage(event: TokenEvent) -> dict:
-    return {
-        "prompt_tokens": event.num_prompt_tokens,
-        "completion_tokens": event.num_output_tokens,
-        "total_tokens": event.num_prompt_tokens + event.num_output_tokens,
-    }
+    return usage_of(event.num_prompt_tokens, event.num_output_tokens, event.num_cached_tokens)
+
+
+def cached_tokens(usage_: dict) -> int:
+    """A usage's cached prompt tokens (0 in one stored before they were counted)."""
+    return (usage_.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
 
 
 def usage_n(usages: list[dict], n: int) -> dict:
     """Of n choices per prompt (in choice order: a prompt's n choices side by side): each prompt
-    counted once; every choice's completion tokens."""
-    prompt = sum(u["prompt_tokens"] for u in usages[::n])
-    completion = sum(u["completion_tokens"] for u in usages)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    counted once (its cached tokens too: its first choice's); every choice's completion tokens."""
+    firsts = usages[::n]
+    return usage_of(sum(u["prompt_tokens"] for u in firsts), sum(u["completion_tokens"] for u in usages),
+                    sum(cached_tokens(u) for u in firsts))
 
 
 def finish_reason(reason) -> str | None:

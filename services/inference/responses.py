@@ -27,7 +27,7 @@ from scheduling.router import ServedModel
 from services.conversations import Conversations
 from services.errors import NotFoundError
 from services.inference.choices import Choices
-from services.inference.events import failure, generation_failed, usage
+from services.inference.events import cached_tokens, failure, generation_failed, usage
 from services.inference.generation import Inference, Plan
 from services.inference.params import SamplingOptions
 from services.inference.reasoning import Reasoning, ReasoningParser
@@ -160,7 +160,7 @@ class Record:
     settings: dict[str, Any]
     status: str = "in_progress"  # in_progress | completed | incomplete | failed
     incomplete_reason: str | None = None  # max_output_tokens
-    usage: dict | None = None  # input_tokens, output_tokens, reasoning_tokens
+    usage: dict | None = None  # input_tokens, output_tokens, reasoning_tokens, cached_tokens
     error: str | None = None
     completed_at: int | None = None
 
@@ -216,7 +216,8 @@ class ResponseRun:
     def finish(self, event: Any) -> None:
         counts = usage(event)
         self.record.usage = {"input_tokens": counts["prompt_tokens"], "output_tokens": counts["completion_tokens"],
-                             "reasoning_tokens": self.output.num_reasoning_tokens}
+                             "reasoning_tokens": self.output.num_reasoning_tokens,
+                             "cached_tokens": cached_tokens(counts)}
         self.record.completed_at = int(time.time())
         if getattr(event.finish_reason, "value", event.finish_reason) == "length":
             self.record.status, self.record.incomplete_reason = "incomplete", "max_output_tokens"

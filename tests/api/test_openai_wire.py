@@ -108,6 +108,26 @@ async def test_n_choices_stream_is_plain_and_strict(sdk):
     assert sorted(finishes) == [(0, "length"), (1, "length")]
 
 
+async def test_cached_tokens_count_the_prompt_prefix_found_in_the_prefix_cache(sdk):
+    """A second request sharing a long prefix reports the prompt tokens it did not compute (whole
+    KV blocks of 16); the first reports 0. Chat and completions, streamed usage and not."""
+    system = {"role": "system", "content": "You are a careful assistant who answers briefly. " * 8}
+    ask = {"model": "tiny", "max_tokens": 2, "temperature": 0}
+    first = await sdk.chat.completions.with_raw_response.create(
+        **ask, messages=[system, {"role": "user", "content": "Hello"}])
+    assert strict(ChatCompletion, first.content).usage.prompt_tokens_details.cached_tokens == 0
+    _, lines = await raw_stream(sdk.chat.completions, **ask, messages=[system, {"role": "user", "content": "Bye"}],
+                                stream_options={"include_usage": True})
+    usage = strict(ChatCompletionChunk, data_of(lines)[-1]).usage
+    assert 0 < usage.prompt_tokens_details.cached_tokens < usage.prompt_tokens
+    assert usage.prompt_tokens_details.cached_tokens % 16 == 0
+    prompt = "The quick brown fox jumps over the lazy dog. " * 8
+    texts = [strict(Completion, (await sdk.completions.with_raw_response.create(**ask, prompt=prompt + end)).content)
+             for end in ("Then", "So")]
+    assert [t.usage.prompt_tokens_details.cached_tokens % 16 for t in texts] == [0, 0]
+    assert texts[0].usage.prompt_tokens_details.cached_tokens == 0 < texts[1].usage.prompt_tokens_details.cached_tokens
+
+
 async def test_models_list_and_retrieve(sdk):
     listed = await sdk.models.with_raw_response.list()
     assert [m["id"] for m in json.loads(listed.content)["data"]] == ["tiny"]

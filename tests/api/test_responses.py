@@ -90,7 +90,8 @@ async def test_text_input_collected_and_streamed(sdk):
     assert events[0].response.status == "in_progress" and events[0].response.output == []
     deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert deltas == answer.output_text == events[-1].response.output_text
-    assert events[-1].response.usage == answer.usage
+    apart = {"input_tokens_details"}  # its cached_tokens: the prompt is in the prefix cache by now
+    assert events[-1].response.usage.model_dump(exclude=apart) == answer.usage.model_dump(exclude=apart)
 
     streamed = [event async for event in await sdk.responses.create(stream=True, **ask)]  # the SDK reads it too
     assert streamed[-1].type == last and streamed[-1].response.output_text == answer.output_text
@@ -113,6 +114,15 @@ async def test_items_and_instructions_answer_as_the_same_chat(sdk):
     assert answer.instructions == "You are terse." and answer.temperature == 0
     count = await sdk.responses.input_tokens.count(model="tiny", instructions="You are terse.", input=items)
     assert (count.object, count.input_tokens) == ("response.input_tokens", answer.usage.input_tokens)
+
+
+async def test_input_tokens_details_count_cached_tokens(sdk):
+    instructions = "You are a careful assistant who answers briefly. " * 8
+    usages = [(await strict_response(sdk, model="tiny", instructions=instructions, input=text, max_output_tokens=2,
+                                     temperature=0)).usage for text in ("Hello", "Bye")]
+    assert usages[0].input_tokens_details.cached_tokens == 0
+    assert 0 < usages[1].input_tokens_details.cached_tokens < usages[1].input_tokens
+    assert usages[1].input_tokens_details.cached_tokens % 16 == 0
 
 
 async def test_a_forced_call_then_its_output_continues_the_response(sdk):
