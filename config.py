@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.model_runner import CacheConfig
+from engine.quantization import QUANTIZATIONS
 from launch import EngineConfig
 from scheduling.fair_queue import FairShareConfig
 from scheduling.rollout import DeploymentsConfig
@@ -82,6 +83,7 @@ class ModelSpec:
     install_hint: str = ""  # set: a missing source is a warning naming this, and the server serves the rest
     tool_parser: str = ""  # generate: hermes | llama3_json | mistral; empty: detected from the chat template
     reasoning_parser: str = ""  # generate: qwen3 | deepseek_r1 | none; empty: detected from the chat template
+    quantization: str = ""  # generate: int8 | int4 weight-only linears (engine/quantization.py); empty or none: off
 
     @property
     def options(self) -> dict[str, Any]:
@@ -97,6 +99,8 @@ class ModelSpec:
             options["tool_parser"] = self.tool_parser
         if self.reasoning_parser:
             options["reasoning_parser"] = self.reasoning_parser
+        if self.quantization:
+            options["quantization"] = self.quantization
         if self.kind != "generate":
             options.update(max_batch=self.max_batch, max_wait_ms=self.max_wait_ms)
         return options
@@ -140,6 +144,9 @@ def model_spec(entry: dict[str, Any], base: Path) -> ModelSpec:
         raise ConfigError(f"model {spec.name!r}: kind {spec.kind!r} is not one of {', '.join(MODEL_KINDS)}")
     if spec.max_batch < 1 or spec.max_wait_ms < 0:
         raise ConfigError(f"model {spec.name!r}: max_batch must be >= 1 and max_wait_ms >= 0")
+    if spec.quantization not in ("", "none", *QUANTIZATIONS):
+        raise ConfigError(f"model {spec.name!r}: quantization {spec.quantization!r} is not one of "
+                          f"{', '.join(QUANTIZATIONS)}, none")
     local = base / spec.path
     return dataclasses.replace(spec, path=str(local)) if local.exists() else spec
 

@@ -140,7 +140,8 @@ class EngineLoader:
             for worker, device in zip(self.workers, self.cfg.devices):
                 if worker.device not in labels:
                     continue
-                loaded = load_model(spec.source, device=device, dtype=dtype)
+                loaded = load_model(spec.source, device=device, dtype=dtype,
+                                    quantization=spec.options.get("quantization"))
                 engine = self.new_engine(spec, loaded)
                 self.measured_bytes[spec.ref] = engine_bytes(engine)
                 worker.attach(spec.ref, engine).result()

@@ -15,15 +15,19 @@ import hashlib
 import json
 import os
 import re
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 import structlog
 import torch
 
+from engine.quantization import Int4Groups
+
 log = structlog.get_logger(__name__)
 
 GGUF_MAGIC = b"GGUF"
+GGUF_BLOCK = 32  # elements per scale in Q4_0, Q4_1, Q8_0 and Q4_K's sub-blocks
 # GGUF tensor names -> Hugging Face names (per layer `blk.N.` -> `model.layers.N.`)
 LAYER_TENSORS = {
     "attn_norm": "input_layernorm",
@@ -92,26 +96,67 @@ def hf_folder_for(gguf_file: Path) -> Path:
     return folder
 
 
-def read_weights(gguf_file: Path, hf_config) -> dict[str, torch.Tensor]:
-    """The file's tensors under HF names, de-quantized to float32."""
+def read_weights(gguf_file: Path, hf_config, int4_blocks: bool = False) -> dict[str, torch.Tensor | Int4Groups]:
+    """The file's tensors under HF names, de-quantized to float32; with `int4_blocks`, the linears'
+    Q4_0/Q4_1/Q4_K tensors as their 4-bit codes and per-32 scales instead (exact, for int4)."""
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
     reader = GGUFReader(gguf_file)
     arch = reader.fields["general.architecture"].contents()
     heads, kv_heads = hf_config.num_attention_heads, hf_config.num_key_value_heads
-    out: dict[str, torch.Tensor] = {}
+    out: dict[str, torch.Tensor | Int4Groups] = {}
     for tensor in reader.tensors:
         name = hf_name(tensor.name)
         if name is None:
             log.warning("skipping an unknown GGUF tensor", tensor=tensor.name)
             continue
-        array = np.ascontiguousarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
-        weight = torch.from_numpy(array if array.flags.writeable else array.copy())  # F32 tensors are the mmap
+        weight: torch.Tensor | Int4Groups | None = None
+        if int4_blocks and name.endswith(("_proj.weight", "lm_head.weight")):
+            weight = int4_groups(tensor.data, tensor.tensor_type.name)
+        if weight is None:
+            array = np.ascontiguousarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+            weight = torch.from_numpy(array if array.flags.writeable else array.copy())  # F32 tensors are the mmap
         if arch in PERMUTED_ARCHS and name.endswith(("q_proj.weight", "k_proj.weight")):
-            weight = unpermute(weight, heads if "q_proj" in name else kv_heads)
+            num_heads = heads if "q_proj" in name else kv_heads
+            weight = (weight.map_rows(partial(unpermute, num_heads=num_heads)) if isinstance(weight, Int4Groups)
+                      else unpermute(weight, num_heads))
         out[name] = weight
     return out
+
+
+def int4_groups(data: np.ndarray, qtype: str) -> Int4Groups | None:
+    """A Q4_0, Q4_1 or Q4_K tensor ([N, bytes per row] blocks) as int4 codes in groups of 32 with
+    w = (q - 8) * scale + zero: Q4_0 w = d (q - 8); Q4_1 w = d q + m; Q4_K w = d sc q - dmin m per
+    32 of a 256 super-block. None for other types (they are de-quantized and quantized again)."""
+    rows = data.shape[0]
+    if qtype in ("Q4_0", "Q4_1"):
+        head = 2 if qtype == "Q4_0" else 4
+        blocks = data.reshape(-1, head + 16)
+        d = blocks[:, :2].copy().view(np.float16).astype(np.float32)[:, 0]
+        zero = -8 * d if qtype == "Q4_0" else blocks[:, 2:4].copy().view(np.float16).astype(np.float32)[:, 0]
+        codes = nibbles(blocks[:, head:])  # [blocks, 32]: low nibbles are elements 0-15, high 16-31
+        scale, zero = d, zero + 8 * d
+    elif qtype == "Q4_K":
+        from gguf.quants import Q4_K
+
+        blocks = data.reshape(-1, 144)
+        d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
+        dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+        sc, m = Q4_K.get_scale_min(blocks[:, 4:16])
+        scale = (d * sc.astype(np.float32)).reshape(-1)  # [blocks * 8]
+        zero = (-dmin * m.astype(np.float32)).reshape(-1) + 8 * scale
+        # 4 chunks of 32 bytes, each the low nibbles of sub-block 2i and the high ones of 2i + 1
+        codes = nibbles(blocks[:, 16:].reshape(-1, 32))
+    else:
+        return None
+    return Int4Groups(torch.from_numpy(codes.reshape(rows, -1)), torch.from_numpy(scale.reshape(rows, -1)),
+                      torch.from_numpy(zero.reshape(rows, -1)))
+
+
+def nibbles(packed: np.ndarray) -> np.ndarray:
+    """[n, b] bytes -> [n, 2b] codes: the b low nibbles, then the b high ones (GGUF's order)."""
+    return np.concatenate([packed & 0x0F, packed >> 4], axis=1)
 
 
 def hf_name(gguf_name: str) -> str | None:

@@ -15,9 +15,10 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
 
-from engine.gguf import find_gguf, hf_folder_for, is_gguf_file, read_weights
+from engine.gguf import GGUF_BLOCK, find_gguf, hf_folder_for, is_gguf_file, read_weights
 from engine.models.llama import SUPPORTED_ARCHITECTURES, LlamaForCausalLM
 from engine.packed_linear import can_pack, pack_linears
+from engine.quantization import Int4Groups, QuantizationSpec, cat_rows, quantize_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -127,8 +128,9 @@ def read_checkpoint(path: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def fuse_weights(hf: dict[str, torch.Tensor], num_layers: int, tied: bool) -> dict[str, torch.Tensor]:
-    """HF parameter names -> ours, concatenating q/k/v and gate/up."""
+def fuse_weights(hf: dict[str, torch.Tensor | Int4Groups], num_layers: int,
+                 tied: bool) -> dict[str, torch.Tensor | Int4Groups]:
+    """HF parameter names -> ours, concatenating q/k/v and gate/up (int4 codes stay codes if all are)."""
     hf = {name.removeprefix("model."): tensor for name, tensor in hf.items()}
     out = {"embed_tokens.weight": hf["embed_tokens.weight"], "norm.weight": hf["norm.weight"]}
     out["lm_head.weight"] = hf["embed_tokens.weight"] if tied else hf["lm_head.weight"]
@@ -137,10 +139,10 @@ def fuse_weights(hf: dict[str, torch.Tensor], num_layers: int, tied: bool) -> di
         for suffix in ("weight", "bias"):
             parts = [hf.get(f"{p}self_attn.{n}_proj.{suffix}") for n in "qkv"]
             if parts[0] is not None:
-                out[f"{p}self_attn.qkv_proj.{suffix}"] = torch.cat(parts)
+                out[f"{p}self_attn.qkv_proj.{suffix}"] = cat_rows(parts)
             gate_up = [hf.get(f"{p}mlp.{n}_proj.{suffix}") for n in ("gate", "up")]
             if gate_up[0] is not None:
-                out[f"{p}mlp.gate_up_proj.{suffix}"] = torch.cat(gate_up)
+                out[f"{p}mlp.gate_up_proj.{suffix}"] = cat_rows(gate_up)
             for name in ("self_attn.o_proj", "mlp.down_proj"):
                 if f"{p}{name}.{suffix}" in hf:
                     out[f"{p}{name}.{suffix}"] = hf[f"{p}{name}.{suffix}"]
@@ -172,9 +174,16 @@ def max_token_chars(tokenizer: PreTrainedTokenizerBase) -> int:
     return max((len(token) for token in tokenizer.get_vocab()), default=1)
 
 
-def load_model(source: str, device: str = "cpu", dtype: str = "auto") -> LoadedModel:
+def load_model(source: str, device: str = "cpu", dtype: str = "auto",
+               quantization: str | QuantizationSpec | None = None) -> LoadedModel:
     """A Hugging Face folder or hub id, or a GGUF file (or a folder holding one: weights
-    de-quantized to `dtype`, config and tokenizer from its metadata)."""
+    de-quantized to `dtype`, config and tokenizer from its metadata). `quantization` int8 | int4:
+    the linears weight-only quantized (`engine.quantization`; GGUF 4-bit blocks kept as they are
+    for int4 groups of 32); the rest stays in `dtype`."""
+    try:
+        spec = QuantizationSpec.parse(quantization)
+    except ValueError as exc:
+        raise ModelLoadError(str(exc)) from exc
     gguf_file = find_gguf(resolve_model_path(source))
     path = hf_folder_for(gguf_file) if gguf_file else resolve_model_path(source)
     hf_config = AutoConfig.from_pretrained(path)
@@ -188,10 +197,15 @@ def load_model(source: str, device: str = "cpu", dtype: str = "auto") -> LoadedM
     torch_dtype = resolve_dtype(dtype, torch_device)
     with torch.device("meta"):
         model = LlamaForCausalLM(hf_config)
-    checkpoint = read_weights(gguf_file, hf_config) if gguf_file else read_checkpoint(path)
+    int4_blocks = spec is not None and spec.method == "int4" and spec.group_size == GGUF_BLOCK
+    checkpoint = (read_weights(gguf_file, hf_config, int4_blocks=int4_blocks) if gguf_file
+                  else read_checkpoint(path))
     weights = fuse_weights(checkpoint, model.shape.num_layers, model.shape.tie_word_embeddings)
-    weights = {name: t.to(device=torch_device, dtype=torch_dtype) for name, t in weights.items()}
+    int4_codes = {name.removesuffix(".weight"): w for name, w in weights.items() if isinstance(w, Int4Groups)}
+    weights = {name: t.to(device=torch_device, dtype=torch_dtype) for name, t in weights.items()
+               if not isinstance(t, Int4Groups)}
     missing, unexpected = model.load_state_dict(weights, strict=False, assign=True)
+    missing = [name for name in missing if name.removesuffix(".weight") not in int4_codes]
     if missing or unexpected:
         raise ModelLoadError(
             f"checkpoint of {source!r} does not fit its config: missing {missing}, unexpected {unexpected}"
@@ -199,7 +213,9 @@ def load_model(source: str, device: str = "cpu", dtype: str = "auto") -> LoadedM
     if model.shape.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.rotary = type(model.rotary)(hf_config, model.shape.head_dim).to(torch_device)
-    if can_pack(torch_device, torch_dtype):
+    if spec is not None:
+        quantize_model(model, spec, prequantized=int4_codes, device=torch_device)
+    if can_pack(torch_device, torch_dtype):  # what stays nn.Linear
         pack_linears(model)
     model.eval()
     tokenizer = AutoTokenizer.from_pretrained(path)

@@ -32,6 +32,7 @@ EVENT_KINDS = ("deploy", "traffic", "rollback", "auto_rollback")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 TOOL_PARSERS = ("hermes", "llama3_json", "mistral")  # services.inference.tool_parser's formats
 REASONING_PARSERS = ("qwen3", "deepseek_r1", "none")  # services.inference.reasoning's
+QUANTIZATIONS = ("int8", "int4", "none")  # engine.quantization's methods, and off
 # option -> (accepted types, what it means); anything else is rejected
 OPTIONS: dict[str, tuple[tuple[type, ...], str]] = {
     "dtype": ((str,), "auto | float32 | bfloat16 | float16"),
@@ -42,6 +43,7 @@ OPTIONS: dict[str, tuple[tuple[type, ...], str]] = {
     "shared_prefix_cache": ((bool,), "generative: tenants may reuse each other's cached prompt prefixes"),
     "tool_parser": ((str,), "generative: hermes | llama3_json | mistral; default: detected from the chat template"),
     "reasoning_parser": ((str,), "generative: qwen3 | deepseek_r1 | none; default: detected from the chat template"),
+    "quantization": ((str,), "generative: int8 | int4 weight-only linears | none (default)"),
     "max_batch": ((int,), "encoders: most inputs in one forward"),
     "max_wait_ms": ((int, float), "encoders: how long a batch waits to fill"),
 }
@@ -74,6 +76,8 @@ def validate_options(options: Mapping[str, Any]) -> dict[str, Any]:
         raise ValueError(f"option 'tool_parser' must be one of {TOOL_PARSERS}")
     if options.get("reasoning_parser", "none") not in REASONING_PARSERS:
         raise ValueError(f"option 'reasoning_parser' must be one of {REASONING_PARSERS}")
+    if options.get("quantization", "none") not in QUANTIZATIONS:
+        raise ValueError(f"option 'quantization' must be one of {QUANTIZATIONS}")
     return dict(options)
 
 

