@@ -17,6 +17,7 @@ from engine.engine import LLMEngine
 from engine.kv_cache import KVCacheManager
 from engine.loader import LoadedModel, ModelLoadError, check_model_source, load_model, max_token_chars
 from engine.model_runner import GIB, CacheConfig, ModelRunner, num_kv_blocks
+from engine.speculative import SpeculativeConfig
 from engine.worker import DeviceWorker, Emit
 from scheduling.encoders import ServedEncoder
 from scheduling.fair_queue import FairQueue, FairShareConfig
@@ -41,6 +42,7 @@ class EngineConfig:
     policy: str = "fair"  # fair (priority classes + per-tenant fair share) | fifo
     fair_share: FairShareConfig = FairShareConfig()
     cache: CacheConfig = CacheConfig()
+    speculative: SpeculativeConfig = SpeculativeConfig()  # [speculative]: drafts verified by the model (off by default)
 
     @property
     def scheduler(self) -> SchedulerConfig:
@@ -61,7 +63,8 @@ def build_engine(loaded: LoadedModel, cfg: EngineConfig, num_blocks: int | None 
     queue = FairQueue(cfg.fair_share) if cfg.policy == "fair" else FifoQueue()
     kv = KVCacheManager(num_blocks, block_size, cfg.cache.enable_prefix_caching, cfg.cache.prefix_cache_idle_seconds)
     scheduler = Scheduler(cfg.scheduler, kv, queue)
-    return LLMEngine(runner, scheduler, loaded.tokenizer, loaded.eos_token_ids, max_model_len, cfg.seed)
+    return LLMEngine(runner, scheduler, loaded.tokenizer, loaded.eos_token_ids, max_model_len, cfg.seed,
+                     cfg.speculative)
 
 
 def engine_bytes(engine: LLMEngine) -> int:

@@ -1,4 +1,4 @@
-"""One model replica's step loop: schedule -> run -> sample -> update -> events.
+"""One model replica's step loop: schedule -> run -> sample -> update -> events (-> drafts).
 
 Called only from its DeviceWorker thread. The scheduler is passed in (engine/ never imports
 scheduling/); it owns who runs, this class owns what a step means for each request.
@@ -9,7 +9,7 @@ from __future__ import annotations
 import bisect
 import sys
 import time
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import structlog
 import torch
@@ -20,6 +20,7 @@ from engine.guided import GuidedDecoding
 from engine.kv_cache import KVCacheManager
 from engine.model_runner import ModelRunner
 from engine.sampler import Sampler
+from engine.speculative import NgramProposer, SpeculativeConfig
 from engine.types import (
     BATCH_TOKEN_BOUNDS,
     GENERATION_FAILED,
@@ -43,12 +44,20 @@ class StepScheduler(Protocol):
 
     def add(self, seq: Sequence) -> None: ...
     def schedule(self) -> ScheduledBatch: ...
+    def charge_accepted(self, seq: Sequence, num_tokens: int) -> None: ...
     def finish(self, seq: Sequence) -> None: ...
     def has_work(self) -> bool: ...
     @property
     def num_running(self) -> int: ...
     @property
     def num_waiting(self) -> int: ...
+
+
+class Sampled(NamedTuple):
+    """One scheduled item's samples: one per logits row."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprob | None]
 
 
 class RequestState:
@@ -66,6 +75,7 @@ class LLMEngine:
         eos_token_ids: frozenset[int],
         max_model_len: int,
         seed: int = 0,
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
         self.runner = runner
         self.scheduler = scheduler
@@ -75,6 +85,10 @@ class LLMEngine:
         self.sampler = Sampler(runner.device, seed, eos_token_ids)
         self.guided = GuidedDecoding(tokenizer, runner.model.shape.vocab_size, eos_token_ids)
         self.requests: dict[str, RequestState] = {}
+        self.speculative = speculative or SpeculativeConfig()
+        self.proposer = NgramProposer(self.speculative, max_model_len) if self.speculative.enabled else None
+        self.num_draft_tokens = 0  # speculative drafts verified
+        self.num_accepted_tokens = 0  # of those, the ones the model agreed with
         self.num_steps = 0
         self.num_batched_tokens = 0
         self.num_step_errors = 0  # steps in which something raised (only the requests it hit failed)
@@ -113,6 +127,8 @@ class LLMEngine:
             prefix_cache_query_tokens=kv.num_query_tokens,
             prefix_cache_hit_tokens=kv.num_hit_tokens,
             prefix_cache_blocks=kv.pool.num_cached_blocks,
+            spec_num_draft_tokens=self.num_draft_tokens,
+            spec_num_accepted_tokens=self.num_accepted_tokens,
         )
 
     def add_request(self, request: GenerationRequest) -> None:
@@ -146,7 +162,7 @@ class LLMEngine:
                 item.seq.first_scheduled_s = now
                 item.seq.num_cached_tokens = min(item.seq.num_computed_tokens, item.seq.num_prompt_tokens)
         try:
-            sample_seqs, logits = self.runner.execute(batch)
+            sampled, logits = self.runner.execute(batch)
         except Exception:
             self.num_step_errors += 1
             if len(batch.seqs) == 1:
@@ -154,53 +170,93 @@ class LLMEngine:
             # one sequence's input can fail the packed forward: find it by running each alone
             log.exception("engine step failed; retrying its sequences one by one", num_seqs=len(batch.seqs))
             return [event for item in batch.seqs for event in self._run_alone(item)]
-        return self._sample_and_append(batch, sample_seqs, logits)
+        return self._sample_and_append(batch, sampled, logits)
 
     def _run_alone(self, item: ScheduledSeq) -> list[TokenEvent]:
         try:
-            sample_seqs, logits = self.runner.execute(ScheduledBatch([item]))
+            sampled, logits = self.runner.execute(ScheduledBatch([item]))
         except Exception:
             return [self._fail(item.seq, "forward failed")]
-        return self._sample_and_append(ScheduledBatch([item]), sample_seqs, logits)
+        return self._sample_and_append(ScheduledBatch([item]), sampled, logits)
 
-    def _sample_and_append(self, batch: ScheduledBatch, sample_seqs: list[Sequence],
+    def _sample_and_append(self, batch: ScheduledBatch, sampled: list[ScheduledSeq],
                            logits: torch.Tensor) -> list[TokenEvent]:
-        """Sample the batch in one go; if that raises, row by row, so only the rows that fail do."""
+        """Sample the batch in one go; if that raises, item by item, so only the items that fail do."""
         try:
-            tokens, logprobs = self.sampler.sample(logits, sample_seqs, self.guided.mask(sample_seqs))
+            results: list[Sampled | None] = list(self._sample(logits, sampled))
         except Exception:
-            return self._sample_rows(batch, sample_seqs, logits)
+            self.num_step_errors += 1
+            log.exception("batched sampling failed; sampling item by item", num_seqs=len(sampled))
+            results = self._sample_each(logits, sampled)
+        by_item = {id(item): result for item, result in zip(sampled, results)}
+        events = []
         for item in batch.seqs:
-            self._computed(item)
-        return [self._append_or_fail(seq, t, lp) for seq, t, lp in zip(sample_seqs, tokens, logprobs)]
-
-    def _computed(self, item: ScheduledSeq) -> None:
-        """The step wrote this item's KV: count it, and make its full blocks findable."""
-        item.seq.num_computed_tokens += item.num_new_tokens
-        self.scheduler.kv.cache_full_blocks(item.seq)
-
-    def _sample_rows(self, batch: ScheduledBatch, sample_seqs: list[Sequence],
-                     logits: torch.Tensor) -> list[TokenEvent]:
-        self.num_step_errors += 1
-        log.exception("batched sampling failed; sampling row by row", num_seqs=len(sample_seqs))
-        sampled = [self._sample_row(logits[row : row + 1], seq) for row, seq in enumerate(sample_seqs)]
-        failed = {seq.request_id for seq, result in zip(sample_seqs, sampled) if result is None}
-        events = [self._fail(item.seq, "sampling failed") for item in batch.seqs if item.seq.request_id in failed]
-        for item in batch.seqs:
-            if item.seq.request_id not in failed:
-                self._computed(item)
-        for seq, result in zip(sample_seqs, sampled):
-            if result is not None:
-                events.append(self._append_or_fail(seq, *result))
+            if id(item) in by_item and by_item[id(item)] is None:
+                events.append(self._fail(item.seq, "sampling failed"))
+            else:
+                events.extend(self._advance(item, by_item.get(id(item))))
+        self._propose(sampled)
         return events
 
-    def _sample_row(self, logits: torch.Tensor, seq: Sequence) -> tuple[int, TokenLogprob | None] | None:
-        try:
-            tokens, logprobs = self.sampler.sample(logits, [seq], self.guided.mask([seq]))
-        except Exception:
-            log.exception("sampling failed", request_id=seq.request_id)
-            return None
-        return tokens[0], logprobs[0]
+    def _sample(self, logits: torch.Tensor, items: list[ScheduledSeq]) -> list[Sampled]:
+        """Each item's tokens and logprobs, one per logits row (its last token's, then its drafts')."""
+        seqs = [item.seq for item in items for _ in range(item.num_logits)]
+        offsets = [offset for item in items for offset in range(item.num_logits)]
+        tokens, logprobs = self.sampler.sample(logits, seqs, self.guided.mask(seqs), offsets)
+        results, row = [], 0
+        for item in items:
+            results.append(Sampled(tokens[row : row + item.num_logits], logprobs[row : row + item.num_logits]))
+            row += item.num_logits
+        return results
+
+    def _sample_each(self, logits: torch.Tensor, items: list[ScheduledSeq]) -> list[Sampled | None]:
+        results: list[Sampled | None] = []
+        row = 0
+        for item in items:
+            try:
+                results.append(self._sample(logits[row : row + item.num_logits], [item])[0])
+            except Exception:
+                log.exception("sampling failed", request_id=item.seq.request_id)
+                results.append(None)
+            row += item.num_logits
+        return results
+
+    def _advance(self, item: ScheduledSeq, sampled: Sampled | None) -> list[TokenEvent]:
+        """Count the KV this step wrote, make its full blocks findable, and append what it sampled.
+
+        With drafts: the model's own tokens up to and including the first that differs from its
+        draft (the correction; the bonus token if all were right). A draft's KV counts once the
+        token it guessed is appended, so the prefix cache only ever hashes real tokens."""
+        seq = item.seq
+        seq.num_computed_tokens += item.num_known_tokens
+        self.scheduler.kv.cache_full_blocks(seq)
+        if sampled is None:
+            return []
+        drafts = item.draft_token_ids
+        accepted = 0
+        while accepted < len(drafts) and drafts[accepted] == sampled.token_ids[accepted]:
+            accepted += 1
+        if drafts:
+            self.num_draft_tokens += len(drafts)
+            self.num_accepted_tokens += accepted
+            self.scheduler.charge_accepted(seq, accepted)
+        events = []
+        for i in range(accepted + 1):
+            if i:
+                seq.num_computed_tokens += 1
+                self.scheduler.kv.cache_full_blocks(seq)
+            events.append(self._append_or_fail(seq, sampled.token_ids[i], sampled.logprobs[i]))
+            if events[-1].finished:
+                break
+        return events
+
+    def _propose(self, items: list[ScheduledSeq]) -> None:
+        """Drafts for the next step of the sequences that just sampled, unless the batch is too
+        big for them to pay (a compute-bound step costs as much more as the tokens it runs)."""
+        on = self.proposer is not None and self.scheduler.num_running <= self.speculative.disable_by_batch_size
+        for item in items:
+            seq = item.seq
+            seq.draft_token_ids = self.proposer.propose(seq) if on and seq.request_id in self.requests else []
 
     def _append_or_fail(self, seq: Sequence, token_id: int, logprob: TokenLogprob | None) -> TokenEvent:
         try:

@@ -13,7 +13,7 @@ import torch
 from engine.attention import build_metadata
 from engine.cpu_kernels import CPU_KERNELS
 from engine.models.llama import LlamaForCausalLM
-from engine.types import ScheduledBatch, ScheduledSeq, Sequence
+from engine.types import ScheduledBatch, ScheduledSeq
 
 GIB = 1024**3
 
@@ -41,12 +41,6 @@ def num_kv_blocks(model: LlamaForCausalLM, cfg: CacheConfig, device: torch.devic
     return max(1, int(budget // kv_bytes_per_block(model, cfg.block_size, dtype)))
 
 
-@dataclass
-class StepInputs:
-    batch_seqs: list[ScheduledSeq]  # in packed order: decodes first
-    sample_seqs: list[Sequence]  # sequences whose last chunk token yields a sample, in logits order
-
-
 class ModelRunner:
     def __init__(
         self, model: LlamaForCausalLM, device: torch.device, dtype: torch.dtype, block_size: int, num_blocks: int,
@@ -71,33 +65,36 @@ class ModelRunner:
             self.cpu_kernels.start()
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> tuple[list[Sequence], torch.Tensor]:
-        """Returns the sequences to sample for and their logits, [num_samples, vocab] float32."""
+    def execute(self, batch: ScheduledBatch) -> tuple[list[ScheduledSeq], torch.Tensor]:
+        """Returns the items that sample, in logits order, and their logits, [num_logits, vocab]
+        float32: `item.num_logits` rows each (the last token's, then one per draft)."""
         ordered = sorted(batch.seqs, key=lambda s: s.num_new_tokens != 1)  # stable: decodes first
         input_ids: list[int] = []
         positions: list[int] = []
         slot_mapping: list[int] = []
         logits_indices: list[int] = []
-        sample_seqs: list[Sequence] = []
+        sampled: list[ScheduledSeq] = []
         decodes: list[tuple[list[int], int]] = []
         prefills: list[tuple[list[int], int, int]] = []
         bs = self.block_size
         for item in ordered:
             seq, start, n = item.seq, item.seq.num_computed_tokens, item.num_new_tokens
-            input_ids.extend(seq.token_ids[start : start + n])
+            input_ids.extend(seq.token_ids[start : start + item.num_known_tokens])
+            input_ids.extend(item.draft_token_ids)  # a decode with drafts runs as a chunk over its history
             positions.extend(range(start, start + n))
             slot_mapping.extend(seq.block_table[p // bs] * bs + p % bs for p in range(start, start + n))
             if n == 1:
                 decodes.append((seq.block_table, start + 1))
             else:
                 prefills.append((seq.block_table, start, n))
-            if item.completes_prefill:
-                logits_indices.append(len(input_ids) - 1)
-                sample_seqs.append(seq)
+            if item.num_logits:
+                logits_indices.extend(range(len(input_ids) - item.num_logits, len(input_ids)))
+                sampled.append(item)
         kernels = self.cpu_kernels.ops if self.cpu_kernels is not None else None
-        meta = build_metadata(decodes, prefills, slot_mapping, bs, self.model.shape.sliding_window, self.device, kernels)
+        meta = build_metadata(decodes, prefills, slot_mapping, bs, self.model.shape.sliding_window, self.device,
+                              kernels)
         as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
         logits = self.model(
             as_tensor(input_ids), as_tensor(positions), self.kv_caches, meta, as_tensor(logits_indices)
         )
-        return sample_seqs, logits
+        return sampled, logits

@@ -87,19 +87,22 @@ class Sampler:
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
 
-    def _noise(self, probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def _noise(self, probs: torch.Tensor, seqs: list[Sequence], offsets: list[int]) -> torch.Tensor:
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
-        for row, seq in enumerate(seqs):
+        for row, (seq, offset) in enumerate(zip(seqs, offsets)):
             if seq.params.seed is not None:
                 gen = torch.Generator(device=self.device)
-                gen.manual_seed((seq.params.seed * SEED_STRIDE + seq.num_tokens) % (2**63))
+                gen.manual_seed((seq.params.seed * SEED_STRIDE + seq.num_tokens + offset) % (2**63))
                 noise[row].exponential_(generator=gen)
         return noise
 
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence], mask: TokenMask | None = None
-               ) -> tuple[list[int], list[TokenLogprob | None]]:
-        """logits: [num_seqs, vocab] float32, one row per sequence in `seqs`; `mask`: the grammar's
-        allowed tokens of the constrained rows (`engine.guided`)."""
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence], mask: TokenMask | None = None,
+               offsets: list[int] | None = None) -> tuple[list[int], list[TokenLogprob | None]]:
+        """logits: [num_rows, vocab] float32, one row per entry of `seqs`; `mask`: the grammar's
+        allowed tokens of the constrained rows (`engine.guided`). `offsets`: per row, how many
+        tokens past the sequence's end it samples for (a speculative draft's position; 0: the
+        next token), so a seeded row draws the noise of its own position."""
+        offsets = offsets or [0] * len(seqs)
         want_logprobs = any(s.params.logprobs is not None for s in seqs)
         raw_logprobs = logits.log_softmax(dim=-1) if want_logprobs else None
         biased = any(s.params.logit_bias for s in seqs)
@@ -119,12 +122,13 @@ class Sampler:
         if random_rows:
             rows = torch.tensor(random_rows, device=logits.device)
             sub_seqs = [seqs[i] for i in random_rows]
+            sub_offsets = [offsets[i] for i in random_rows]
             temps = torch.tensor([s.params.temperature for s in sub_seqs], device=logits.device)
             sub = logits[rows] / temps[:, None]
             if any(s.params.top_k or s.params.top_p < 1.0 or s.params.min_p > 0.0 for s in sub_seqs):
                 sub = filter_logits(sub, sub_seqs)
             probs = sub.softmax(dim=-1)
-            tokens[rows] = (probs / self._noise(probs, sub_seqs)).argmax(dim=-1)
+            tokens[rows] = (probs / self._noise(probs, sub_seqs, sub_offsets)).argmax(dim=-1)
         token_list = tokens.tolist()
         return token_list, self._logprobs(raw_logprobs, token_list, seqs)
 

@@ -78,6 +78,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False  # the matched stop string (or stop token's text) stays in the text
     skip_special_tokens: bool = True  # special tokens' text is left out of the output
     guided: GuidedSpec | None = None  # the output must match this grammar
+    speculative: bool = True  # may be sped up by speculative drafts when the model has them on (same output)
 
     def __post_init__(self) -> None:
         if self.temperature < GREEDY_BELOW:
@@ -147,6 +148,7 @@ class Sequence:
         self.num_preemptions = 0
         self.first_scheduled_s: float | None = None  # monotonic; when it first ran (queue wait ends)
         self.num_cached_tokens = 0  # prompt tokens its first admission found in the prefix cache
+        self.draft_token_ids: list[int] = []  # speculative guesses of the tokens after the last one
 
     @property
     def num_tokens(self) -> int:
@@ -173,13 +175,26 @@ class Sequence:
 
 @dataclass
 class ScheduledSeq:
+    """`num_new_tokens` counts the drafts too: a decode with k drafts runs 1 + k tokens."""
+
     seq: Sequence
     num_new_tokens: int
+    draft_token_ids: list[int] = field(default_factory=list)  # verified by this step, after the last token
 
     @property
     def completes_prefill(self) -> bool:
         """True when this chunk reaches the last known token, so its logits give a sample."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+        return self.seq.num_computed_tokens + self.num_known_tokens == self.seq.num_tokens
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Tokens of the sequence itself this step computes (the drafts are only guesses)."""
+        return self.num_new_tokens - len(self.draft_token_ids)
+
+    @property
+    def num_logits(self) -> int:
+        """Positions whose logits the step returns: the last one, and one per draft."""
+        return 1 + len(self.draft_token_ids) if self.completes_prefill else 0
 
 
 @dataclass
@@ -244,6 +259,8 @@ class EngineStats:
     prefix_cache_query_tokens: int = 0  # prompt tokens of admitted sequences looked up in the prefix cache
     prefix_cache_hit_tokens: int = 0  # of those, tokens served from cached KV blocks
     prefix_cache_blocks: int = 0  # blocks holding a reusable prefix now
+    spec_num_draft_tokens: int = 0  # speculative draft tokens verified by the model
+    spec_num_accepted_tokens: int = 0  # of those, tokens the model's own sampling agreed with
 
 
 # Upper bounds of the per-step batch token histogram (`galley_batch_tokens`).

@@ -8,7 +8,8 @@ back to the front of the queue with its generated tokens, to be recomputed later
 sequence is preempted, and whether a waiting one may preempt a running one to get in, is
 the queue's policy (FIFO never does; the fair queue does for priority and fair share).
 A sequence admitted first takes the cached blocks of its prompt's longest cached prefix
-(automatic prefix caching, `engine.kv_cache`) and prefills only the rest.
+(automatic prefix caching, `engine.kv_cache`) and prefills only the rest. A decode with
+speculative drafts (`engine.speculative`) runs them too, as far as budget and free blocks allow.
 """
 
 from __future__ import annotations
@@ -76,10 +77,19 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
-                self.kv.allocate(seq, num_new)
-                batch.seqs.append(ScheduledSeq(seq, num_new))
-                budget -= num_new
+                drafts = self._drafts(seq, budget)
+                self.kv.allocate(seq, num_new + len(drafts))
+                batch.seqs.append(ScheduledSeq(seq, num_new + len(drafts), drafts))
+                budget -= num_new + len(drafts)
         return budget
+
+    def _drafts(self, seq: Sequence, budget: int) -> list[int]:
+        """The speculative drafts a decode verifies this step: what the budget leaves, and only if
+        their slots are free (a guess never preempts anyone)."""
+        if seq.num_uncomputed_tokens != 1 or not seq.draft_token_ids:
+            return []
+        drafts = seq.draft_token_ids[: budget - 1]
+        return drafts if self.kv.can_allocate(seq, 1 + len(drafts)) else []
 
     def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
         """Admit in queue order, each sequence first taking its cached prefix. Terminates by
@@ -114,7 +124,7 @@ class Scheduler:
 
     def _blocks_filled_by(self, batch: ScheduledBatch) -> set[bytes]:
         """Hashes of the full blocks this step's sequences compute."""
-        return {h for item in batch.seqs for h in self.kv.pending_block_hashes(item.seq, item.num_new_tokens)}
+        return {h for item in batch.seqs for h in self.kv.pending_block_hashes(item.seq, item.num_known_tokens)}
 
     def _next_block_in(self, seq: Sequence, filling: set[bytes]) -> bool:
         """Is the first block `seq` would compute being computed this step by another sequence
@@ -154,10 +164,14 @@ class Scheduler:
         the token it samples. Recomputing after a preemption is the server's cost, not theirs,
         and a prefix found cached costs nobody anything."""
         seq = item.seq
-        end = min(seq.num_computed_tokens + item.num_new_tokens, seq.num_prompt_tokens)
+        end = min(seq.num_computed_tokens + item.num_known_tokens, seq.num_prompt_tokens)
         num_prompt = max(0, end - max(seq.num_computed_tokens, seq.num_prompt_tokens_charged))
         seq.num_prompt_tokens_charged = max(seq.num_prompt_tokens_charged, end)
         self.waiting.charge(seq, num_prompt, 1 if item.completes_prefill else 0)
+
+    def charge_accepted(self, seq: Sequence, num_tokens: int) -> None:
+        """Drafts the model accepted are tokens served like the one each step samples."""
+        self.waiting.charge(seq, 0, num_tokens)
 
     def finish(self, seq: Sequence) -> None:
         """Release a sequence that is done (or aborted), wherever it is."""
