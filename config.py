@@ -15,6 +15,7 @@ from typing import Any
 
 from engine.model_runner import CacheConfig
 from engine.quantization import QUANTIZATIONS
+from engine.speculative import SpeculativeConfig
 from launch import EngineConfig
 from scheduling.fair_queue import FairShareConfig
 from scheduling.rollout import DeploymentsConfig
@@ -113,7 +114,7 @@ class GalleyConfig:
     scheduling: SchedulingConfig = SchedulingConfig()
     streams: StreamsConfig = StreamsConfig()
     batch: BatchConfig = BatchConfig()
-    engine: EngineConfig = EngineConfig()  # [engine], [cache] (as engine.cache), policy from [scheduling]
+    engine: EngineConfig = EngineConfig()  # [engine], [cache] and [speculative] (as engine.*), policy from [scheduling]
     response_cache: ResponseCacheConfig = ResponseCacheConfig()
     observability: ObservabilityConfig = ObservabilityConfig()
     tracing: TracingConfig = TracingConfig()
@@ -184,13 +185,14 @@ def load_config(path: str | Path | None = None) -> GalleyConfig:
     except (OSError, tomllib.TOMLDecodeError) as exc:
         raise ConfigError(f"cannot read config {path}: {exc}") from exc
     sections = ("server", "auth", "scheduling", "streams", "batch", "response_cache", "engine", "cache",
-                "observability", "tracing", "alerts", "deployments", "lifecycle", "models")
+                "speculative", "observability", "tracing", "alerts", "deployments", "lifecycle", "models")
     unknown = sorted(set(raw) - set(sections))
     if unknown:
         raise ConfigError(f"unknown section(s) {unknown} in {path}; known: {', '.join(sections)}")
     base = path.resolve().parent
     cache = build(CacheConfig, raw.get("cache", {}), "cache")
-    for nested in ("cache", "policy", "fair_share"):
+    speculative = build(SpeculativeConfig, raw.get("speculative", {}), "speculative")
+    for nested in ("cache", "policy", "fair_share", "speculative"):
         if nested in raw.get("engine", {}):
             raise ConfigError(f"{nested!r} does not belong in [engine]; see config.toml for its section")
     engine = build(EngineConfig, raw.get("engine", {}), "engine")
@@ -205,7 +207,8 @@ def load_config(path: str | Path | None = None) -> GalleyConfig:
         streams=build(StreamsConfig, raw.get("streams", {}), "streams"),
         batch=build(BatchConfig, raw.get("batch", {}), "batch"),
         response_cache=build(ResponseCacheConfig, raw.get("response_cache", {}), "response_cache"),
-        engine=dataclasses.replace(engine, cache=cache, policy=scheduling.policy, fair_share=scheduling.fair_share),
+        engine=dataclasses.replace(engine, cache=cache, policy=scheduling.policy, fair_share=scheduling.fair_share,
+                                   speculative=speculative),
         observability=build(ObservabilityConfig, raw.get("observability", {}), "observability"),
         tracing=build(TracingConfig, raw.get("tracing", {}), "tracing"),
         alerts=alert_rules(raw.get("alerts")),

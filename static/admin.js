@@ -180,13 +180,17 @@ async function loadModels() {
     const kv = m ? m.replicas.map((r) => `${r.kv_blocks_used}/${r.kv_blocks_total}`).join(", ") : "–";
     const hitRate = (r) => (r.prefix_cache_hit_rate == null ? "–" : `${(100 * r.prefix_cache_hit_rate).toFixed(1)}%`);
     const hits = m ? m.replicas.map(hitRate).join(", ") : "–";
+    const accepted = (r) => (r.spec_decode_acceptance_rate == null ? "–"
+      : `${(100 * r.spec_decode_acceptance_rate).toFixed(1)}%`);
+    const drafts = m ? m.replicas.map(accepted).join(", ") : "–";
     const stateText = v.draining ? "draining" : v.state;
     return el("tr", { dataset: { model: v.name, version: v.version } },
       el("td", {}, v.name), el("td", {}, v.version), el("td", {}, v.kind || "generate"),
       el("td", {}, el("span", { class: pillClass(stateText), title: v.error || "" }, stateText)),
       el("td", {}, (v.devices || []).join(", ") || "–"), el("td", { class: "num" }, bytes(v.mem_bytes)),
       el("td", { class: "num" }, v.num_in_flight ?? "–"), el("td", { class: "num" }, kv),
-      el("td", { class: "num", title: "share of admitted prompt tokens whose KV was reused" }, hits));
+      el("td", { class: "num", title: "share of admitted prompt tokens whose KV was reused" }, hits),
+      el("td", { class: "num", title: "share of speculative draft tokens the model accepted" }, drafts));
   }));
 }
 

@@ -55,6 +55,10 @@ class EngineCollector:
                                                  "requests looked up in the prefix cache"),
             "prefix_cache_hit_tokens": counter("galley_prefix_cache_hits", "Tokens found in the prefix "
                                                "cache (their KV reused, not prefilled)"),
+            "spec_num_draft_tokens": counter("galley_spec_decode_num_draft_tokens", "Speculative draft "
+                                             "tokens verified by the model"),
+            "spec_num_accepted_tokens": counter("galley_spec_decode_num_accepted_tokens", "Speculative draft "
+                                                "tokens the model accepted (its own samples agreed)"),
         }
         batch = HistogramMetricFamily("galley_batch_tokens", "Tokens per engine step", labels=labels)
         devices: dict[str, EngineStats] = {}

