@@ -1,6 +1,6 @@
 """Chat messages as OpenAI clients send them, history included: what `message.model_dump()` of
-an SDK answer gives back (`refusal`, `annotations`, `audio`, `function_call`, `tool_calls`)
-and `tool` results, turned into the dicts a chat template renders."""
+an SDK answer gives back (`refusal`, `annotations`, `audio`, `function_call`, `tool_calls`;
+LiteLLM's `provider_specific_fields`) and `tool` results, turned into the dicts a chat template renders."""
 
 from __future__ import annotations
 
@@ -52,6 +52,8 @@ class ChatMessage(Strict):
                                                "ignored.")
     reasoning_content: str | None = Field(None, description="Accepted and ignored (a reasoning model's thoughts "
                                           "are not sent back to it).")
+    provider_specific_fields: dict[str, Any] | None = Field(None, description="LiteLLM's `Message.model_dump()` "
+                                                            "adds it; accepted and ignored.")
 
     def text(self) -> str:
         if isinstance(self.content, list):

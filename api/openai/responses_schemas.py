@@ -12,7 +12,15 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, Discriminator, Field, Tag, field_validator, model_validator
 
-from api.openai.fields import GENERATION_MAX_BODY_BYTES, MAX_CONTEXT_TOKENS, MAX_NAME_CHARS, Strict, str_or_list
+from api.openai.fields import (
+    GENERATION_MAX_BODY_BYTES,
+    MAX_CONTEXT_TOKENS,
+    MAX_NAME_CHARS,
+    MAX_TOP_K,
+    Stop,
+    Strict,
+    str_or_list,
+)
 from api.openai.tooling import MAX_TOOLS, FunctionName, Schema
 from services.inference.params import SamplingOptions
 from services.inference.responses import ResponseInput
@@ -260,6 +268,15 @@ class ResponseCreateRequest(ResponseInputFields):
     service_tier: str | None = Field(None, max_length=32, description=IGNORED)
     priority: Literal["high", "normal", "low"] | None = Field(None, description="galley extension: scheduling "
                                                               "class (as on chat completions).")
+    # vLLM's sampling extensions on this endpoint (guidellm sends `stop: null` and `ignore_eos`)
+    stop: Stop = None
+    seed: int | None = Field(None, ge=0, le=2**63 - 1, description="vLLM extension.")
+    top_k: int | None = Field(None, ge=-1, le=MAX_TOP_K, description="vLLM extension; -1 or 0 disables.")
+    min_p: float | None = Field(None, ge=0.0, le=1.0, description="vLLM extension. Default 0.")
+    repetition_penalty: float | None = Field(None, gt=0.0, le=2.0, description="vLLM extension. Default 1.")
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, description="vLLM extension. Default 0.")
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, description="vLLM extension. Default 0.")
+    ignore_eos: bool = Field(False, description="vLLM extension: keep generating past EOS.")
 
     def settings(self) -> dict[str, Any]:
         """How the Response object shows its request."""
@@ -281,8 +298,15 @@ class ResponseCreateRequest(ResponseInputFields):
         }
 
     def response_input(self) -> ResponseInput:
-        options = SamplingOptions(temperature=1.0 if self.temperature is None else self.temperature,
-                                  top_p=1.0 if self.top_p is None else self.top_p)
+        def given(value: Any, default: Any) -> Any:
+            return default if value is None else value
+
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        options = SamplingOptions(
+            temperature=given(self.temperature, 1.0), top_p=given(self.top_p, 1.0), top_k=self.top_k,
+            min_p=given(self.min_p, 0.0), repetition_penalty=given(self.repetition_penalty, 1.0),
+            frequency_penalty=given(self.frequency_penalty, 0.0), presence_penalty=given(self.presence_penalty, 0.0),
+            seed=self.seed, stop=stop, ignore_eos=self.ignore_eos)
         return ResponseInput(**self.prompt_fields(), options=options, max_output_tokens=self.max_output_tokens,
                              store=self.store is not False, user=self.user, priority=self.priority,
                              settings=self.settings())

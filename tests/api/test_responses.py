@@ -125,6 +125,18 @@ async def test_input_tokens_details_count_cached_tokens(sdk):
     assert usages[1].input_tokens_details.cached_tokens % 16 == 0
 
 
+async def test_vllms_sampling_extensions(sdk):
+    """What guidellm sends (`stop: null`, `ignore_eos`) and vLLM's other sampling fields on this endpoint."""
+    extra = {"stop": None, "ignore_eos": True, "seed": 3, "top_k": 5, "min_p": 0.1, "repetition_penalty": 1.1}
+    answer = await strict_response(sdk, model="tiny", input="Hello", max_output_tokens=20, extra_body=extra)
+    assert answer.usage.output_tokens == 20 and answer.status == "incomplete"
+    again = await strict_response(sdk, model="tiny", input="Hello", max_output_tokens=20, extra_body=extra)
+    assert again.output_text == answer.output_text  # seeded
+    stopped = await strict_response(sdk, model="tiny", input="Hello", max_output_tokens=20,
+                                    extra_body={**extra, "stop": answer.output_text[3:6]})
+    assert stopped.output_text == answer.output_text[:3]
+
+
 async def test_a_forced_call_then_its_output_continues_the_response(sdk):
     ask = {"model": "tiny", "input": "Weather in Paris?", "tools": TOOLS, "temperature": 0,
            "tool_choice": {"type": "function", "name": "get_weather"}, "max_output_tokens": 400}
