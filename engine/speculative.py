@@ -17,7 +17,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 from engine.types import Sequence
 
@@ -51,13 +50,17 @@ def ngram_lookup(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> list[int
     `tokens` (the most recent followed by k tokens, if one is), for the largest n in
     [min_n, max_n] that occurs; [] when none does."""
     length = tokens.shape[0]
+    ends = np.flatnonzero(tokens[: length - 1] == tokens[-1])  # earlier positions a match could end at
+    matched = np.ones(ends.shape[0], dtype=np.int64)  # how far back each candidate matches the suffix
+    alive = np.ones(ends.shape[0], dtype=bool)
+    for back in range(1, min(max_n, length - 1)):
+        alive &= (ends >= back) & (tokens[np.maximum(ends - back, 0)] == tokens[length - 1 - back])
+        matched += alive
     for n in range(min(max_n, length - 1), min_n - 1, -1):
-        # windows start at 0 .. length-1-n: every occurrence but the suffix itself has a follower
-        windows = sliding_window_view(tokens[: length - 1], n)
-        hits = np.flatnonzero((windows == tokens[length - n :]).all(axis=1))
+        hits = ends[matched >= n]
         if hits.size:
-            full = hits[hits + n + k <= length]  # occurrences followed by k tokens, if any: the longest draft
-            start = int(full[-1] if full.size else hits[-1]) + n
+            full = hits[hits + 1 + k <= length]  # occurrences followed by k tokens, if any: the longest draft
+            start = int(full[-1] if full.size else hits[-1]) + 1
             return tokens[start : start + k].tolist()
     return []
 
@@ -82,5 +85,6 @@ class NgramProposer:
                 self.max_model_len - seq.num_tokens - 1)
         if k <= 0 or not can_speculate(seq):
             return []
-        tokens = np.asarray(seq.token_ids[-c.max_lookup_tokens :], dtype=np.int64)
+        recent = seq.token_ids[-c.max_lookup_tokens :]
+        tokens = np.fromiter(recent, dtype=np.int64, count=len(recent))
         return ngram_lookup(tokens, c.prompt_lookup_min, c.prompt_lookup_max, k)
