@@ -77,7 +77,7 @@ async def choice_frames(fmt: ChunkFormat, tokenizer: Any, choices: Choices, tool
     """Several choices as one SSE stream: chunks in the order their tokens come, each with its
     choice's index; with `include_usage`, one usage chunk over all choices at the end. Not
     resumable (no X-Stream-Id). A failure before the first token is a plain HTTP error, after it
-    an error chunk. A thinking model's thoughts come as `reasoning_content` deltas (vLLM's field)."""
+    an error chunk. A thinking model's thoughts come as `reasoning` (and `reasoning_content`) deltas, as vLLM's."""
     n = len(choices)
     counts, offsets, usages, opened = [0] * n, [0] * n, [None] * n, False
     parsers = [ToolCallParser(tool_format) for _ in range(n)] if tool_format else None  # tool calls in the text

@@ -23,11 +23,11 @@ from services.streams.events import ChunkFormat
 
 
 def chat_choice(fmt: ChunkFormat, tokenizer: Any, index: int, result: Answer) -> dict:
-    message = {"role": "assistant", "content": result.text}
+    message = {"role": "assistant", "content": result.text, "refusal": None, "annotations": []}  # as OpenAI's
     if result.tool_calls:  # content is null when the answer is only calls
         message.update(content=result.text or None, tool_calls=result.tool_calls)
-    if result.reasoning_content is not None:  # a thinking model's thoughts (vLLM's field)
-        message["reasoning_content"] = result.reasoning_content
+    if result.reasoning_content is not None:  # a thinking model's thoughts: vLLM's field, by its old name too
+        message.update(reasoning=result.reasoning_content, reasoning_content=result.reasoning_content)
     return {"index": index, "message": message,
             "logprobs": chat_logprobs(tokenizer, result.logprobs) if fmt.logprobs else None,
             "finish_reason": result.finish_reason}

@@ -83,8 +83,10 @@ def _chunk(fmt: ChunkFormat, tokenizer: Any, event: StreamEvent, text: str, logp
 
 
 def reasoning_chunk(fmt: ChunkFormat, event: StreamEvent, thoughts: str) -> dict:
-    """A chat chunk of a thinking model's thoughts (vLLM's `reasoning_content` delta)."""
-    chunk = {**fmt.base, "choices": [{"index": 0, "delta": {"reasoning_content": thoughts}, "logprobs": None,
+    """A chat chunk of a thinking model's thoughts: vLLM's `reasoning` delta, and `reasoning_content`
+    (vLLM's older name and DeepSeek's, which many clients read)."""
+    delta = {"reasoning": thoughts, "reasoning_content": thoughts}
+    chunk = {**fmt.base, "choices": [{"index": 0, "delta": delta, "logprobs": None,
                                       "finish_reason": None}]}
     if fmt.continuous_usage:
         chunk["usage"] = usage_of(event.num_prompt_tokens, event.num_output_tokens)

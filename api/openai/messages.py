@@ -52,6 +52,7 @@ class ChatMessage(Strict):
                                                "ignored.")
     reasoning_content: str | None = Field(None, description="Accepted and ignored (a reasoning model's thoughts "
                                           "are not sent back to it).")
+    reasoning: str | None = Field(None, description="vLLM's newer name of `reasoning_content`; accepted and ignored.")
     provider_specific_fields: dict[str, Any] | None = Field(None, description="LiteLLM's `Message.model_dump()` "
                                                             "adds it; accepted and ignored.")
 

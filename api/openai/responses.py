@@ -69,7 +69,8 @@ class AssistantMessage(BaseModel):
     tool_calls: list[ToolCall] | None = None
     refusal: None = None
     annotations: list[dict] = []
-    reasoning_content: str | None = None  # vLLM's field: a thinking model's thoughts (absent for other models)
+    reasoning: str | None = None  # vLLM's field: a thinking model's thoughts (absent for other models)
+    reasoning_content: str | None = None  # the same, by vLLM's old (and DeepSeek's) name
 
 
 class ChatChoice(BaseModel):
@@ -104,7 +105,8 @@ class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
-    reasoning_content: str | None = None  # vLLM's field: a piece of a thinking model's thoughts
+    reasoning: str | None = None  # vLLM's field: a piece of a thinking model's thoughts
+    reasoning_content: str | None = None  # the same, by vLLM's old (and DeepSeek's) name
 
 
 class ChatChunkChoice(BaseModel):

@@ -154,6 +154,8 @@ async def test_history_as_the_sdk_dumps_it_with_tool_turns(sdk):
     history = [{"role": "developer", "content": "Be brief."}, *MESSAGES, dumped,
                {"role": "assistant", "content": None, "tool_calls": [call], "refusal": None},
                {"role": "tool", "tool_call_id": "call_1", "content": "a quick brown fox"},
+               {"role": "assistant", "content": "Yes.", "reasoning": "vLLM's name", "reasoning_content": "its old one",
+                "provider_specific_fields": None},  # as vLLM answers and LiteLLM dumps a message
                {"role": "user", "content": [{"type": "text", "text": "And "}, {"type": "text", "text": "then?"}],
                 "name": "ann"}]
     second = await sdk.chat.completions.create(model="tiny", messages=history, max_tokens=3, **GREEDY)

@@ -93,10 +93,12 @@ async def serve(aiohttp_server):
 
 
 def only_reasoning_extra(value) -> None:
-    """Every field is the SDK's but vLLM's `reasoning_content`."""
+    """Every field is the SDK's but vLLM's `reasoning` and `reasoning_content` (the same text)."""
     for part in [*getattr(value, "choices", [])]:
         holder = getattr(part, "message", None) or part.delta
+        assert holder.model_extra.get("reasoning") == holder.model_extra.get("reasoning_content")
         holder.model_extra.pop("reasoning_content", None)
+        holder.model_extra.pop("reasoning", None)
     assert_only_openai_fields(value)
 
 
