@@ -1,8 +1,9 @@
 """LangChain's OpenAI clients against the real app on the tiny random model, offline (a connection
 anywhere but loopback fails the test): `ChatOpenAI` answers, streams, returns structured output in
-all three `with_structured_output` modes, and goes round a tool call; `OpenAI` completes one prompt
-and a list of them. A random model says nothing sensible, so every structured path is constrained
-(json_schema, a forced tool) or checked only for well-formed JSON (json_mode)."""
+all three `with_structured_output` modes, goes round a tool call and speaks the Responses API
+(`use_responses_api`); `OpenAI` completes one prompt and a list of them. A random model says
+nothing sensible, so every structured path is constrained (json_schema, a forced tool) or checked
+only for well-formed JSON (json_mode)."""
 
 from __future__ import annotations
 
@@ -102,6 +103,19 @@ async def test_bind_tools_and_a_tool_round_trip(served, choice):
     async for chunk in with_tools.astream([question]):
         streamed = chunk if streamed is None else streamed + chunk
     assert [(c["name"], c["args"]) for c in streamed.tool_calls] == [(call["name"], call["args"])]
+
+
+async def test_the_responses_api_through_chat_openai(served):
+    """`use_responses_api=True`: the same greedy text as chat completions, and a forced call's arguments."""
+    llm = chat_model(served, use_responses_api=True)
+    answer = await llm.ainvoke("Hello there")
+    assert answer.text == (await chat_model(served).ainvoke("Hello there")).content
+    assert answer.usage_metadata["output_tokens"] <= 8
+    called = await chat_model(served, use_responses_api=True, max_tokens=300).bind_tools(
+        [get_weather], tool_choice="get_weather").ainvoke(ASK)
+    [call] = called.tool_calls
+    assert call["name"] == "get_weather"
+    WeatherArgs.model_validate(call["args"])
 
 
 async def test_completions_one_prompt_and_a_list(served):
