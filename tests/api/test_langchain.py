@@ -8,18 +8,15 @@ only for well-formed JSON (json_mode)."""
 from __future__ import annotations
 
 import json
-from typing import Literal
 
 import pytest
-from pydantic import BaseModel, Field
 
-from tests.api.clients import offline
+from tests.api.clients import offline, shapes
+from tests.api.clients.shapes import ASK, Forecast, WeatherArgs
 
 langchain_openai = pytest.importorskip("langchain_openai", reason="pip install -e '.[test]' installs langchain-openai")
 from langchain_core.messages import AIMessageChunk, HumanMessage, ToolMessage  # noqa: E402
 from langchain_core.tools import tool  # noqa: E402
-
-ASK = "What is the weather in Paris?"
 
 
 @pytest.fixture
@@ -38,23 +35,7 @@ def chat_model(served, **kw) -> langchain_openai.ChatOpenAI:
                                        max_retries=0, **{"temperature": 0, "max_tokens": 8, **kw})
 
 
-class Forecast(BaseModel):
-    """A forecast for one city."""
-
-    city: str = Field(max_length=10)
-    celsius: int = Field(ge=-40, le=50)
-    sky: Literal["sunny", "cloudy", "rain"]
-
-
-class WeatherArgs(BaseModel):
-    city: str = Field(max_length=10)  # bounded: a random model's string would otherwise run to max_tokens
-    days: int = Field(ge=1, le=14)
-
-
-@tool(args_schema=WeatherArgs)
-def get_weather(city: str, days: int) -> str:
-    """The weather in a city for some days."""
-    return f"sunny in {city} for {days} days"
+get_weather = tool(args_schema=WeatherArgs)(shapes.get_weather)
 
 
 async def test_invoke_and_stream_say_the_same(served):

@@ -5,43 +5,23 @@ Exits non-zero on the first failed check; prints one line per check passed."""
 import asyncio
 import os
 import sys
-from typing import Literal
 
 sys.path.insert(0, os.path.dirname(__file__))
 import offline  # noqa: E402
+from shapes import ASK, Forecast, WeatherArgs, get_weather  # noqa: E402
 
 offline.install()
 from llama_index.core.llms import ChatMessage  # noqa: E402
 from llama_index.core.prompts import PromptTemplate  # noqa: E402
 from llama_index.core.tools import FunctionTool  # noqa: E402
 from llama_index.llms.openai_like import OpenAILike  # noqa: E402
-from pydantic import BaseModel, Field  # noqa: E402
 
 BASE, MODEL = sys.argv[1], sys.argv[2]
-ASK = "What is the weather in Paris?"
 
 
 def llm(**kw) -> OpenAILike:
     return OpenAILike(model=MODEL, api_base=BASE, api_key="x", is_chat_model=True, is_function_calling_model=True,
                       context_window=4096, max_retries=0, **{"temperature": 0, "max_tokens": 8, **kw})
-
-
-class Forecast(BaseModel):
-    """A forecast for one city."""
-
-    city: str = Field(max_length=10)
-    celsius: int = Field(ge=-40, le=50)
-    sky: Literal["sunny", "cloudy", "rain"]
-
-
-class WeatherArgs(BaseModel):
-    city: str = Field(max_length=10)  # bounded: a random model's string would otherwise run to max_tokens
-    days: int = Field(ge=1, le=14)
-
-
-def get_weather(city: str, days: int) -> str:
-    """The weather in a city for some days."""
-    return f"sunny in {city} for {days} days"
 
 
 def check_chat_stream_complete() -> None:
