@@ -12,7 +12,8 @@ after the first over the time from the first token to the last (prefill excluded
     python bench/quantization.py --threads 1 --tokens 64
 
 Variant names: `fp32` (the model's dtype, unquantized), `int8`, `int4`, with `-gN` (int4 group
-size) and `-nohead` (lm_head left in float; it is then oneDNN-packed) suffixes.
+size), `-nohead` (lm_head left in float; it is then oneDNN-packed), `-head8`/`-head4` (lm_head in
+int8/int4) and `-requant` (int4 from a GGUF file's de-quantized weights, not its 4-bit blocks) suffixes.
 """
 
 from __future__ import annotations
@@ -47,7 +48,11 @@ def parse_variant(name: str) -> QuantizationSpec | None:
     spec = {"method": method}
     for flag in flags:
         if flag == "nohead":
-            spec["lm_head"] = False
+            spec["lm_head"] = None
+        elif flag in ("head8", "head4"):
+            spec["lm_head"] = f"int{flag[-1]}"
+        elif flag == "requant":
+            spec["gguf_blocks"] = False
         elif flag.startswith("g"):
             spec["group_size"] = int(flag[1:])
         else:

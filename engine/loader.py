@@ -197,13 +197,18 @@ def load_model(source: str, device: str = "cpu", dtype: str = "auto",
     torch_dtype = resolve_dtype(dtype, torch_device)
     with torch.device("meta"):
         model = LlamaForCausalLM(hf_config)
-    int4_blocks = spec is not None and spec.method == "int4" and spec.group_size == GGUF_BLOCK
+    int4_blocks = spec is not None and spec.gguf_blocks and spec.group_size == GGUF_BLOCK
     checkpoint = (read_weights(gguf_file, hf_config, int4_blocks=int4_blocks) if gguf_file
                   else read_checkpoint(path))
     weights = fuse_weights(checkpoint, model.shape.num_layers, model.shape.tie_word_embeddings)
-    int4_codes = {name.removesuffix(".weight"): w for name, w in weights.items() if isinstance(w, Int4Groups)}
-    weights = {name: t.to(device=torch_device, dtype=torch_dtype) for name, t in weights.items()
-               if not isinstance(t, Int4Groups)}
+    int4_codes: dict[str, Int4Groups] = {}
+    for name, weight in list(weights.items()):
+        if isinstance(weight, Int4Groups):  # codes for int4 linears; exact floats for the rest
+            if spec is not None and spec.method_for(name.removesuffix(".weight")) == "int4":
+                int4_codes[name.removesuffix(".weight")] = weights.pop(name)
+            else:
+                weights[name] = weight.dequantize(rounded=False)
+    weights = {name: t.to(device=torch_device, dtype=torch_dtype) for name, t in weights.items()}
     missing, unexpected = model.load_state_dict(weights, strict=False, assign=True)
     missing = [name for name in missing if name.removesuffix(".weight") not in int4_codes]
     if missing or unexpected:

@@ -40,15 +40,26 @@ PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 class QuantizationSpec:
     """What `quantize_model` does: the model option names only `method`; benchmarks vary the rest."""
 
-    method: str  # int8 | int4
+    method: str  # int8 | int4: the decoder's projections
     group_size: int = DEFAULT_INT4_GROUP_SIZE  # int4
-    lm_head: bool = True  # measured worthwhile: bench/README.md
+    # int8 | int4 | None (float). int8 for both methods: on SmolLM2 an int4 lm_head cost +5.5% perplexity
+    # (int8 +0.35%) for 3.7x instead of 3.0x fp32's decode tok/s (bench/README.md)
+    lm_head: str | None = "int8"
+    gguf_blocks: bool = True  # int4 from a GGUF file: its 4-bit blocks as they are (else de-quantized, re-quantized)
 
     def __post_init__(self) -> None:
         if self.method not in QUANTIZATIONS:
             raise ValueError(f"quantization {self.method!r} is not one of {', '.join(QUANTIZATIONS)} (or none)")
+        if self.lm_head not in (None, *QUANTIZATIONS):
+            raise ValueError(f"lm_head quantization {self.lm_head!r} is not one of {QUANTIZATIONS} or None")
         if self.group_size not in INT4_GROUP_SIZES:
             raise ValueError(f"int4 group size {self.group_size} is not one of {INT4_GROUP_SIZES}")
+
+    def method_for(self, module_name: str) -> str | None:
+        """How the linear named `module_name` is quantized; None: it is not."""
+        if module_name == "lm_head":
+            return self.lm_head
+        return self.method if module_name.rpartition(".")[2] in PROJECTIONS else None
 
     @classmethod
     def parse(cls, value: str | QuantizationSpec | None) -> QuantizationSpec | None:
@@ -105,9 +116,10 @@ class Int4Groups:
         """The same rows reordered by `fn` (a function of a [N, ...] tensor), e.g. GGUF's q/k permutation."""
         return Int4Groups(fn(self.q), fn(self.scale), fn(self.zero))
 
-    def dequantize(self) -> torch.Tensor:  # [N, K] float32
+    def dequantize(self, rounded: bool = True) -> torch.Tensor:  # [N, K] float32
+        """The weights the int4 kernels use (scale and zero `rounded` to bf16), or the exact ones."""
         g = self.group_size
-        scale, zero = to_compute(self.scale), to_compute(self.zero)
+        scale, zero = (to_compute(self.scale), to_compute(self.zero)) if rounded else (self.scale, self.zero)
         return (self.q.float() - 8) * scale.repeat_interleave(g, 1) + zero.repeat_interleave(g, 1)
 
 
@@ -116,7 +128,7 @@ def cat_rows(parts: list) -> torch.Tensor | Int4Groups:
     with one group size; otherwise all are de-quantized (a GGUF file may mix Q4_K and Q6_K)."""
     if all(isinstance(p, Int4Groups) for p in parts) and len({p.group_size for p in parts}) == 1:
         return Int4Groups.cat(parts)
-    return torch.cat([p.dequantize() if isinstance(p, Int4Groups) else p for p in parts])
+    return torch.cat([p.dequantize(rounded=False) if isinstance(p, Int4Groups) else p for p in parts])
 
 
 class Int8Linear(nn.Module):
@@ -197,17 +209,17 @@ def quantized_linear(method: str, linear: nn.Linear, group_size: int,
 
 def quantize_model(model: nn.Module, spec: QuantizationSpec, prequantized: dict[str, Int4Groups] | None = None,
                    device: torch.device | None = None) -> int:
-    """Replace the decoder's projections (and lm_head if the spec says so) by quantized linears;
+    """Replace the decoder's projections (and lm_head as the spec says) by quantized linears;
     returns how many. `prequantized`: module name -> int4 codes to use instead of quantizing its
     weight (placed on `device`)."""
     prequantized = prequantized or {}
-    targets = [(name, module) for name, module in model.named_modules() if isinstance(module, nn.Linear)
-               and (name.rpartition(".")[2] in PROJECTIONS or (spec.lm_head and name == "lm_head"))]
+    targets = [(name, module, spec.method_for(name)) for name, module in model.named_modules()
+               if isinstance(module, nn.Linear) and spec.method_for(name)]
     replaced = 0
-    for name, module in targets:
-        groups = prequantized.get(name) if spec.method == "int4" else None
+    for name, module, method in targets:
+        groups = prequantized.get(name) if method == "int4" else None
         size = groups.group_size if groups is not None else spec.group_size
-        if not can_quantize(spec.method, module, size):
+        if not can_quantize(method, module, size):
             log.warning("layer left unquantized: its shape does not fit the int4 kernel", layer=name,
                         shape=tuple(module.weight.shape), group_size=size)
             if groups is not None:
@@ -215,6 +227,6 @@ def quantize_model(model: nn.Module, spec: QuantizationSpec, prequantized: dict[
             continue
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, attr, quantized_linear(spec.method, module, size, groups, device))
+        setattr(parent, attr, quantized_linear(method, module, size, groups, device))
         replaced += 1
     return replaced

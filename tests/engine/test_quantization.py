@@ -76,13 +76,24 @@ def test_quantized_linear_on_cuda(method):
         test_quantized_linear_equals_dequantize_then_matmul(method, num_tokens, device="cuda")
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
+def random_blocks(qtype: str, num_rows: int, row_len: int) -> np.ndarray:
+    """[num_rows, bytes] of random blocks with sane float16 scales (d, and m/dmin) in front."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    block_len, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType[qtype]]
+    rng = np.random.default_rng(0)
+    blocks = rng.integers(0, 256, (num_rows * row_len // block_len, block_bytes), dtype=np.uint8)
+    num_scales = 1 if qtype == "Q4_0" else 2
+    blocks[:, :2 * num_scales] = rng.uniform(-0.1, 0.1, (len(blocks), num_scales)).astype(np.float16).view(np.uint8)
+    return blocks.reshape(num_rows, -1)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q4_K"])
 def test_gguf_4bit_blocks_repack_exactly(qtype):
     from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize, quantize
+    from gguf.quants import dequantize
 
-    rows = np.random.default_rng(0).standard_normal((12, 64)).astype(np.float32)
-    blocks = quantize(rows, GGMLQuantizationType[qtype])
+    blocks = random_blocks(qtype, 12, 512)
     groups = int4_groups(blocks, qtype)
     expected = torch.from_numpy(dequantize(blocks, GGMLQuantizationType[qtype]))
     exact = (groups.q.float() - 8) * groups.scale.repeat_interleave(32, 1) + groups.zero.repeat_interleave(32, 1)
@@ -99,7 +110,7 @@ def fake_quantized_hf(path, spec: QuantizationSpec):
                and (name.endswith("_proj") or (spec.lm_head and name == "lm_head"))]
     for module in targets:
         w = module.weight.detach()
-        if spec.method == "int8":
+        if (spec.lm_head if module is model.lm_head else spec.method) == "int8":
             q, scale = quantize_int8(w)
             fake = q.float() * scale[:, None]
         else:
@@ -131,9 +142,9 @@ def test_quantized_model_layout(tiny_models):
     model = load_model(str(tiny_models["qwen2"]), quantization="int4").model  # tied embeddings, qkv bias
     layer = model.layers[0]
     assert isinstance(layer.self_attn.qkv_proj, Int4Linear) and layer.self_attn.qkv_proj.bias is not None
-    assert isinstance(layer.mlp.down_proj, Int4Linear) and isinstance(model.lm_head, Int4Linear)
+    assert isinstance(layer.mlp.down_proj, Int4Linear) and isinstance(model.lm_head, Int8Linear)  # int8: measured
     assert model.embed_tokens.weight.dtype == torch.float32  # the embedding is not quantized
-    nohead = load_model(str(tiny_models["llama"]), quantization=QuantizationSpec("int8", lm_head=False)).model
+    nohead = load_model(str(tiny_models["llama"]), quantization=QuantizationSpec("int8", lm_head=None)).model
     assert isinstance(nohead.layers[1].self_attn.o_proj, Int8Linear)
     assert not isinstance(nohead.lm_head, (Int8Linear, Int4Linear))  # float, oneDNN-packed on CPU
 
