@@ -105,11 +105,13 @@ def main() -> None:
             print(f"round {r} {name}: {rate:.1f} tok/s (ttft {ttft * 1000:.0f} ms)", flush=True)
     base = statistics.median(rates[names[0]])
     print(f"\nsingle-stream decode, {args.tokens} tokens, {args.rounds} rounds, {args.threads} thread(s); "
-          f"ratio = median / median of {names[0]}")
-    print("| variant | median tok/s | min | max | ratio |\n|---|---|---|---|---|")
+          f"ratio = median / median of {names[0]}; paired = median over rounds of the same round's ratio")
+    print("| variant | median tok/s | min | max | ratio | paired |\n|---|---|---|---|---|---|")
     for name in names:
         med = statistics.median(rates[name])
-        print(f"| {name} | {med:.1f} | {min(rates[name]):.1f} | {max(rates[name]):.1f} | {med / base:.2f} |")
+        paired = statistics.median(a / b for a, b in zip(rates[name], rates[names[0]]))
+        print(f"| {name} | {med:.1f} | {min(rates[name]):.1f} | {max(rates[name]):.1f} | {med / base:.2f} "
+              f"| {paired:.2f} |")
 
 
 if __name__ == "__main__":
