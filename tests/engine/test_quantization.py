@@ -28,8 +28,8 @@ from engine.quantization import (
     quantize_int8,
 )
 from engine.types import SamplingParams
-from launch import EngineConfig, build_engine
-from storage.registry import validate_options
+from launch import EngineConfig, EngineLoader, build_engine, start_workers, weights_bytes
+from storage.registry import ModelVersion, validate_options
 from tests.engine.test_reference import prompts
 from tests.helpers import assert_all_blocks_free, run_to_completion
 
@@ -159,6 +159,30 @@ def test_the_option_is_validated(tmp_path):
     assert validate_options({"quantization": "none"}) == {"quantization": "none"}
     with pytest.raises(ModelLoadError, match="int3"):
         load_model("/nonexistent", quantization="int3")
+
+
+def test_a_registered_version_loads_quantized(tiny_models):
+    """The registry option reaches the loader: the served replica runs int8 linears."""
+    engines = {}
+
+    class Recording(EngineLoader):
+        def new_engine(self, spec, loaded):
+            engines[spec.version] = engine = super().new_engine(spec, loaded)
+            return engine
+
+    cfg = EngineConfig()
+    workers = start_workers(cfg, emit=lambda events: None)
+    try:
+        loader = Recording(cfg, 8, workers)
+        for version, options in (("1", {}), ("2", {"quantization": "int8"})):
+            served = loader.load(ModelVersion("tiny", version, str(tiny_models["llama"]), options=options))
+            loader.unload(served)
+    finally:
+        for worker in workers:
+            worker.stop()
+    quantized = engines["2"].runner.model
+    assert isinstance(quantized.layers[0].mlp.gate_up_proj, Int8Linear)
+    assert weights_bytes(quantized) < weights_bytes(engines["1"].runner.model) / 2
 
 
 @needs_smollm2
