@@ -7,7 +7,7 @@ share the loaded weights, one without drafts and one with `[speculative] method 
 request runs on both, in alternating order, with `--streams` requests at once, over `--rounds`
 fresh passages (no prefix-cache hit across rounds). It reports output tokens per second
 (prefill included: the time from submitting to the last token), the ratio per round, the share
-of drafts accepted, tokens per step, and checks that both engines wrote the same tokens; the
+of drafts accepted, tokens per step and sequence, and checks that both engines wrote the same tokens; the
 decode ratio leaves the prefills out (from every request's first token to the last).
 
     python bench/speculative.py                          # 1 stream, 256 tokens, 3 rounds
@@ -112,7 +112,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
-    parser.add_argument("--lookup", default="1,4", help="prompt_lookup_min,prompt_lookup_max")
+    parser.add_argument("--lookup", default="2,4", help="prompt_lookup_min,prompt_lookup_max")
+    parser.add_argument("--workloads", default="prose,code")
+    parser.add_argument("--verbose", action="store_true", help="a line per round")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (1 is steadier on a busy machine)")
     args = parser.parse_args()
     if args.threads:
@@ -133,15 +135,22 @@ def main() -> None:
     print(f"model {args.model}  tokens {args.tokens}  rounds {args.rounds} (interleaved)  k {args.k}  "
           f"lookup {low}-{high}  torch threads {torch.get_num_threads()}")
     print(f"{'workload':9}{'streams':>8}{'none tok/s':>18}{'ngram tok/s':>18}{'ratio':>18}{'decode ratio':>18}"
-          f"{'accepted':>10}{'tok/step':>9}  same")
+          f"{'accepted':>10}{'tok/step/seq':>13}  same")
     for streams in (int(s) for s in args.streams.split(",")):
-        for name in ("prose", "code"):
+        for name in args.workloads.split(","):
             runs: dict[str, list[Run]] = {mode: [] for mode in engines}
             drafted, accepted = engines["ngram"].num_draft_tokens, engines["ngram"].num_accepted_tokens
             for round_ in range(args.rounds):
                 prompts = [chat(q) for q in workloads(round_, streams)[name]]
+                before = engines["ngram"].num_draft_tokens, engines["ngram"].num_accepted_tokens
                 for mode in list(engines) if round_ % 2 == 0 else list(engines)[::-1]:
                     runs[mode].append(run(engines[mode], prompts, args.tokens))
+                if args.verbose:
+                    drafts = engines["ngram"].num_draft_tokens - before[0]
+                    share_ = (engines["ngram"].num_accepted_tokens - before[1]) / max(1, drafts)
+                    print(f"  {name} x{streams} round {round_}: none {runs['none'][-1].tok_s:.1f} tok/s, "
+                          f"ngram {runs['ngram'][-1].tok_s:.1f} tok/s, {runs['ngram'][-1].num_tokens} tokens, "
+                          f"{drafts} drafts, {share_:.2f} accepted")
             share = ((engines["ngram"].num_accepted_tokens - accepted)
                      / max(1, engines["ngram"].num_draft_tokens - drafted))
             pairs = list(zip(runs["none"], runs["ngram"]))
@@ -149,9 +158,9 @@ def main() -> None:
                      spread([b.tok_s / a.tok_s for a, b in pairs], 2),
                      spread([b.decode_tok_s / a.decode_tok_s for a, b in pairs], 2)]
             same = all(a.outputs == b.outputs for a, b in pairs)
-            per_step = statistics.median(r.num_tokens / r.steps for r in runs["ngram"])
+            per_step = statistics.median(r.num_tokens / r.steps / streams for r in runs["ngram"])
             print(f"{name:9}{streams:>8}" + "".join(f"{c:>18}" for c in cells)
-                  + f"{share:>10.2f}{per_step:>9.2f}  {'yes' if same else 'NO'}")
+                  + f"{share:>10.2f}{per_step:>13.2f}  {'yes' if same else 'NO'}")
     sample = workloads(0, 1)["code"][0]
     text = tokenizer.decode(run(engines["ngram"], [chat(sample)], args.tokens).outputs[0], skip_special_tokens=True)
     print("\nexample answer (code, round 0):\n" + text)
