@@ -4,7 +4,8 @@ What it owns: turning float weights (or GGUF 4-bit blocks, `engine.gguf`) into t
 layouts, and the linears that run them. Activations stay in the model's dtype between layers;
 a quantized linear casts its input to bfloat16 for the kernel and its output back.
 
-- int8: per-output-channel symmetric, w = q * scale, `torch._weight_int8pack_mm` (CPU, CUDA).
+- int8: per-output-channel symmetric, w = q * scale, `torch._weight_int8pack_mm` (CPU; on CUDA
+  torch's kernel is a plain loop per output element, correct but not tuned, and unmeasured here).
 - int4: groupwise asymmetric along K (the tinygemm form), w = (q - 8) * scale + zero with q in
   0..15, `_weight_int4pack_mm_for_cpu` on CPU and `_weight_int4pack_mm` (tinygemm, sm80+) on CUDA.
 
@@ -20,6 +21,7 @@ Must not: touch the oneDNN-packed linears (`engine.packed_linear` packs whatever
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import structlog
@@ -112,7 +114,7 @@ class Int4Groups:
     def cat(cls, parts: list[Int4Groups]) -> Int4Groups:
         return cls(*(torch.cat([getattr(p, f) for p in parts]) for f in ("q", "scale", "zero")))
 
-    def map_rows(self, fn) -> Int4Groups:
+    def map_rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Int4Groups:
         """The same rows reordered by `fn` (a function of a [N, ...] tensor), e.g. GGUF's q/k permutation."""
         return Int4Groups(fn(self.q), fn(self.scale), fn(self.zero))
 
