@@ -22,6 +22,7 @@ import numpy as np
 import structlog
 import torch
 
+from engine.load_progress import LoadProgress
 from engine.quantization import Int4Groups
 
 log = structlog.get_logger(__name__)
@@ -96,9 +97,11 @@ def hf_folder_for(gguf_file: Path) -> Path:
     return folder
 
 
-def read_weights(gguf_file: Path, hf_config, int4_blocks: bool = False) -> dict[str, torch.Tensor | Int4Groups]:
+def read_weights(gguf_file: Path, hf_config, int4_blocks: bool = False,
+                 progress: LoadProgress | None = None) -> dict[str, torch.Tensor | Int4Groups]:
     """The file's tensors under HF names, de-quantized to float32; with `int4_blocks`, the linears'
-    Q4_0/Q4_1/Q4_K tensors as their 4-bit codes and per-32 scales instead (exact, for int4)."""
+    Q4_0/Q4_1/Q4_K tensors as their 4-bit codes and per-32 scales instead (exact, for int4).
+    `progress` advances by the file's bytes (a tensor's de-quantizing time follows its size)."""
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
@@ -106,7 +109,11 @@ def read_weights(gguf_file: Path, hf_config, int4_blocks: bool = False) -> dict[
     arch = reader.fields["general.architecture"].contents()
     heads, kv_heads = hf_config.num_attention_heads, hf_config.num_key_value_heads
     out: dict[str, torch.Tensor | Int4Groups] = {}
-    for tensor in reader.tensors:
+    total_bytes, done_bytes = sum(int(t.n_bytes) for t in reader.tensors), 0
+    for i, tensor in enumerate(reader.tensors):
+        if progress is not None:
+            progress.advance(done_bytes, total_bytes, tensors=f"{i}/{len(reader.tensors)}")
+        done_bytes += int(tensor.n_bytes)
         name = hf_name(tensor.name)
         if name is None:
             log.warning("skipping an unknown GGUF tensor", tensor=tensor.name)
@@ -122,6 +129,8 @@ def read_weights(gguf_file: Path, hf_config, int4_blocks: bool = False) -> dict[
             weight = (weight.map_rows(partial(unpermute, num_heads=num_heads)) if isinstance(weight, Int4Groups)
                       else unpermute(weight, num_heads))
         out[name] = weight
+    if progress is not None:
+        progress.advance(total_bytes, total_bytes, tensors=f"{len(reader.tensors)}/{len(reader.tensors)}")
     return out
 
 

@@ -16,6 +16,7 @@ import torch
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
 
 from engine.gguf import GGUF_BLOCK, find_gguf, hf_folder_for, is_gguf_file, read_weights
+from engine.load_progress import LoadProgress, ProgressCallback
 from engine.models.llama import SUPPORTED_ARCHITECTURES, LlamaForCausalLM
 from engine.packed_linear import can_pack, pack_linears
 from engine.quantization import Int4Groups, QuantizationSpec, cat_rows, quantize_model
@@ -110,21 +111,30 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
-def read_checkpoint(path: Path) -> dict[str, torch.Tensor]:
+def read_checkpoint(path: Path, progress: LoadProgress | None = None) -> dict[str, torch.Tensor]:
+    """Every tensor of the folder's safetensors (memory-mapped, `progress` per tensor) or `.bin` files."""
+    tensors: dict[str, torch.Tensor] = {}
     files = sorted(path.glob("*.safetensors"))
     if files:
-        from safetensors.torch import load_file
+        from safetensors import safe_open
 
-        tensors: dict[str, torch.Tensor] = {}
-        for file in files:
-            tensors.update(load_file(file))
-        return tensors
-    files = sorted(path.glob("pytorch_model*.bin"))
-    if not files:
-        raise ModelLoadError(f"no *.safetensors or pytorch_model*.bin weights in {path}")
-    tensors = {}
-    for file in files:
-        tensors.update(torch.load(file, map_location="cpu", weights_only=True))
+        handles = [safe_open(file, framework="pt") for file in files]
+        num_tensors = sum(len(handle.keys()) for handle in handles)
+        for handle in handles:
+            for name in handle.keys():
+                if progress is not None:
+                    progress.advance(len(tensors), num_tensors, tensors=f"{len(tensors)}/{num_tensors}")
+                tensors[name] = handle.get_tensor(name)
+    else:
+        files = sorted(path.glob("pytorch_model*.bin"))
+        if not files:
+            raise ModelLoadError(f"no *.safetensors or pytorch_model*.bin weights in {path}")
+        for i, file in enumerate(files):
+            if progress is not None:
+                progress.advance(i, len(files), files=f"{i}/{len(files)}")
+            tensors.update(torch.load(file, map_location="cpu", weights_only=True))
+    if progress is not None:
+        progress.advance(1, 1, tensors=len(tensors))
     return tensors
 
 
@@ -175,15 +185,19 @@ def max_token_chars(tokenizer: PreTrainedTokenizerBase) -> int:
 
 
 def load_model(source: str, device: str = "cpu", dtype: str = "auto",
-               quantization: str | QuantizationSpec | None = None) -> LoadedModel:
+               quantization: str | QuantizationSpec | None = None,
+               on_progress: ProgressCallback | None = None) -> LoadedModel:
     """A Hugging Face folder or hub id, or a GGUF file (or a folder holding one: weights
     de-quantized to `dtype`, config and tokenizer from its metadata). `quantization` int8 | int4:
     the linears weight-only quantized (`engine.quantization`; GGUF 4-bit blocks kept as they are
-    for int4 groups of 32); the rest stays in `dtype`."""
+    for int4 groups of 32); the rest stays in `dtype`. `on_progress(phase, fraction)` is called
+    from this thread as the load moves (`engine.load_progress`), last with ("loaded", 1.0)."""
     try:
         spec = QuantizationSpec.parse(quantization)
     except ValueError as exc:
         raise ModelLoadError(str(exc)) from exc
+    progress = LoadProgress(source, on_progress)
+    progress.enter("reading metadata")
     gguf_file = find_gguf(resolve_model_path(source))
     path = hf_folder_for(gguf_file) if gguf_file else resolve_model_path(source)
     hf_config = AutoConfig.from_pretrained(path)
@@ -198,8 +212,9 @@ def load_model(source: str, device: str = "cpu", dtype: str = "auto",
     with torch.device("meta"):
         model = LlamaForCausalLM(hf_config)
     int4_blocks = spec is not None and spec.gguf_blocks and spec.group_size == GGUF_BLOCK
-    checkpoint = (read_weights(gguf_file, hf_config, int4_blocks=int4_blocks) if gguf_file
-                  else read_checkpoint(path))
+    progress.enter("reading weights")
+    checkpoint = (read_weights(gguf_file, hf_config, int4_blocks=int4_blocks, progress=progress) if gguf_file
+                  else read_checkpoint(path, progress))
     weights = fuse_weights(checkpoint, model.shape.num_layers, model.shape.tie_word_embeddings)
     int4_codes: dict[str, Int4Groups] = {}
     for name, weight in list(weights.items()):
@@ -219,11 +234,15 @@ def load_model(source: str, device: str = "cpu", dtype: str = "auto",
         model.lm_head.weight = model.embed_tokens.weight
     model.rotary = type(model.rotary)(hf_config, model.shape.head_dim).to(torch_device)
     if spec is not None:
+        progress.enter("quantizing")
         quantize_model(model, spec, prequantized=int4_codes, device=torch_device)
     if can_pack(torch_device, torch_dtype):  # what stays nn.Linear
+        progress.enter("building kernels")
         pack_linears(model)
     model.eval()
+    progress.enter("loading tokenizer")
     tokenizer = AutoTokenizer.from_pretrained(path)
+    progress.enter("loaded")
     return LoadedModel(
         path=path,
         model=model,

