@@ -100,6 +100,26 @@ def run(engine, prompts: list[list[int]], tokens: int) -> Run:
     return Run(end - start, end - decoding, [outputs[f"{i}"] for i in range(len(prompts))], engine.num_steps - steps)
 
 
+def step_cost(engine, prompt: list[int], streams: int, k: int, steps: int = 12) -> float:
+    """ms per decode step of `streams` sequences each verifying `k` drafts the model rejects (wrong
+    on purpose), so every step emits one token per sequence: the price of drafting when it fails."""
+    wrong = engine.runner.model.shape.vocab_size - 1  # a token no answer here uses
+    for i in range(streams):
+        params = SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True)
+        engine.add_request(GenerationRequest(f"c{time.monotonic_ns()}-{i}", prompt, params))
+    engine.step()  # the prefills
+    seqs = [state.seq for state in engine.requests.values()]
+    start = time.perf_counter()
+    for _ in range(steps):
+        for seq in seqs:
+            seq.draft_token_ids = [wrong] * k
+        assert sum(len(event.token_ids) for event in engine.step()) == streams  # every draft rejected
+    elapsed = time.perf_counter() - start
+    while engine.has_work():
+        engine.step()
+    return 1e3 * elapsed / steps
+
+
 def spread(values: list[float], digits: int = 1) -> str:
     """Median (min-max)."""
     return f"{statistics.median(values):.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
@@ -114,6 +134,7 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     parser.add_argument("--lookup", default="2,4", help="prompt_lookup_min,prompt_lookup_max")
     parser.add_argument("--workloads", default="prose,code")
+    parser.add_argument("--step-cost", default="", help="streams (e.g. 1,2,4,8,16): cost of a step whose drafts fail")
     parser.add_argument("--verbose", action="store_true", help="a line per round")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (1 is steadier on a busy machine)")
     args = parser.parse_args()
@@ -137,7 +158,7 @@ def main() -> None:
     print(f"{'workload':9}{'streams':>8}{'none tok/s':>18}{'ngram tok/s':>18}{'ratio':>18}{'decode ratio':>18}"
           f"{'accepted':>10}{'tok/step/seq':>13}  same")
     for streams in (int(s) for s in args.streams.split(",")):
-        for name in args.workloads.split(","):
+        for name in filter(None, args.workloads.split(",")):
             runs: dict[str, list[Run]] = {mode: [] for mode in engines}
             drafted, accepted = engines["ngram"].num_draft_tokens, engines["ngram"].num_accepted_tokens
             for round_ in range(args.rounds):
@@ -161,6 +182,16 @@ def main() -> None:
             per_step = statistics.median(r.num_tokens / r.steps / streams for r in runs["ngram"])
             print(f"{name:9}{streams:>8}" + "".join(f"{c:>18}" for c in cells)
                   + f"{share:>10.2f}{per_step:>13.2f}  {'yes' if same else 'NO'}")
+    if args.step_cost:
+        prompt = chat(workloads(0, 1)["prose"][0])
+        print(f"\nms per decode step, {args.k} rejected drafts per sequence vs none (median of {args.rounds} rounds):")
+        for streams in (int(s) for s in args.step_cost.split(",")):
+            costs = {k: [] for k in (0, args.k)}
+            for _ in range(args.rounds):
+                for k in costs:
+                    costs[k].append(step_cost(engines["none"], prompt, streams, k))
+            ratio = statistics.median(costs[args.k]) / statistics.median(costs[0])
+            print(f"  {streams:3} streams: {spread(costs[0])} vs {spread(costs[args.k])}  x{ratio:.2f}")
     sample = workloads(0, 1)["code"][0]
     text = tokenizer.decode(run(engines["ngram"], [chat(sample)], args.tokens).outputs[0], skip_special_tokens=True)
     print("\nexample answer (code, round 0):\n" + text)
