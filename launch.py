@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import structlog
@@ -15,6 +16,7 @@ import structlog
 from engine.encoders import resolve_encoder_path, start_encoder
 from engine.engine import LLMEngine
 from engine.kv_cache import KVCacheManager
+from engine.load_progress import ProgressCallback
 from engine.loader import LoadedModel, ModelLoadError, check_model_source, load_model, max_token_chars
 from engine.model_runner import GIB, CacheConfig, ModelRunner, num_kv_blocks
 from engine.speculative import SpeculativeConfig
@@ -133,18 +135,22 @@ class EngineLoader:
                 return 0  # loading will fail and say why
         return checkpoint_bytes(Path(spec.source).expanduser()) + int(self.cfg.cache.kv_cache_gib * GIB)
 
-    def load(self, spec: ModelVersion) -> Served:
+    def load(self, spec: ModelVersion, on_progress: ProgressCallback | None = None) -> Served:
+        """`on_progress(phase, fraction)`: the whole load's, over its replicas (see `load_model`)."""
         if spec.kind != "generate":
-            return self._load_encoder(spec)
+            served = self._load_encoder(spec)
+            if on_progress is not None:
+                on_progress("loaded", 1.0)
+            return served
         labels = set(self.devices_for(spec))
         dtype = spec.options.get("dtype", self.cfg.dtype)
         replicas, attached = [], []
+        pairs = [(w, d) for w, d in zip(self.workers, self.cfg.devices) if w.device in labels]
         try:
-            for worker, device in zip(self.workers, self.cfg.devices):
-                if worker.device not in labels:
-                    continue
+            for i, (worker, device) in enumerate(pairs):
+                report = None if on_progress is None else partial(replica_progress, on_progress, i, len(pairs))
                 loaded = load_model(spec.source, device=device, dtype=dtype,
-                                    quantization=spec.options.get("quantization"))
+                                    quantization=spec.options.get("quantization"), on_progress=report)
                 engine = self.new_engine(spec, loaded)
                 self.measured_bytes[spec.ref] = engine_bytes(engine)
                 worker.attach(spec.ref, engine).result()
@@ -182,6 +188,10 @@ class EngineLoader:
             return
         for replica in served.replicas:
             replica.worker.detach(replica.engine_id).result()
+
+
+def replica_progress(on_progress: ProgressCallback, index: int, num_replicas: int, phase: str, fraction: float) -> None:
+    on_progress(phase, (index + fraction) / num_replicas)
 
 
 def start_workers(cfg: EngineConfig, emit: Emit) -> list[DeviceWorker]:

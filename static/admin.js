@@ -183,10 +183,11 @@ async function loadModels() {
     const accepted = (r) => (r.spec_decode_acceptance_rate == null ? "–"
       : `${(100 * r.spec_decode_acceptance_rate).toFixed(1)}%`);
     const drafts = m ? m.replicas.map(accepted).join(", ") : "–";
-    const stateText = v.draining ? "draining" : v.state;
+    const stateText = v.draining ? "draining" : v.state === "loading" && v.load_progress != null
+      ? `loading ${Math.round(100 * v.load_progress)}% (${v.load_phase})` : v.state;
     return el("tr", { dataset: { model: v.name, version: v.version } },
       el("td", {}, v.name), el("td", {}, v.version), el("td", {}, v.kind || "generate"),
-      el("td", {}, el("span", { class: pillClass(stateText), title: v.error || "" }, stateText)),
+      el("td", {}, el("span", { class: pillClass(v.draining ? "draining" : v.state), title: v.error || "" }, stateText)),
       el("td", {}, (v.devices || []).join(", ") || "–"), el("td", { class: "num" }, bytes(v.mem_bytes)),
       el("td", { class: "num" }, v.num_in_flight ?? "–"), el("td", { class: "num" }, kv),
       el("td", { class: "num", title: "share of admitted prompt tokens whose KV was reused" }, hits),

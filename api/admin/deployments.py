@@ -53,6 +53,10 @@ class VersionOut(BaseModel):
     options: dict[str, Any]
     state: Literal["unloaded", "loading", "ready", "failed"]
     error: str | None
+    load_phase: str | None = Field(description="What its last load was doing (starting, reading metadata, reading "
+                                   "weights, quantizing, building kernels, loading tokenizer, loaded, warming up, "
+                                   "ready); null unless it loaded since it was last unloaded.")
+    load_progress: float | None = Field(ge=0, le=1, description="That load's fraction done (0 to 1).")
     draining: bool
     devices: list[str] = Field(description="Devices it is loaded on.")
     mem_bytes: int = Field(description="Weights + KV cache per device while loaded.")
@@ -154,7 +158,9 @@ def version_json(vs: VersionState) -> dict[str, Any]:
     served = vs.served
     return VersionOut(
         name=vs.spec.name, version=vs.spec.version, source=vs.spec.source, kind=vs.spec.kind,
-        options=vs.spec.options, state=vs.state, error=vs.error, draining=bool(served and served.draining),
+        options=vs.spec.options, state=vs.state, error=vs.error, load_phase=vs.load_phase,
+        load_progress=None if vs.load_progress is None else round(vs.load_progress, 3),
+        draining=bool(served and served.draining),
         devices=vs.devices if served else [], mem_bytes=vs.mem_bytes,
         num_in_flight=served.num_in_flight if served else 0,
         idle_seconds=round(time.monotonic() - vs.last_used_s, 3), created_at=vs.spec.created_at,

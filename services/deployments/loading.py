@@ -12,7 +12,9 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Protocol
 
 import structlog
@@ -45,7 +47,7 @@ class Loader(Protocol):
     def registration_problem(self, spec: ModelVersion) -> str | None: ...  # blocking: call from a thread
     def devices_for(self, spec: ModelVersion) -> list[str]: ...
     def estimate_bytes(self, spec: ModelVersion) -> int: ...
-    def load(self, spec: ModelVersion) -> Served: ...
+    def load(self, spec: ModelVersion, on_progress: Callable[[str, float], None] | None = None) -> Served: ...
     def unload(self, served: Served) -> None: ...
 
 
@@ -69,6 +71,8 @@ class VersionState:
     spec: ModelVersion
     state: str = "unloaded"
     error: str | None = None
+    load_phase: str | None = None  # while loading (and after): what the last load was doing, set from its thread
+    load_progress: float | None = None  # that load's fraction done, 0..1
     served: Served | None = None
     devices: list[str] = field(default_factory=list)
     mem_bytes: int = 0
@@ -120,7 +124,8 @@ class Loading:
             vs.devices = self.loader.devices_for(vs.spec)
             await self._make_room(vs)
             self.set_state(vs, "loading")
-            served = await in_fresh_thread(self.loader.load, vs.spec)
+            served = await in_fresh_thread(self.loader.load, vs.spec, partial(self._on_progress, vs))
+            vs.load_phase = "warming up"
             await self._warm_up(served)
         except Exception as exc:
             if served is not None:
@@ -130,12 +135,18 @@ class Loading:
             raise LoadFailed(vs.error) from exc
         vs.served, vs.mem_bytes, vs.last_used_s = served, self.loader.estimate_bytes(vs.spec), time.monotonic()
         self.router.add_model(served)
+        vs.load_phase = "ready"
         self.set_state(vs, "ready")
         load_s = time.monotonic() - started
         self.metrics.load_seconds.labels(vs.spec.name).observe(load_s)
         log.info("model version ready", model=vs.ref, load_s=round(load_s, 2), devices=vs.devices,
                  mem_bytes=vs.mem_bytes)
         return served
+
+    @staticmethod
+    def _on_progress(vs: VersionState, phase: str, fraction: float) -> None:
+        """Called on the loading thread: two plain attribute writes the loop reads when it renders."""
+        vs.load_phase, vs.load_progress = phase, fraction
 
     async def _warm_up(self, served: Served) -> None:
         """One token through the real engine path, or one input through the encoder's real batcher,
@@ -206,6 +217,10 @@ class Loading:
 
     def set_state(self, vs: VersionState, state: str, error: str | None = None) -> None:
         vs.state, vs.error = state, error
+        if state == "loading":
+            vs.load_phase, vs.load_progress = "starting", 0.0
+        elif state == "unloaded":
+            vs.load_phase = vs.load_progress = None
         name, version = vs.spec.name, vs.spec.version
         write = self.store.set_state(name, version, state, error)
         write.add_done_callback(lambda f: f.exception() and log.error(  # memory (authoritative) is right
