@@ -4,10 +4,12 @@ real one with a hook that holds the load in the middle of its weights until the 
 from __future__ import annotations
 
 import asyncio
+import re
 import threading
 from dataclasses import dataclass, field
 
 import aiohttp
+import pytest
 
 from api.services import SERVICES
 from engine.load_progress import ProgressCallback
@@ -16,6 +18,7 @@ from launch import EngineConfig, EngineLoader, start_workers
 from scheduling.router import Router, Served
 from storage.registry import ModelVersion
 from storage.tenants import hash_key
+from tests.api.test_admin_page import CHROMIUM, page  # noqa: F401 - the page fixture
 from tests.api.test_api import wait_blocks_free
 from tests.api.test_auth import ADMIN, Client
 from tests.helpers import make_app
@@ -51,7 +54,9 @@ async def version_state(client: Client, ref: str) -> dict:
     return next(v for v in body["data"] if f"{v['name']}@{v['version']}" == ref)
 
 
-async def test_the_admin_api_shows_a_loading_models_phase_and_progress(aiohttp_server, db, tmp_path):
+@pytest.fixture
+async def held(aiohttp_server, db, tmp_path):
+    """The app with tiny@1 loaded and tiny@2 registered; its load is started and held mid-weights."""
     model = str(save_tiny_model("llama", tmp_path / "tiny"))
     loop = asyncio.get_running_loop()
     router = Router()
@@ -68,27 +73,48 @@ async def test_the_admin_api_shows_a_loading_models_phase_and_progress(aiohttp_s
         assert status == 201 and (made["load_phase"], made["load_progress"]) == (None, None)
         assert (await client.admin("POST", "/models/tiny/versions/2/load"))[0] == 202
         assert await asyncio.to_thread(loader.held.wait, 60), "the load never reached its weights"
-
-        loading = await version_state(client, "tiny@2")
-        assert loading["state"] == "loading" and loading["load_phase"] == "reading weights"
-        assert 0.3 < loading["load_progress"] < 0.85
-
-        loader.release.set()
-        manager = app[SERVICES].models
-        await asyncio.wait_for(asyncio.shield(manager.loading.task(manager.versions["tiny@2"])), 60)
-        ready = await version_state(client, "tiny@2")
-        assert (ready["state"], ready["load_phase"], ready["load_progress"]) == ("ready", "ready", 1.0)
-        fractions = [f for _, f in loader.reports]
-        assert fractions == sorted(fractions) and loader.reports[-1] == ("loaded", 1.0)
-        assert list(dict.fromkeys(p for p, _ in loader.reports))[:2] == ["reading metadata", "reading weights"]
-
-        assert (await client.admin("POST", "/models/tiny/versions/2/unload"))[0] == 202
-        await manager.loading.unload(manager.versions["tiny@2"], "test")  # waits for the admin's (or does it)
-        unloaded = await version_state(client, "tiny@2")
-        assert (unloaded["state"], unloaded["load_phase"], unloaded["load_progress"]) == ("unloaded", None, None)
+        yield app, loader, client, server
     finally:
         loader.release.set()
         await wait_blocks_free(router, timeout_s=10)
         await client.session.close()
         for worker in workers:
             worker.stop()
+
+
+async def test_the_admin_api_shows_a_loading_models_phase_and_progress(held):
+    app, loader, client, _ = held
+    loading = await version_state(client, "tiny@2")
+    assert loading["state"] == "loading" and loading["load_phase"] == "reading weights"
+    assert 0.3 < loading["load_progress"] < 0.85
+
+    loader.release.set()
+    manager = app[SERVICES].models
+    await asyncio.wait_for(asyncio.shield(manager.loading.task(manager.versions["tiny@2"])), 60)
+    ready = await version_state(client, "tiny@2")
+    assert (ready["state"], ready["load_phase"], ready["load_progress"]) == ("ready", "ready", 1.0)
+    fractions = [f for _, f in loader.reports]
+    assert fractions == sorted(fractions) and loader.reports[-1] == ("loaded", 1.0)
+    assert list(dict.fromkeys(p for p, _ in loader.reports))[:2] == ["reading metadata", "reading weights"]
+
+    assert (await client.admin("POST", "/models/tiny/versions/2/unload"))[0] == 202
+    await manager.loading.unload(manager.versions["tiny@2"], "test")  # waits for the admin's (or does it)
+    unloaded = await version_state(client, "tiny@2")
+    assert (unloaded["state"], unloaded["load_phase"], unloaded["load_progress"]) == ("unloaded", None, None)
+
+
+@pytest.mark.browser
+@pytest.mark.skipif(not CHROMIUM.exists(), reason="needs Debian's /usr/bin/chromium")
+async def test_the_admin_page_shows_a_loading_models_progress(held, page):  # noqa: F811 - the fixture
+    from playwright.async_api import expect
+
+    _, loader, _, server = held
+    await page.goto(str(server.make_url("/admin")))
+    await page.fill("#admin-key", ADMIN)
+    await page.click("#login-button")
+    row = page.locator('#models-table tr[data-model="tiny"][data-version="2"]')
+    await expect(row).to_contain_text(re.compile(r"loading \d+% \(reading weights\)"))
+    loader.release.set()
+    await page.evaluate("loadModels()")  # the page polls every 5 s; ask now
+    await expect(row).to_contain_text("ready", timeout=30_000)
+    assert not page.errors, page.errors
