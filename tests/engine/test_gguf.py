@@ -14,7 +14,7 @@ import structlog
 import torch
 from safetensors.torch import load_file
 
-from engine.gguf import GGUF_MAGIC, find_gguf, hf_folder_for, hf_name, unpermute
+from engine.gguf import GGUF_MAGIC, find_gguf, hf_folder_for, hf_name, read_tensors, unpermute
 from engine.load_progress import PHASES
 from engine.loader import ModelLoadError, check_model_source, load_model, package_path
 from engine.types import SamplingParams
@@ -95,6 +95,20 @@ def test_an_ollama_blob_loads_answers_and_reports_progress(cache_dir, tmp_path):
                                                   return_dict=True)["input_ids"]
     [tokens] = run_to_completion(engine, [prompt], SamplingParams(max_tokens=12, temperature=0.0))
     assert "Paris" in loaded.tokenizer.decode(tokens)
+
+
+@needs_smollm2
+def test_the_header_walk_finds_the_tensors_gguf_reader_finds():
+    import numpy as np
+    from gguf import GGUFReader
+
+    file = package_path(SMOLLM2)
+    arch, ours = read_tensors(file)
+    reader = GGUFReader(file)
+    assert arch == reader.fields["general.architecture"].contents() == "llama"
+    assert [(t.name, t.tensor_type, t.n_bytes, t.data.shape, t.data.dtype) for t in ours] == [
+        (t.name, t.tensor_type, int(t.n_bytes), t.data.shape, t.data.dtype) for t in reader.tensors]
+    assert all(np.array_equal(a.data, b.data) for a, b in zip(ours, reader.tensors))
 
 
 def test_a_safetensors_load_reports_each_tensor(llama_path):
