@@ -134,6 +134,7 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     parser.add_argument("--lookup", default="2,4", help="prompt_lookup_min,prompt_lookup_max")
     parser.add_argument("--workloads", default="prose,code")
+    parser.add_argument("--quantization", default=None, help="int8 | int4 (weight-only, engine.quantization)")
     parser.add_argument("--step-cost", default="", help="streams (e.g. 1,2,4,8,16): cost of a step whose drafts fail")
     parser.add_argument("--verbose", action="store_true", help="a line per round")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (1 is steadier on a busy machine)")
@@ -144,7 +145,7 @@ def main() -> None:
     spec = SpeculativeConfig(method="ngram", num_speculative_tokens=args.k, prompt_lookup_min=low,
                              prompt_lookup_max=high, disable_by_batch_size=1_000)  # always on: find the cutoff
 
-    loaded = load_model(args.model)
+    loaded = load_model(args.model, quantization=args.quantization)
     tokenizer = loaded.tokenizer
     engines = {"none": build_engine(loaded, EngineConfig(max_num_seqs=16), num_blocks=1024),
                "ngram": build_engine(loaded, EngineConfig(max_num_seqs=16, speculative=spec), num_blocks=1024)}
@@ -153,8 +154,8 @@ def main() -> None:
                                                    return_dict=True)["input_ids"]
     for engine in engines.values():
         run(engine, [chat("Say hi.")], 8)  # warm-up (and the CPU kernels' build)
-    print(f"model {args.model}  tokens {args.tokens}  rounds {args.rounds} (interleaved)  k {args.k}  "
-          f"lookup {low}-{high}  torch threads {torch.get_num_threads()}")
+    print(f"model {args.model} {args.quantization or ''}  tokens {args.tokens}  rounds {args.rounds} (interleaved)  "
+          f"k {args.k}  lookup {low}-{high}  torch threads {torch.get_num_threads()}")
     print(f"{'workload':9}{'streams':>8}{'none tok/s':>18}{'ngram tok/s':>18}{'ratio':>18}{'decode ratio':>18}"
           f"{'accepted':>10}{'tok/step/seq':>13}  same")
     for streams in (int(s) for s in args.streams.split(",")):
@@ -166,6 +167,10 @@ def main() -> None:
                 before = engines["ngram"].num_draft_tokens, engines["ngram"].num_accepted_tokens
                 for mode in list(engines) if round_ % 2 == 0 else list(engines)[::-1]:
                     runs[mode].append(run(engines[mode], prompts, args.tokens))
+                a, b = runs["none"][-1].outputs, runs["ngram"][-1].outputs
+                if a != b:
+                    first = [next((i for i, (x, y) in enumerate(zip(s, t)) if x != y), None) for s, t in zip(a, b)]
+                    print(f"  {name} x{streams} round {round_}: outputs differ, first at tokens {first}")
                 if args.verbose:
                     drafts = engines["ngram"].num_draft_tokens - before[0]
                     share_ = (engines["ngram"].num_accepted_tokens - before[1]) / max(1, drafts)

@@ -1,6 +1,7 @@
 """Turns a scheduled batch into logits: packs tokens, owns the KV tensors, runs the model.
 
-The only module that allocates KV memory. Decode tokens are packed first, then prefill
+The only module that allocates KV memory. Decode tokens are packed first (a decode's
+speculative drafts too, each a decode row over the cache up to itself), then prefill
 chunks, so attention can run all decodes as one batched call.
 """
 
@@ -68,7 +69,7 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch) -> tuple[list[ScheduledSeq], torch.Tensor]:
         """Returns the items that sample, in logits order, and their logits, [num_logits, vocab]
         float32: `item.num_logits` rows each (the last token's, then one per draft)."""
-        ordered = sorted(batch.seqs, key=lambda s: s.num_new_tokens != 1)  # stable: decodes first
+        ordered = sorted(batch.seqs, key=lambda s: not s.is_decode)  # stable: decodes first
         input_ids: list[int] = []
         positions: list[int] = []
         slot_mapping: list[int] = []
@@ -80,11 +81,11 @@ class ModelRunner:
         for item in ordered:
             seq, start, n = item.seq, item.seq.num_computed_tokens, item.num_new_tokens
             input_ids.extend(seq.token_ids[start : start + item.num_known_tokens])
-            input_ids.extend(item.draft_token_ids)  # a decode with drafts runs as a chunk over its history
+            input_ids.extend(item.draft_token_ids)
             positions.extend(range(start, start + n))
             slot_mapping.extend(seq.block_table[p // bs] * bs + p % bs for p in range(start, start + n))
-            if n == 1:
-                decodes.append((seq.block_table, start + 1))
+            if item.is_decode:  # with drafts, each one a decode row seeing the cache up to itself
+                decodes.extend((seq.block_table, start + 1 + i) for i in range(n))
             else:
                 prefills.append((seq.block_table, start, n))
             if item.num_logits:

@@ -187,6 +187,12 @@ class ScheduledSeq:
         return self.seq.num_computed_tokens + self.num_known_tokens == self.seq.num_tokens
 
     @property
+    def is_decode(self) -> bool:
+        """One new token of the sequence itself (plus any drafts after it): attention runs each
+        as a decode row, so a drafted position is computed as the plain decode would compute it."""
+        return self.num_known_tokens == 1
+
+    @property
     def num_known_tokens(self) -> int:
         """Tokens of the sequence itself this step computes (the drafts are only guesses)."""
         return self.num_new_tokens - len(self.draft_token_ids)
