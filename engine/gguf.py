@@ -154,7 +154,8 @@ def read_tensors(gguf_file: Path) -> tuple[str, list[GGUFTensor]]:
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
     from gguf.quants import quant_shape_to_byte_shape
 
-    mm = np.memmap(gguf_file, dtype=np.uint8, mode="r")
+    # a plain ndarray over the map: np.memmap views cost a Python hook per slice in gguf's kernels
+    mm = np.memmap(gguf_file, dtype=np.uint8, mode="r").view(np.ndarray)
     buf = memoryview(mm)
     magic, version, num_tensors, num_fields = struct.unpack_from("<4sIQQ", buf, 0)
     if magic != GGUF_MAGIC or version not in (2, 3):
@@ -207,6 +208,10 @@ def read_value(buf: memoryview, offset: int, value_type: int) -> tuple[object, i
     offset += 12
     if item_type in GGUF_SCALARS:
         return None, offset + count * struct.calcsize("<" + GGUF_SCALARS[item_type])
+    if item_type == GGUF_STRING:  # the vocabulary and merges: tens of thousands, skipped undecoded
+        for _ in range(count):
+            offset += 8 + struct.unpack_from("<Q", buf, offset)[0]
+        return None, offset
     for _ in range(count):
         _, offset = read_value(buf, offset, item_type)
     return None, offset
