@@ -60,6 +60,8 @@ class GalleyOptions(Strict):
         "Default: continue for conversation streams, cancel for plain completions.")
     cache: bool | None = Field(None, description="false: skip the response cache for this request "
                                "(as does the header `Cache-Control: no-cache`)")
+    speculative: bool | None = Field(None, description="false: no speculative drafts for this request (where the "
+                                     "server has `[speculative]` on; the output is the same either way)")
 
 
 class SamplingFields(Strict):
@@ -124,6 +126,7 @@ class SamplingFields(Strict):
             ignore_eos=self.ignore_eos, logit_bias=tuple((int(k), v) for k, v in (self.logit_bias or {}).items()),
             min_tokens=self.min_tokens, include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
+            speculative=not (self.galley and self.galley.speculative is False),
         )
 
     def generation_fields(self) -> dict[str, Any]:

@@ -35,6 +35,7 @@ class SamplingOptions:
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    speculative: bool = True  # false: no speculative drafts (galley.speculative)
 
 
 def sampling_params(options: SamplingOptions, max_tokens: int | None, prompt_len: int, model: ServedModel,

@@ -33,9 +33,9 @@ async def served(aiohttp_server, path, db, speculative: SpeculativeConfig):
             worker.stop()
 
 
-async def stream_texts(client: Client, key: str, prompt: list[int]) -> list[str]:
+async def stream_texts(client: Client, key: str, prompt: list[int], **extra) -> list[str]:
     body = {"model": "tiny", "prompt": prompt, "max_tokens": 40, "temperature": 0, "ignore_eos": True,
-            "stream": True}
+            "stream": True, **extra}
     headers = {"Authorization": f"Bearer {key}", "Cache-Control": "no-cache"}
     texts = []
     async with client.session.post("/v1/completions", json=body, headers=headers) as resp:
@@ -62,3 +62,13 @@ async def test_drafts_change_nothing_on_the_wire_and_are_counted(aiohttp_server,
     assert answers["ngram"] == answers["plain"] and all(answers["plain"])  # the same chunks, drafts or not
     assert 0 < accepted <= drafted
     assert replica["spec_decode_acceptance_rate"] == accepted / drafted
+
+
+async def test_a_request_can_opt_out_of_drafts(aiohttp_server, llama_path, db):
+    [prompt] = repeating_prompts(1, seed=12)
+    async with served(aiohttp_server, llama_path, db, NGRAM) as (client, key):
+        opted_out = await stream_texts(client, key, prompt, galley={"speculative": False})
+        assert await metric(client.session, "galley_spec_decode_num_draft_tokens_total", model="tiny") == 0
+        drafted = await stream_texts(client, key, prompt)
+        assert await metric(client.session, "galley_spec_decode_num_draft_tokens_total", model="tiny") > 0
+    assert opted_out == drafted and "".join(drafted)
