@@ -42,6 +42,5 @@ def pack_linears(model: nn.Module) -> int:
     copy; the embedding keeps the plain matrix). Returns how many were replaced."""
     targets = [(name, module) for name, module in model.named_modules() if isinstance(module, nn.Linear)]
     for name, module in targets:
-        parent_name, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(parent_name) if parent_name else model, attr, PackedLinear(module))
+        model.set_submodule(name, PackedLinear(module))
     return len(targets)

@@ -227,8 +227,6 @@ def quantize_model(model: nn.Module, spec: QuantizationSpec, prequantized: dict[
             if groups is not None:
                 module.weight = nn.Parameter(groups.dequantize().to(device), requires_grad=False)
             continue
-        parent_name, _, attr = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, attr, quantized_linear(method, module, size, groups, device))
+        model.set_submodule(name, quantized_linear(method, module, size, groups, device))
         replaced += 1
     return replaced
