@@ -85,6 +85,7 @@ class ModelSpec:
     tool_parser: str = ""  # generate: hermes | llama3_json | mistral; empty: detected from the chat template
     reasoning_parser: str = ""  # generate: qwen3 | deepseek_r1 | none; empty: detected from the chat template
     quantization: str = ""  # generate: int8 | int4 weight-only linears (engine/quantization.py); empty or none: off
+    speculative: dict[str, Any] | None = None  # generate: this model's [speculative] table, replacing the server's
 
     @property
     def options(self) -> dict[str, Any]:
@@ -102,6 +103,8 @@ class ModelSpec:
             options["reasoning_parser"] = self.reasoning_parser
         if self.quantization:
             options["quantization"] = self.quantization
+        if self.speculative is not None:
+            options["speculative"] = self.speculative
         if self.kind != "generate":
             options.update(max_batch=self.max_batch, max_wait_ms=self.max_wait_ms)
         return options
@@ -148,8 +151,19 @@ def model_spec(entry: dict[str, Any], base: Path) -> ModelSpec:
     if spec.quantization not in ("", "none", *QUANTIZATIONS):
         raise ConfigError(f"model {spec.name!r}: quantization {spec.quantization!r} is not one of "
                           f"{', '.join(QUANTIZATIONS)}, none")
+    if spec.speculative is not None:
+        table = speculative_config(spec.speculative, f"models.{spec.name}.speculative", base)
+        spec = dataclasses.replace(spec, speculative={k: v for k, v in dataclasses.asdict(table).items()
+                                                      if k in spec.speculative})
     local = base / spec.path
     return dataclasses.replace(spec, path=str(local)) if local.exists() else spec
+
+
+def speculative_config(values: dict[str, Any], section: str, base: Path) -> SpeculativeConfig:
+    """A [speculative] table; a draft model's relative path is relative to the config file, as a model's."""
+    config = build(SpeculativeConfig, values, section)
+    local = base / config.model
+    return dataclasses.replace(config, model=str(local)) if config.model and local.exists() else config
 
 
 def unique_names(models: tuple[ModelSpec, ...]) -> tuple[ModelSpec, ...]:
@@ -191,7 +205,7 @@ def load_config(path: str | Path | None = None) -> GalleyConfig:
         raise ConfigError(f"unknown section(s) {unknown} in {path}; known: {', '.join(sections)}")
     base = path.resolve().parent
     cache = build(CacheConfig, raw.get("cache", {}), "cache")
-    speculative = build(SpeculativeConfig, raw.get("speculative", {}), "speculative")
+    speculative = speculative_config(raw.get("speculative", {}), "speculative", base)
     for nested in ("cache", "policy", "fair_share", "speculative"):
         if nested in raw.get("engine", {}):
             raise ConfigError(f"{nested!r} does not belong in [engine]; see config.toml for its section")

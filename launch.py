@@ -6,6 +6,7 @@ its scheduler and the worker its emit callback from here, so neither imports the
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from functools import partial
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import structlog
 
+from engine.draft_model import DraftModelProposer, load_draft, num_target_blocks
 from engine.encoders import resolve_encoder_path, start_encoder
 from engine.engine import LLMEngine
 from engine.gguf import find_gguf, float_bytes
@@ -59,11 +61,16 @@ class EngineConfig:
         return SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs)
 
 
-def build_engine(loaded: LoadedModel, cfg: EngineConfig, num_blocks: int | None = None) -> LLMEngine:
-    """An engine for one loaded replica, its KV pool sized from the budget unless given."""
+def build_engine(loaded: LoadedModel, cfg: EngineConfig, num_blocks: int | None = None,
+                 source: str = "") -> LLMEngine:
+    """An engine for one loaded replica, its KV pool sized from the budget unless given. `source`:
+    the replica's model source, which a self-drafting draft model loads again."""
+    block_size = cfg.cache.block_size
+    draft = load_draft(cfg.speculative, source, loaded) if cfg.speculative.method == "draft_model" else None
     if num_blocks is None:
         num_blocks = num_kv_blocks(loaded.model, cfg.cache, loaded.device, loaded.dtype)
-    block_size = cfg.cache.block_size
+        if draft is not None:
+            num_blocks = num_target_blocks(num_blocks, loaded, draft, block_size)
     runner = ModelRunner(loaded.model, loaded.device, loaded.dtype, block_size, num_blocks, cfg.cpu_kernels)
     max_model_len = min(cfg.max_model_len or loaded.max_model_len, loaded.max_model_len)
     if max_model_len > num_blocks * block_size:
@@ -73,14 +80,16 @@ def build_engine(loaded: LoadedModel, cfg: EngineConfig, num_blocks: int | None 
     queue = FairQueue(cfg.fair_share) if cfg.policy == "fair" else FifoQueue()
     kv = KVCacheManager(num_blocks, block_size, cfg.cache.enable_prefix_caching, cfg.cache.prefix_cache_idle_seconds)
     scheduler = Scheduler(cfg.scheduler, kv, queue)
+    proposer = None if draft is None else DraftModelProposer(cfg.speculative, draft, num_blocks, block_size,
+                                                             max_model_len, cfg.max_num_seqs, cfg.cpu_kernels)
     return LLMEngine(runner, scheduler, loaded.tokenizer, loaded.eos_token_ids, max_model_len, cfg.seed,
-                     cfg.speculative)
+                     cfg.speculative, proposer)
 
 
 def engine_bytes(engine: LLMEngine) -> int:
-    """Weights plus KV cache of one replica."""
+    """Weights plus KV cache of one replica (its draft model's too)."""
     kv = sum(t.numel() * t.element_size() for pair in engine.runner.kv_caches for t in pair)
-    return weights_bytes(engine.runner.model) + kv
+    return weights_bytes(engine.runner.model) + kv + getattr(engine.proposer, "num_bytes", 0)
 
 
 def weights_bytes(model) -> int:
@@ -188,7 +197,7 @@ class EngineLoader:
 
     def new_engine(self, spec: ModelVersion, loaded: LoadedModel) -> LLMEngine:
         """One replica's engine for `spec` (tests override it to inject faults: tests/faults.py)."""
-        return build_engine(loaded, self.cfg)
+        return build_engine(loaded, model_engine_config(self.cfg, spec), source=spec.source)
 
     def _load_encoder(self, spec: ModelVersion) -> ServedEncoder:
         label = self.devices_for(spec)[0]
@@ -204,6 +213,18 @@ class EngineLoader:
             return
         for replica in served.replicas:
             replica.worker.detach(replica.engine_id).result()
+
+
+def model_engine_config(cfg: EngineConfig, spec: ModelVersion) -> EngineConfig:
+    """The engine config for one model: its own `speculative` table, if it has one, replaces the
+    server-wide [speculative] (a draft model must share its target's tokenizer)."""
+    table = spec.options.get("speculative")
+    if table is None:
+        return cfg
+    try:
+        return dataclasses.replace(cfg, speculative=SpeculativeConfig(**table))
+    except (TypeError, ValueError) as exc:
+        raise ModelLoadError(f"model {spec.ref}: speculative {table}: {exc}") from exc
 
 
 def replica_progress(on_progress: ProgressCallback, index: int, num_replicas: int, phase: str, fraction: float) -> None:

@@ -20,7 +20,7 @@ from engine.guided import GuidedDecoding
 from engine.kv_cache import KVCacheManager
 from engine.model_runner import ModelRunner
 from engine.sampler import Sampler
-from engine.speculative import NgramProposer, SpeculativeConfig
+from engine.speculative import NgramProposer, Proposer, SpeculativeConfig
 from engine.types import (
     BATCH_TOKEN_BOUNDS,
     GENERATION_FAILED,
@@ -76,6 +76,7 @@ class LLMEngine:
         max_model_len: int,
         seed: int = 0,
         speculative: SpeculativeConfig | None = None,
+        proposer: Proposer | None = None,  # drafts other than n-gram (a draft model: `engine.draft_model`)
     ) -> None:
         self.runner = runner
         self.scheduler = scheduler
@@ -86,7 +87,8 @@ class LLMEngine:
         self.guided = GuidedDecoding(tokenizer, runner.model.shape.vocab_size, eos_token_ids)
         self.requests: dict[str, RequestState] = {}
         self.speculative = speculative or SpeculativeConfig()
-        self.proposer = NgramProposer(self.speculative, max_model_len) if self.speculative.enabled else None
+        self.proposer = proposer or (NgramProposer(self.speculative, max_model_len)
+                                     if self.speculative.method == "ngram" else None)
         self.num_draft_tokens = 0  # speculative drafts verified
         self.num_accepted_tokens = 0  # of those, the ones the model agreed with
         self.num_steps = 0
@@ -255,8 +257,11 @@ class LLMEngine:
         big for them to pay (a compute-bound step costs as much more as the tokens it runs)."""
         on = self.proposer is not None and self.scheduler.num_running <= self.speculative.disable_by_batch_size
         for item in items:
-            seq = item.seq
-            seq.draft_token_ids = self.proposer.propose(seq) if on and seq.request_id in self.requests else []
+            item.seq.draft_token_ids = []
+        live = [item.seq for item in items if item.seq.request_id in self.requests] if on else []
+        if live:
+            for seq, drafts in zip(live, self.proposer.propose(live)):
+                seq.draft_token_ids = drafts
 
     def _append_or_fail(self, seq: Sequence, token_id: int, logprob: TokenLogprob | None) -> TokenEvent:
         try:

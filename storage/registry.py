@@ -44,6 +44,7 @@ OPTIONS: dict[str, tuple[tuple[type, ...], str]] = {
     "tool_parser": ((str,), "generative: hermes | llama3_json | mistral; default: detected from the chat template"),
     "reasoning_parser": ((str,), "generative: qwen3 | deepseek_r1 | none; default: detected from the chat template"),
     "quantization": ((str,), "generative: int8 | int4 weight-only linears | none (default)"),
+    "speculative": ((dict,), "generative: a [speculative] table (method, model, ...) replacing the server's"),
     "max_batch": ((int,), "encoders: most inputs in one forward"),
     "max_wait_ms": ((int, float), "encoders: how long a batch waits to fill"),
 }

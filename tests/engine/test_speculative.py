@@ -93,11 +93,13 @@ def test_drafts_never_reach_past_max_tokens_or_the_context():
 
     prompt = [1, 2, 3, 4] * 8
     proposer = NgramProposer(SpeculativeConfig(method="ngram", num_speculative_tokens=5), max_model_len=40)
-    assert proposer.propose(Sequence(GenerationRequest("a", prompt, SamplingParams(max_tokens=4)))) == [1, 2, 3]
-    assert len(proposer.propose(Sequence(GenerationRequest("b", prompt, SamplingParams(max_tokens=20))))) == 5
-    assert proposer.propose(Sequence(GenerationRequest("c", prompt * 2, SamplingParams(max_tokens=20)))) == []
-    near_end = Sequence(GenerationRequest("d", prompt + [1, 2, 3, 4, 1, 2], SamplingParams(max_tokens=20)))
-    assert proposer.propose(near_end) == [3]  # 38 tokens: one draft and its bonus reach 40
+    seqs = [Sequence(GenerationRequest("a", prompt, SamplingParams(max_tokens=4))),
+            Sequence(GenerationRequest("b", prompt, SamplingParams(max_tokens=20))),
+            Sequence(GenerationRequest("c", prompt * 2, SamplingParams(max_tokens=20))),
+            Sequence(GenerationRequest("d", prompt + [1, 2, 3, 4, 1, 2], SamplingParams(max_tokens=20)))]
+    a, b, c, near_end = proposer.propose(seqs)
+    assert (a, len(b), c) == ([1, 2, 3], 5, [])
+    assert near_end == [3]  # 38 tokens: one draft and its bonus reach 40
 
 
 @pytest.mark.parametrize(("params", "allowed"), [
