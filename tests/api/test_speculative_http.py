@@ -1,5 +1,5 @@
 """Speculative decoding through the real server: a streamed completion from a server with n-gram
-drafts on is chunk for chunk the one a server without them sends, and the drafts show in
+drafts (or a draft model) on is chunk for chunk the one a server without them sends, and the drafts show in
 /metrics and on the admin stats. The real app and engine on a tiny model, a real client."""
 
 from __future__ import annotations
@@ -72,3 +72,20 @@ async def test_a_request_can_opt_out_of_drafts(aiohttp_server, llama_path, db):
         drafted = await stream_texts(client, key, prompt)
         assert await metric(client.session, "galley_spec_decode_num_draft_tokens_total", model="tiny") > 0
     assert opted_out == drafted and "".join(drafted)
+
+
+async def test_a_server_with_a_draft_model_streams_what_one_without_does(aiohttp_server, llama_path, db):
+    """Self-drafting: the tiny model's own weights loaded again with int4 linears as the draft."""
+    prompts = repeating_prompts(2, seed=13)
+    answers = {}
+    draft = SpeculativeConfig(method="draft_model", quantization="int4")
+    for name, config in (("plain", SpeculativeConfig()), ("draft", draft)):
+        async with served(aiohttp_server, llama_path, db, config) as (client, key):
+            answers[name] = [await stream_texts(client, key, p) for p in prompts]
+            drafted = await metric(client.session, "galley_spec_decode_num_draft_tokens_total", model="tiny")
+            accepted = await metric(client.session, "galley_spec_decode_num_accepted_tokens_total", model="tiny")
+            _, stats = await client.admin("GET", "/stats")
+            [replica] = stats["models"][0]["replicas"]
+    assert answers["draft"] == answers["plain"] and all(answers["plain"])
+    assert 0 < accepted <= drafted
+    assert replica["spec_decode_acceptance_rate"] == accepted / drafted
