@@ -19,14 +19,19 @@ def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
 
 
+# The batch size oneDNN picks the blocked layout for. Measured on SmolLM2-135M's shapes, one
+# thread, whole decode steps: 32 made a step of 32 sequences 17% faster than 1 did (145 against
+# 173 ms; lm_head alone 21 against 33 ms), with one sequence and 2048-token prefills no slower.
+PACKING_BATCH_SIZE = 32
+
+
 class PackedLinear(nn.Module):
     """y = x @ W.T + b with W in oneDNN's blocked layout (read-only: inference only)."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        # batch size 1 as the packing hint: the layout suits decode; larger batches measured no slower
-        packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), 1)
+        packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), PACKING_BATCH_SIZE)
         self.weight = nn.Parameter(packed, requires_grad=False)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
 
