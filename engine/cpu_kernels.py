@@ -47,9 +47,56 @@ void check_float(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat, name, ": a float32 CPU tensor is needed");
 }
 
+using Vec = at::vec::Vectorized<float>;
+
+// sum(a[i] * b[i]): two vector accumulators, one horizontal add at the end
+inline float dot(const float* a, const float* b, int64_t n) {
+  constexpr int64_t W = Vec::size();
+  Vec acc0(0.f), acc1(0.f);
+  int64_t d = 0;
+  for (; d + 2 * W <= n; d += 2 * W) {
+    acc0 = at::vec::fmadd(Vec::loadu(a + d), Vec::loadu(b + d), acc0);
+    acc1 = at::vec::fmadd(Vec::loadu(a + d + W), Vec::loadu(b + d + W), acc1);
+  }
+  for (; d + W <= n; d += W) acc0 = at::vec::fmadd(Vec::loadu(a + d), Vec::loadu(b + d), acc0);
+  float sum = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, acc0 + acc1);
+  for (; d < n; ++d) sum += a[d] * b[d];
+  return sum;
+}
+
+// out[0:NV * W] = sum over the positions of p[t] * v_t, where v_t = v + t-th position's row; the
+// accumulators stay in registers across the whole context (one head at a time)
+template <int64_t NV>
+void weighted_sum(float* out, const float* p, const float* v_cache, const int64_t* table, int64_t first,
+                  int64_t len, int64_t block_size, int64_t row) {
+  constexpr int64_t W = Vec::size();
+  Vec acc[NV];
+  for (int64_t j = 0; j < NV; ++j) acc[j] = Vec(0.f);
+  for (int64_t pos = first; pos < len;) {
+    const int64_t stop = std::min(len, (pos / block_size + 1) * block_size);
+    const float* v = v_cache + (table[pos / block_size] * block_size + pos % block_size) * row;
+    for (; pos < stop; ++pos, v += row) {
+      const Vec pv(p[pos - first]);
+      for (int64_t j = 0; j < NV; ++j) acc[j] = at::vec::fmadd(pv, Vec::loadu(v + j * W), acc[j]);
+    }
+  }
+  for (int64_t j = 0; j < NV; ++j) acc[j].store(out + j * W);
+}
+
+void weighted_sum_any(float* out, const float* p, const float* v_cache, const int64_t* table, int64_t first,
+                      int64_t len, int64_t block_size, int64_t row, int64_t D) {
+  std::fill(out, out + D, 0.f);
+  for (int64_t pos = first; pos < len; ++pos) {
+    const float* v = v_cache + (table[pos / block_size] * block_size + pos % block_size) * row;
+    const float w = p[pos - first];
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) out[d] += w * v[d];
+  }
+}
+
 // out[b, h] = softmax(q[b, h] . K[b] * scale) @ V[b] over the visible keys of sequence b, whose
 // slots are block_tables[b][pos / block_size] * block_size + pos % block_size. One work item per
-// sequence, so each cached position's heads are read as one contiguous row.
+// sequence, so each cached position's heads are read as one contiguous row, block by block.
 void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache,
                             const at::Tensor& v_cache, const at::Tensor& block_tables,
                             const at::Tensor& context_lens, int64_t block_size, double scale,
@@ -71,57 +118,53 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tenso
   const int64_t* lens = context_lens.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
   const float fscale = static_cast<float>(scale);
+  const int64_t num_blocks = num_slots / block_size;
   for (int64_t b = 0; b < B; ++b) {
-    TORCH_CHECK(lens[b] > 0 && lens[b] <= max_blocks * block_size, "context longer than its block table");
+    const int64_t len = lens[b];
+    TORCH_CHECK(len > 0 && len <= max_blocks * block_size, "context longer than its block table");
+    for (int64_t i = 0; i < (len + block_size - 1) / block_size; ++i) {
+      const int64_t block = tables[b * max_blocks + i];
+      TORCH_CHECK(block >= 0 && block < num_blocks, "block outside the cache");
+    }
   }
+  const int64_t row = KVH * D;  // floats per cached position
   at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, acc(H * D), denom(H);
-    std::vector<int64_t> slots;
+    std::vector<float> scores, denom(H);
     for (int64_t b = begin; b < end; ++b) {
       const int64_t len = lens[b];
       const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, len - sliding_window) : 0;
       const int64_t n = len - first;
       scores.resize(H * n);
-      slots.resize(n);
-      for (int64_t t = 0; t < n; ++t) {
-        const int64_t pos = first + t;
-        slots[t] = tables[b * max_blocks + pos / block_size] * block_size + pos % block_size;
-        TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "slot outside the cache");
-      }
       const float* qb = qp + b * H * D;
-      for (int64_t t = 0; t < n; ++t) {
-        const float* kr = kp + slots[t] * KVH * D;
-        for (int64_t h = 0; h < H; ++h) {
-          const float* qh = qb + h * D;
-          const float* kh = kr + (h / G) * D;
-          float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-          for (int64_t d = 0; d < D; ++d) dot = std::fma(qh[d], kh[d], dot);
-          scores[h * n + t] = dot * fscale;
+      const int64_t* table = tables + b * max_blocks;
+      // a pass over the keys, then one over the values, each a run of contiguous block rows
+      for (int64_t pos = first; pos < len;) {
+        const int64_t stop = std::min(len, (pos / block_size + 1) * block_size);
+        const float* kr = kp + (table[pos / block_size] * block_size + pos % block_size) * row;
+        for (; pos < stop; ++pos, kr += row) {
+          for (int64_t h = 0; h < H; ++h) scores[h * n + pos - first] = dot(qb + h * D, kr + (h / G) * D, D) * fscale;
         }
       }
       for (int64_t h = 0; h < H; ++h) {  // softmax numerators and sums, with ATen's vectorised exp
-        using Vec = at::vec::Vectorized<float>;
         float* s = scores.data() + h * n;
         const float mx = at::vec::reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, s, n);
         at::vec::map([mx](Vec x) { return (x - Vec(mx)).exp(); }, s, s, n);
         denom[h] = at::vec::reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, s, n);
       }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = 0; t < n; ++t) {
-        const float* vr = vp + slots[t] * KVH * D;
-        for (int64_t h = 0; h < H; ++h) {
-          const float p = scores[h * n + t];
-          const float* vh = vr + (h / G) * D;
-          float* a = acc.data() + h * D;
-#pragma omp simd
-          for (int64_t d = 0; d < D; ++d) a[d] = std::fma(p, vh[d], a[d]);
-        }
-      }
-      for (int64_t h = 0; h < H; ++h) {
+      for (int64_t h = 0; h < H; ++h) {  // one head at a time: its accumulators fit in registers
         float* o = op + (b * H + h) * D;
+        const float* p = scores.data() + h * n;
+        const float* v = vp + (h / G) * D;
+        switch (D / Vec::size() * (D % Vec::size() == 0)) {
+          case 1: weighted_sum<1>(o, p, v, table, first, len, block_size, row); break;
+          case 2: weighted_sum<2>(o, p, v, table, first, len, block_size, row); break;
+          case 4: weighted_sum<4>(o, p, v, table, first, len, block_size, row); break;
+          case 8: weighted_sum<8>(o, p, v, table, first, len, block_size, row); break;
+          case 16: weighted_sum<16>(o, p, v, table, first, len, block_size, row); break;
+          default: weighted_sum_any(o, p, v, table, first, len, block_size, row, D);
+        }
         const float inv = 1.f / denom[h];
-        for (int64_t d = 0; d < D; ++d) o[d] = acc[h * D + d] * inv;
+        for (int64_t d = 0; d < D; ++d) o[d] *= inv;
       }
     }
   });

@@ -54,10 +54,11 @@ def kernels():
 
 
 @pytest.mark.parametrize("sliding_window", [None, 5])
-def test_decode_kernel_matches_torch_path(kernels, sliding_window):
+@pytest.mark.parametrize("head_dim", [16, 24, 64, 128])  # one to eight vectors per head, and a ragged tail
+def test_decode_kernel_matches_torch_path(kernels, sliding_window, head_dim):
     """Random caches, block tables out of order, contexts ending mid-block and on a block edge, GQA."""
     torch.manual_seed(0)
-    block_size, num_blocks, num_heads, num_kv_heads, head_dim = 4, 40, 6, 2, 16
+    block_size, num_blocks, num_heads, num_kv_heads = 4, 40, 6, 2
     k_cache = torch.randn(num_blocks * block_size, num_kv_heads, head_dim)
     v_cache = torch.randn(num_blocks * block_size, num_kv_heads, head_dim)
     context_lens = [1, 7, 8, 13, 30]
