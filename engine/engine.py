@@ -89,6 +89,7 @@ class LLMEngine:
         self.speculative = speculative or SpeculativeConfig()
         self.proposer = proposer or (NgramProposer(self.speculative, max_model_len)
                                      if self.speculative.method == "ngram" else None)
+        self.proposing: list[ScheduledSeq] = []  # sampled in the last step: drafted at the start of the next
         self.num_draft_tokens = 0  # speculative drafts verified
         self.num_accepted_tokens = 0  # of those, the ones the model agreed with
         self.num_steps = 0
@@ -152,6 +153,7 @@ class LLMEngine:
         return True
 
     def step(self) -> list[TokenEvent]:
+        self._propose()
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return []
@@ -197,7 +199,7 @@ class LLMEngine:
                 events.append(self._fail(item.seq, "sampling failed"))
             else:
                 events.extend(self._advance(item, by_item.get(id(item))))
-        self._propose(sampled)
+        self.proposing.extend(sampled)
         return events
 
     def _sample(self, logits: torch.Tensor, items: list[ScheduledSeq]) -> list[Sampled]:
@@ -252,15 +254,18 @@ class LLMEngine:
                 break
         return events
 
-    def _propose(self, items: list[ScheduledSeq]) -> None:
-        """Drafts for the next step of the sequences that just sampled, unless the batch is too
-        big for them to pay (a compute-bound step costs as much more as the tokens it runs)."""
-        on = self.proposer is not None and self.scheduler.num_running <= self.speculative.disable_by_batch_size
+    def _propose(self) -> None:
+        """Drafts for this step of the sequences that sampled in the last one (made here, not at the
+        end of that step, so its tokens went out before a draft model's forwards), unless the batch
+        is too big for them to pay (a compute-bound step costs as much more as the tokens it runs)."""
+        items, self.proposing = self.proposing, []
+        if self.proposer is None:
+            return
         for item in items:
             item.seq.draft_token_ids = []
-        live = [item.seq for item in items if item.seq.request_id in self.requests] if on else []
-        if live:
-            for seq, drafts in zip(live, self.proposer.propose(live)):
+        if self.scheduler.num_running <= self.speculative.disable_by_batch_size:
+            live = [item.seq for item in items if item.seq.request_id in self.requests]
+            for seq, drafts in zip(live, self.proposer.propose(live) if live else []):
                 seq.draft_token_ids = drafts
 
     def _append_or_fail(self, seq: Sequence, token_id: int, logprob: TokenLogprob | None) -> TokenEvent:
