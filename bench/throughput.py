@@ -279,8 +279,10 @@ def start_server(
     log_path: Path,
     root: Path = REPO_ROOT,
     config_text: str = "models = []\n",
+    model_flag: bool = True,
 ) -> subprocess.Popen:
-    """`server.py` of the checkout at `root`, serving only `bench` (the model at `model_dir`)."""
+    """`server.py` of the checkout at `root`, serving only `bench` (the model at `model_dir`; without
+    `model_flag`, `config_text` declares it)."""
     # An empty model list: the embedded defaults also load models/demo, which may not exist.
     config_path = log_path.with_name(f"{log_path.stem}.toml")
     config_path.write_text(config_text)
@@ -289,8 +291,7 @@ def start_server(
         "server.py",
         "--config",
         str(config_path),
-        "--model",
-        f"bench={model_dir}",
+        *(["--model", f"bench={model_dir}"] if model_flag else []),
         "--port",
         str(port),
         "--host",
