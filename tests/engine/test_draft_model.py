@@ -16,9 +16,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from config import ConfigError, load_config
+from engine.draft_model import DraftModelProposer
 from engine.loader import ModelLoadError, load_model
 from engine.model_runner import CacheConfig
 from engine.speculative import SpeculativeConfig
+from engine.types import GenerationRequest
 from launch import EngineConfig, EngineLoader, build_engine, model_engine_config
 from storage.registry import ModelVersion
 from tests.engine.test_reference import hf_greedy
@@ -73,15 +75,16 @@ def test_greedy_and_seeded_outputs_equal_the_run_without_drafts(tiny_models, dra
         o.token_ids for o in run(plain_engine(path), batch, seeded)]
 
 
-def test_preemption_and_prefix_hits_with_a_draft_model(tiny_models, drafts):
+@pytest.mark.parametrize("which", ["other", "noisy", "self-int4"])
+def test_preemption_and_prefix_hits_with_a_draft_model(tiny_models, drafts, which):
     path = tiny_models["llama"]
     system = repeating_prompts(1, seed=3)[0] * 2
     batch = [system + own for own in repeating_prompts(5, seed=4)]
-    engine = draft_engine(path, config_for(drafts, "noisy"), num_blocks=12)  # too small for all: preemption
+    engine = draft_engine(path, config_for(drafts, which), num_blocks=12)  # too small for all: preemption
     ours = run(engine, batch, GREEDY)
     assert [o.token_ids for o in ours] == [hf_greedy(path, p, 40) for p in batch]
     assert engine.scheduler.num_preemptions > 0 and engine.scheduler.kv.num_hit_tokens > 0
-    assert engine.num_accepted_tokens > 0
+    assert engine.num_draft_tokens > 0 and (which == "other" or engine.num_accepted_tokens > 0)
     # the draft's KV of a sequence is dropped when it finishes
     assert not engine.proposer.kv or all(s.seq.request_id not in engine.requests for s in engine.proposer.kv.values())
 
@@ -105,13 +108,36 @@ def test_drafts_crossing_block_boundaries(tiny_models, drafts, block_size):
     base = repeating_prompts(1, seed=8)[0] * 4
     batch = [base[:n] for n in (2 * block_size - 1, 2 * block_size, 2 * block_size + 1)]
     cache = CacheConfig(block_size=block_size)
-    for which in ("noisy", "self-int4"):
+    for which in ("other", "noisy", "self-int4"):
         engine = draft_engine(path, dataclasses.replace(config_for(drafts, which), num_speculative_tokens=6),
                               cache=cache)
         assert engine.proposer.max_drafts == min(6, block_size)
         ours = run(engine, batch, GREEDY)
         assert [o.token_ids for o in ours] == [hf_greedy(path, p, 40) for p in batch]
-        assert engine.num_accepted_tokens > 0
+        assert engine.num_draft_tokens > 0 and (which == "other" or engine.num_accepted_tokens > 0)
+
+
+def test_drafts_from_the_kept_draft_kv_equal_drafts_from_a_fresh_prefill(tiny_models, drafts):
+    """The draft KV kept across steps (catch-ups, scratch blocks, overwritten guesses) is what a
+    draft prefilling each sequence from scratch computes: the same guesses at every step."""
+    path = tiny_models["llama"]
+    cache = CacheConfig(block_size=4)
+    engine = draft_engine(path, config_for(drafts, "noisy"), cache=cache)
+    kept = engine.proposer
+    fresh = DraftModelProposer(kept.config, load_model(drafts["noisy"]), kept.num_target_blocks, 4,
+                               engine.max_model_len, max_num_seqs=8)
+    for i, prompt in enumerate(repeating_prompts(3, seed=10)):
+        engine.add_request(GenerationRequest(f"q{i}", prompt, GREEDY))
+    num_compared = 0
+    while engine.has_work():
+        engine.step()
+        seqs = [state.seq for state in engine.requests.values() if state.seq.num_computed_tokens]
+        fresh.kv.clear()
+        assert kept.propose(seqs) == fresh.propose(seqs)
+        num_compared += sum(len(seq.token_ids) for seq in seqs)
+        for seq in seqs:
+            assert kept.kv[seq.request_id].num_computed_tokens <= len(seq.block_table) * 4
+    assert num_compared > 0 and engine.num_accepted_tokens > 0
 
 
 def test_limits_opt_outs_and_the_batch_size_cutoff(tiny_models, drafts):
