@@ -141,6 +141,8 @@ class EngineLoader:
         try:
             self.devices_for(spec)
             check_source(spec.source, spec.kind)
+            if spec.kind == "generate" and (draft := model_engine_config(self.cfg, spec).speculative.model):
+                check_model_source(draft)
         except ModelLoadError as exc:
             return str(exc)
         return None

@@ -21,6 +21,7 @@ from engine.loader import ModelLoadError, load_model
 from engine.model_runner import CacheConfig
 from engine.speculative import SpeculativeConfig
 from engine.types import GenerationRequest
+from engine.worker import DeviceWorker
 from launch import EngineConfig, EngineLoader, build_engine, model_engine_config
 from storage.registry import ModelVersion
 from tests.engine.test_reference import hf_greedy
@@ -241,6 +242,14 @@ def test_a_model_option_sets_its_own_draft_on_load(tiny_models, drafts):
     assert engine.speculative.model == drafts["noisy"] and engine.proposer is not None
     with pytest.raises(ModelLoadError, match="speculative"):
         model_engine_config(EngineConfig(), dataclasses.replace(spec, options={"speculative": {"k": 1}}))
+
+
+def test_a_registration_with_a_missing_draft_is_refused_before_loading(tiny_models, tmp_path):
+    loader = EngineLoader(EngineConfig(), max_waiting=4, workers=[DeviceWorker("cpu#0", emit=lambda events: None)])
+    table = {"method": "draft_model", "model": str(tmp_path / "no-such-draft")}
+    spec = ModelVersion("m", "1", str(tiny_models["llama"]), options={"speculative": table})
+    assert "does not exist" in loader.registration_problem(spec)
+    assert loader.registration_problem(dataclasses.replace(spec, options={})) is None
 
 
 # ---- the real model -------------------------------------------------------------------------------
