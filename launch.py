@@ -88,8 +88,7 @@ def build_engine(loaded: LoadedModel, cfg: EngineConfig, num_blocks: int | None 
 
 def engine_bytes(engine: LLMEngine) -> int:
     """Weights plus KV cache of one replica (its draft model's too)."""
-    kv = sum(t.numel() * t.element_size() for pair in engine.runner.kv_caches for t in pair)
-    return weights_bytes(engine.runner.model) + kv + getattr(engine.proposer, "num_bytes", 0)
+    return engine.memory.weights_bytes + engine.memory.kv_cache_bytes
 
 
 def weights_bytes(model) -> int:

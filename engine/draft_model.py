@@ -77,12 +77,6 @@ class DraftModelProposer:
         self.kv: dict[str, DraftKV] = {}
         self.num_failures = 0  # draft forwards that raised
 
-    @property
-    def num_bytes(self) -> int:
-        """The draft's weights and KV tensors."""
-        tensors = [*self.model.parameters(), *(t for pair in self.runner.kv_caches for t in pair)]
-        return sum(t.numel() * t.element_size() for t in tensors)
-
     def propose(self, seqs: list[Sequence]) -> list[list[int]]:
         """Up to k greedy guesses per sequence (fewer near max_tokens or the context, none for a
         request that may not be drafted), all sequences batched in each draft forward."""

@@ -96,7 +96,7 @@ class LLMEngine:
         self.num_batched_tokens = 0
         self.num_step_errors = 0  # steps in which something raised (only the requests it hit failed)
         self.batch_token_counts = [0] * (len(BATCH_TOKEN_BOUNDS) + 1)
-        self.memory = DeviceMemory(runner)
+        self.memory = DeviceMemory(runner, self.proposer)
         self.last_stats = self.stats()
 
     @property
@@ -352,11 +352,15 @@ class LLMEngine:
 class DeviceMemory:
     """Memory figures of one replica for the admin page and the device gauges (CUDA only for the latter)."""
 
-    def __init__(self, runner: ModelRunner) -> None:
+    def __init__(self, runner: ModelRunner, proposer: Proposer | None = None) -> None:
         self.device = runner.device
         self.weights_bytes = sum(t.numel() * t.element_size() for t in runner.model.parameters())
         self.kv_cache_bytes = sum(k.numel() * k.element_size() + v.numel() * v.element_size()
                                   for k, v in runner.kv_caches)
+        draft = getattr(proposer, "runner", None)  # a draft model's weights and KV count as the replica's
+        if draft is not None:
+            self.weights_bytes += DeviceMemory(draft).weights_bytes
+            self.kv_cache_bytes += DeviceMemory(draft).kv_cache_bytes
         self.total_bytes = (torch.cuda.get_device_properties(self.device).total_memory
                             if self.device.type == "cuda" else None)
 

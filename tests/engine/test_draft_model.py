@@ -189,6 +189,8 @@ def test_the_kv_budget_is_shared_with_the_draft(tiny_models):
     both = build_engine(load_model(str(path)), EngineConfig(cache=cache, speculative=K4), source=str(path))
     assert both.scheduler.kv.num_blocks == alone.scheduler.kv.num_blocks // 2  # a same-shape draft: half each
     assert both.proposer.runner.num_blocks == both.scheduler.kv.num_blocks + both.proposer.num_scratch
+    assert both.memory.weights_bytes == 2 * alone.memory.weights_bytes  # the draft's count as the replica's
+    assert abs(both.memory.kv_cache_bytes - alone.memory.kv_cache_bytes) <= 2 * alone.memory.kv_cache_bytes // 100
 
 
 # ---- config --------------------------------------------------------------------------------------
