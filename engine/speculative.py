@@ -51,10 +51,6 @@ class SpeculativeConfig:
         if self.num_speculative_tokens < 1 or not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError("need num_speculative_tokens >= 1 and 1 <= prompt_lookup_min <= prompt_lookup_max")
 
-    @property
-    def enabled(self) -> bool:
-        return bool(self.method)
-
 
 def ngram_lookup(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> list[int]:
     """Up to `k` tokens that followed the most recent earlier occurrence of the last n tokens of

@@ -226,7 +226,7 @@ def test_config_server_wide_and_per_model(tmp_path, tiny_models):
     assert model_engine_config(cfg.engine, a).speculative == cfg.engine.speculative
     assert model_engine_config(cfg.engine, b).speculative == SpeculativeConfig(
         method="draft_model", model=str(tmp_path / "draft"), num_speculative_tokens=5)  # relative to the file
-    assert not model_engine_config(cfg.engine, c).speculative.enabled  # an empty table: off for this model
+    assert model_engine_config(cfg.engine, c).speculative.method == ""  # an empty table: off for this model
     for bad, message in [('[speculative]\nmethod = "draft_model"\nquantization = "int3"\n', "quantization"),
                          ('[speculative]\nmethod = "ngram"\nmodel = "x"\n', "draft_model"),
                          ('[[models]]\nname = "x"\npath = "y"\nspeculative = { method = "medusa" }\n', "medusa"),
