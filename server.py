@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import gc
 import logging
 import os
 import signal
@@ -182,6 +183,7 @@ async def serve(cfg: GalleyConfig, db: Database, admin_key_hash: str) -> int:
     await app[SERVICES].streams.recover()  # streams a crash left running continue from their checkpoint
     await app[SERVICES].batch.recover()  # so do batch jobs, from their unfinished items
     state.ready = True
+    freeze_startup_heap()
     log.info("ready")
 
     await stop.wait()
@@ -203,6 +205,16 @@ async def drain(app: web.Application, router: Router, drain_seconds: float) -> N
     if router.num_in_flight:
         log.warning("drain time is up: interrupting what is left", in_flight=router.num_in_flight)
         await interrupt(app)
+
+
+def freeze_startup_heap() -> None:
+    """Take what start-up built (~500K objects: torch, transformers, the app, the models) out of
+    the garbage collector's sight, as vLLM does. Every full collection scanned all of it: 40 ms
+    on a quiet machine, 350 ms under load, in whichever thread triggered it and holding the GIL,
+    so the engine's worker (which needs the GIL between ops) stalled with it. Later objects
+    are still collected."""
+    gc.collect()
+    gc.freeze()
 
 
 def stop_workers(workers) -> None:
