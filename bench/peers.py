@@ -506,7 +506,8 @@ def fmt_ratio(ratios: list[float]) -> str:
 
 
 def agreement(runs: list[Run], workload: str) -> tuple[int, int, float]:
-    """Completions with identical ids in both systems, completions compared, mean common prefix."""
+    """Completions identical in both systems (ids, or text with a real tokenizer), completions
+    compared, mean common prefix."""
     pairs: dict[int, dict[str, Run]] = {}
     for r in runs:
         if r.workload == workload and not r.error:
@@ -555,8 +556,9 @@ def render(runs: list[Run], workloads: list[Workload], names: list[str], header:
         parts.append("")
         for w in workloads:
             same, total, prefix = agreement(runs, w.name)
+            unit = "characters" if any(isinstance(o, str) for r in runs for o in r.outputs) else "tokens"
             parts.append(
-                f"- {w.name}: {same}/{total} completions identical in both, mean common prefix {prefix:.1f} tokens"
+                f"- {w.name}: {same}/{total} completions identical in both, mean common prefix {prefix:.1f} {unit}"
             )
     for w in workloads:
         if w.num_turns > 1 and w.carry_history:
