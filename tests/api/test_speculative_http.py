@@ -8,6 +8,7 @@ import json
 from contextlib import asynccontextmanager
 
 import aiohttp
+import pytest
 
 from engine.speculative import SpeculativeConfig
 from storage.tenants import hash_key
@@ -17,6 +18,7 @@ from tests.engine.test_speculative import repeating_prompts
 from tests.helpers import make_app, metric, start_tiny_engines
 
 NGRAM = SpeculativeConfig(method="ngram", prompt_lookup_min=1)
+DRAFT_MODEL = SpeculativeConfig(method="draft_model", quantization="int4")  # the tiny model's own weights, int4
 
 
 @asynccontextmanager
@@ -47,10 +49,11 @@ async def stream_texts(client: Client, key: str, prompt: list[int], **extra) -> 
     return texts
 
 
-async def test_drafts_change_nothing_on_the_wire_and_are_counted(aiohttp_server, llama_path, db):
+@pytest.mark.parametrize("drafts", [NGRAM, DRAFT_MODEL], ids=["ngram", "draft_model"])
+async def test_drafts_change_nothing_on_the_wire_and_are_counted(aiohttp_server, llama_path, db, drafts):
     prompts = repeating_prompts(2, seed=11)
     answers = {}
-    for name, config in (("plain", SpeculativeConfig()), ("ngram", NGRAM)):
+    for name, config in (("plain", SpeculativeConfig()), ("drafts", drafts)):
         async with served(aiohttp_server, llama_path, db, config) as (client, key):
             answers[name] = [await stream_texts(client, key, p) for p in prompts]
             drafted = await metric(client.session, "galley_spec_decode_num_draft_tokens_total", model="tiny")
@@ -59,7 +62,7 @@ async def test_drafts_change_nothing_on_the_wire_and_are_counted(aiohttp_server,
             [replica] = stats["models"][0]["replicas"]
         if name == "plain":
             assert drafted == 0 and replica["spec_decode_acceptance_rate"] is None
-    assert answers["ngram"] == answers["plain"] and all(answers["plain"])  # the same chunks, drafts or not
+    assert answers["drafts"] == answers["plain"] and all(answers["plain"])  # the same chunks, drafts or not
     assert 0 < accepted <= drafted
     assert replica["spec_decode_acceptance_rate"] == accepted / drafted
 
@@ -72,20 +75,3 @@ async def test_a_request_can_opt_out_of_drafts(aiohttp_server, llama_path, db):
         drafted = await stream_texts(client, key, prompt)
         assert await metric(client.session, "galley_spec_decode_num_draft_tokens_total", model="tiny") > 0
     assert opted_out == drafted and "".join(drafted)
-
-
-async def test_a_server_with_a_draft_model_streams_what_one_without_does(aiohttp_server, llama_path, db):
-    """Self-drafting: the tiny model's own weights loaded again with int4 linears as the draft."""
-    prompts = repeating_prompts(2, seed=13)
-    answers = {}
-    draft = SpeculativeConfig(method="draft_model", quantization="int4")
-    for name, config in (("plain", SpeculativeConfig()), ("draft", draft)):
-        async with served(aiohttp_server, llama_path, db, config) as (client, key):
-            answers[name] = [await stream_texts(client, key, p) for p in prompts]
-            drafted = await metric(client.session, "galley_spec_decode_num_draft_tokens_total", model="tiny")
-            accepted = await metric(client.session, "galley_spec_decode_num_accepted_tokens_total", model="tiny")
-            _, stats = await client.admin("GET", "/stats")
-            [replica] = stats["models"][0]["replicas"]
-    assert answers["draft"] == answers["plain"] and all(answers["plain"])
-    assert 0 < accepted <= drafted
-    assert replica["spec_decode_acceptance_rate"] == accepted / drafted
