@@ -199,7 +199,8 @@ class LLMEngine:
                 events.append(self._fail(item.seq, "sampling failed"))
             else:
                 events.extend(self._advance(item, by_item.get(id(item))))
-        self.proposing.extend(sampled)
+        if self.proposer is not None:
+            self.proposing.extend(sampled)
         return events
 
     def _sample(self, logits: torch.Tensor, items: list[ScheduledSeq]) -> list[Sampled]:
@@ -258,9 +259,9 @@ class LLMEngine:
         """Drafts for this step of the sequences that sampled in the last one (made here, not at the
         end of that step, so its tokens went out before a draft model's forwards), unless the batch
         is too big for them to pay (a compute-bound step costs as much more as the tokens it runs)."""
-        items, self.proposing = self.proposing, []
         if self.proposer is None:
             return
+        items, self.proposing = self.proposing, []
         for item in items:
             item.seq.draft_token_ids = []
         if self.scheduler.num_running <= self.speculative.disable_by_batch_size:
@@ -359,8 +360,9 @@ class DeviceMemory:
                                   for k, v in runner.kv_caches)
         draft = getattr(proposer, "runner", None)  # a draft model's weights and KV count as the replica's
         if draft is not None:
-            self.weights_bytes += DeviceMemory(draft).weights_bytes
-            self.kv_cache_bytes += DeviceMemory(draft).kv_cache_bytes
+            of_draft = DeviceMemory(draft)
+            self.weights_bytes += of_draft.weights_bytes
+            self.kv_cache_bytes += of_draft.kv_cache_bytes
         self.total_bytes = (torch.cuda.get_device_properties(self.device).total_memory
                             if self.device.type == "cuda" else None)
 

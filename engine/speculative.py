@@ -22,10 +22,10 @@ from typing import Protocol
 
 import numpy as np
 
+from engine.quantization import QUANTIZATIONS
 from engine.types import Sequence
 
 METHODS = ("ngram", "draft_model")
-DRAFT_QUANTIZATIONS = ("", "none", "int8", "int4")
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,7 @@ class SpeculativeConfig:
     def __post_init__(self) -> None:
         if self.method and self.method not in METHODS:
             raise ValueError(f"speculative method must be one of {METHODS} or empty, not {self.method!r}")
-        if self.quantization not in DRAFT_QUANTIZATIONS:
+        if self.quantization not in ("", "none", *QUANTIZATIONS):
             raise ValueError(f"speculative quantization must be one of int8, int4, none, not {self.quantization!r}")
         if self.method != "draft_model" and (self.model or self.quantization):
             raise ValueError("speculative model and quantization are for method = \"draft_model\" only")
