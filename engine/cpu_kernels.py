@@ -278,8 +278,13 @@ def _cpu_identity() -> str:
 def _flags(cpu: str) -> list[str]:
     """-march=native ties the build to this CPU (its name carries the CPU's identity too); ATen's
     vectorised math (exp) is told the widest vector set the CPU has, as torch's own kernels are;
-    no FMA contraction, so elementwise ops round as torch's separate multiplies and adds do."""
+    no FMA contraction, so elementwise ops round as torch's separate multiplies and adds do.
+    -fopenmp because at::parallel_for is a header-inline `omp parallel`: compiled without it, every
+    kernel ran on one thread whatever torch.set_num_threads said (decode attention took 29% of a
+    32-sequence step at two threads). The library's libgomp.so.1 resolves to the one torch loaded."""
     flags = ["-O3", "-march=native", "-fopenmp-simd", "-ffp-contract=off"]
+    if torch.backends.openmp.is_available():
+        flags.append("-fopenmp")
     cpu_flags = set(cpu.split())
     if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= cpu_flags:
         flags += ["-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"]
@@ -312,7 +317,9 @@ def _load_or_build(flags: list[str], cpu: str) -> None:
     lock = directory / "lock"
     if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
         lock.unlink(missing_ok=True)
-    load_inline(name, cpp_sources=_SOURCE, extra_cflags=flags, is_python_module=False, build_directory=str(directory))
+    openmp = [flag for flag in flags if flag == "-fopenmp"]
+    load_inline(name, cpp_sources=_SOURCE, extra_cflags=flags, extra_ldflags=openmp, is_python_module=False,
+                build_directory=str(directory))
 
 
 class CpuKernels:

@@ -7,6 +7,9 @@ here by name, not only as a changed token somewhere.
 
 from __future__ import annotations
 
+import os
+import time
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -73,6 +76,29 @@ def test_decode_kernel_matches_torch_path(kernels, sliding_window, head_dim):
                               torch.device("cpu"), kernel)
         outs.append(paged_attention(q, k, v, k_cache.clone(), v_cache.clone(), meta, head_dim**-0.5))
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="one CPU: nothing to share the work with")
+def test_decode_kernel_runs_on_torchs_threads(kernels):
+    """The kernels split their work over torch's OpenMP team: with two threads the calling thread
+    does about half the CPU work (built without -fopenmp it did all of it, serially)."""
+    torch.manual_seed(0)
+    block_size, num_seqs, context = 16, 64, 256
+    blocks = num_seqs * context // block_size
+    k_cache, v_cache = torch.randn(2, blocks * block_size, 2, 64)
+    tables = torch.arange(blocks).view(num_seqs, -1)
+    lens = torch.full((num_seqs,), context)
+    q, out = torch.randn(num_seqs, 6, 64), torch.empty(num_seqs, 6, 64)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        calling, process = time.thread_time(), time.process_time()
+        for _ in range(40):
+            kernels.paged_decode_attention(out, q, k_cache, v_cache, tables, lens, block_size, 0.125, 0)
+        calling, process = time.thread_time() - calling, time.process_time() - process
+    finally:
+        torch.set_num_threads(threads)
+    assert calling < 0.8 * process, (calling, process)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
