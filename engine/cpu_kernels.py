@@ -41,6 +41,10 @@ _SOURCE = r"""
 #include <cmath>
 #include <vector>
 
+#if defined(CPU_CAPABILITY_AVX512)
+#include <immintrin.h>
+#endif
+
 namespace {
 
 void check_float(const at::Tensor& t, const char* name) {
@@ -64,39 +68,158 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return sum;
 }
 
-// out[0:NV * W] = sum over the positions of p[t] * v_t, where v_t = v + t-th position's row; the
-// accumulators stay in registers across the whole context (one head at a time)
-template <int64_t NV>
-void weighted_sum(float* out, const float* p, const float* v_cache, const int64_t* table, int64_t first,
-                  int64_t len, int64_t block_size, int64_t row) {
-  constexpr int64_t W = Vec::size();
-  Vec acc[NV];
-  for (int64_t j = 0; j < NV; ++j) acc[j] = Vec(0.f);
-  for (int64_t pos = first; pos < len;) {
-    const int64_t stop = std::min(len, (pos / block_size + 1) * block_size);
-    const float* v = v_cache + (table[pos / block_size] * block_size + pos % block_size) * row;
-    for (; pos < stop; ++pos, v += row) {
-      const Vec pv(p[pos - first]);
-      for (int64_t j = 0; j < NV; ++j) acc[j] = at::vec::fmadd(pv, Vec::loadu(v + j * W), acc[j]);
-    }
+// Where sequence b's cached position pos lives: its row of kv_heads * head_dim floats.
+struct Rows {
+  const int64_t* table;
+  int64_t block_size, row;
+  const float* at(const float* cache, int64_t pos) const {
+    return cache + (table[pos / block_size] * block_size + pos % block_size) * row;
   }
-  for (int64_t j = 0; j < NV; ++j) acc[j].store(out + j * W);
+  int64_t block_end(int64_t pos, int64_t len) const { return std::min(len, (pos / block_size + 1) * block_size); }
+};
+
+// scores[h * n + pos - first] = q[h] . k_pos * scale, one dot product at a time
+void key_scores_any(float* scores, int64_t n, const float* q, const float* k_cache, const Rows& rows, int64_t first,
+                    int64_t len, int64_t H, int64_t G, int64_t D, float scale) {
+  for (int64_t pos = first; pos < len;) {
+    const int64_t stop = rows.block_end(pos, len);
+    const float* kr = rows.at(k_cache, pos);
+    for (; pos < stop; ++pos, kr += rows.row)
+      for (int64_t h = 0; h < H; ++h) scores[h * n + pos - first] = dot(q + h * D, kr + (h / G) * D, D) * scale;
+  }
 }
 
-void weighted_sum_any(float* out, const float* p, const float* v_cache, const int64_t* table, int64_t first,
-                      int64_t len, int64_t block_size, int64_t row, int64_t D) {
+#if defined(CPU_CAPABILITY_AVX512)
+// r[i] = the sum of the 16 lanes of v[(i % 4) * 4 + i / 4]: 15 shuffle-and-add steps reduce 16
+// vectors at once, where a horizontal sum per dot product would be a serial chain each
+inline __m512 reduce16(const __m512* v) {
+  __m512 a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i)
+    a[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  for (int i = 0; i < 4; ++i)
+    b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  for (int i = 0; i < 2; ++i)
+    c[i] = _mm512_add_ps(_mm512_unpacklo_ps(b[2 * i], b[2 * i + 1]), _mm512_unpackhi_ps(b[2 * i], b[2 * i + 1]));
+  return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(c[0]), _mm512_castps_pd(c[1]))),
+                       _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(c[0]), _mm512_castps_pd(c[1]))));
+}
+
+// key_scores_any for head_dim = NV * 16: runs of up to 16 positions of one block per head
+template <int64_t NV>
+void key_scores16(float* scores, int64_t n, const float* q, const float* k_cache, const Rows& rows, int64_t first,
+                  int64_t len, int64_t H, int64_t G, float scale) {
+  constexpr int64_t D = NV * 16;
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (int64_t pos = first; pos < len;) {
+    const int64_t stop = rows.block_end(pos, len);
+    for (int64_t count; pos < stop; pos += count) {
+      count = std::min<int64_t>(16, stop - pos);
+      const float* kr = rows.at(k_cache, pos);
+      for (int64_t h = 0; h < H; ++h) {
+        const float* qh = q + h * D;
+        const float* k = kr + (h / G) * D;
+        __m512 part[16];
+        for (int64_t t = 0; t < 16; ++t) {
+          __m512 acc = _mm512_setzero_ps();
+          if (t < count)
+            for (int64_t j = 0; j < NV; ++j)
+              acc = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 16 * j), _mm512_loadu_ps(k + t * rows.row + 16 * j), acc);
+          part[(t % 4) * 4 + t / 4] = acc;
+        }
+        _mm512_mask_storeu_ps(scores + h * n + pos - first, static_cast<__mmask16>((1u << count) - 1),
+                              _mm512_mul_ps(reduce16(part), vscale));
+      }
+    }
+  }
+}
+#endif
+
+void key_scores(float* scores, int64_t n, const float* q, const float* k_cache, const Rows& rows, int64_t first,
+                int64_t len, int64_t H, int64_t G, int64_t D, float scale) {
+#if defined(CPU_CAPABILITY_AVX512)
+  switch (D % 16 == 0 ? D / 16 : 0) {
+    case 1: return key_scores16<1>(scores, n, q, k_cache, rows, first, len, H, G, scale);
+    case 2: return key_scores16<2>(scores, n, q, k_cache, rows, first, len, H, G, scale);
+    case 4: return key_scores16<4>(scores, n, q, k_cache, rows, first, len, H, G, scale);
+    case 8: return key_scores16<8>(scores, n, q, k_cache, rows, first, len, H, G, scale);
+  }
+#endif
+  key_scores_any(scores, n, q, k_cache, rows, first, len, H, G, D, scale);
+}
+
+// out[h][0:NV * W] = sum over the positions of p[h][pos] * v_pos[0:NV * W], for NH heads that
+// read the same values: each value row is loaded once for all of them, and the NH * NV
+// accumulators stay in registers across the whole context
+template <int64_t NV, int64_t NH>
+void weighted_sum(float* out, int64_t D, const float* p, int64_t n, const float* v_cache, const Rows& rows,
+                  int64_t first, int64_t len) {
+  constexpr int64_t W = Vec::size();
+  Vec acc[NH][NV];
+  for (int64_t h = 0; h < NH; ++h)
+    for (int64_t j = 0; j < NV; ++j) acc[h][j] = Vec(0.f);
+  for (int64_t pos = first; pos < len;) {
+    const int64_t stop = rows.block_end(pos, len);
+    const float* v = rows.at(v_cache, pos);
+    for (; pos < stop; ++pos, v += rows.row) {
+      Vec vv[NV];
+      for (int64_t j = 0; j < NV; ++j) vv[j] = Vec::loadu(v + j * W);
+      for (int64_t h = 0; h < NH; ++h) {
+        const Vec pv(p[h * n + pos - first]);
+        for (int64_t j = 0; j < NV; ++j) acc[h][j] = at::vec::fmadd(pv, vv[j], acc[h][j]);
+      }
+    }
+  }
+  for (int64_t h = 0; h < NH; ++h)
+    for (int64_t j = 0; j < NV; ++j) acc[h][j].store(out + h * D + j * W);
+}
+
+// the G heads of one group, in runs of as many heads as keep their sums in 16 vector registers
+template <int64_t NV>
+void weighted_sum_group(float* out, int64_t D, const float* p, int64_t n, const float* v_cache, const Rows& rows,
+                        int64_t first, int64_t len, int64_t G) {
+  constexpr int64_t most = std::max<int64_t>(1, std::min<int64_t>(4, 16 / NV));
+  for (int64_t h = 0; h < G;) {
+    const int64_t take = std::min(most, G - h);
+    float* o = out + h * D;
+    const float* ph = p + h * n;
+    if (take >= 4) { if constexpr (most >= 4) weighted_sum<NV, 4>(o, D, ph, n, v_cache, rows, first, len); }
+    else if (take == 3) { if constexpr (most >= 3) weighted_sum<NV, 3>(o, D, ph, n, v_cache, rows, first, len); }
+    else if (take == 2) { if constexpr (most >= 2) weighted_sum<NV, 2>(o, D, ph, n, v_cache, rows, first, len); }
+    else weighted_sum<NV, 1>(o, D, ph, n, v_cache, rows, first, len);
+    h += take;
+  }
+}
+
+void weighted_sum_any(float* out, const float* p, const float* v_cache, const Rows& rows, int64_t first,
+                      int64_t len, int64_t D) {
   std::fill(out, out + D, 0.f);
   for (int64_t pos = first; pos < len; ++pos) {
-    const float* v = v_cache + (table[pos / block_size] * block_size + pos % block_size) * row;
+    const float* v = rows.at(v_cache, pos);
     const float w = p[pos - first];
 #pragma omp simd
     for (int64_t d = 0; d < D; ++d) out[d] += w * v[d];
   }
 }
 
+// out[h] = sum over the positions of p[h][pos] * v_pos, for the G heads reading kv head's values
+void weighted_sums(float* out, const float* p, int64_t n, const float* v_cache, const Rows& rows, int64_t first,
+                   int64_t len, int64_t G, int64_t D) {
+  switch (D % Vec::size() == 0 ? D / Vec::size() : 0) {
+    case 1: return weighted_sum_group<1>(out, D, p, n, v_cache, rows, first, len, G);
+    case 2: return weighted_sum_group<2>(out, D, p, n, v_cache, rows, first, len, G);
+    case 4: return weighted_sum_group<4>(out, D, p, n, v_cache, rows, first, len, G);
+    case 8: return weighted_sum_group<8>(out, D, p, n, v_cache, rows, first, len, G);
+    case 16: return weighted_sum_group<16>(out, D, p, n, v_cache, rows, first, len, G);
+  }
+  for (int64_t h = 0; h < G; ++h) weighted_sum_any(out + h * D, p + h * n, v_cache, rows, first, len, D);
+}
+
 // out[b, h] = softmax(q[b, h] . K[b] * scale) @ V[b] over the visible keys of sequence b, whose
 // slots are block_tables[b][pos / block_size] * block_size + pos % block_size. One work item per
-// sequence, so each cached position's heads are read as one contiguous row, block by block.
+// sequence: a pass over its keys, then one over its values, block by block, each cached row
+// read once for all the query heads that share it (GQA).
 void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache,
                             const at::Tensor& v_cache, const at::Tensor& block_tables,
                             const at::Tensor& context_lens, int64_t block_size, double scale,
@@ -127,44 +250,27 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tenso
       TORCH_CHECK(block >= 0 && block < num_blocks, "block outside the cache");
     }
   }
-  const int64_t row = KVH * D;  // floats per cached position
   at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, denom(H);
+    std::vector<float> scores;
     for (int64_t b = begin; b < end; ++b) {
       const int64_t len = lens[b];
       const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, len - sliding_window) : 0;
       const int64_t n = len - first;
       scores.resize(H * n);
-      const float* qb = qp + b * H * D;
-      const int64_t* table = tables + b * max_blocks;
-      // a pass over the keys, then one over the values, each a run of contiguous block rows
-      for (int64_t pos = first; pos < len;) {
-        const int64_t stop = std::min(len, (pos / block_size + 1) * block_size);
-        const float* kr = kp + (table[pos / block_size] * block_size + pos % block_size) * row;
-        for (; pos < stop; ++pos, kr += row) {
-          for (int64_t h = 0; h < H; ++h) scores[h * n + pos - first] = dot(qb + h * D, kr + (h / G) * D, D) * fscale;
-        }
-      }
-      for (int64_t h = 0; h < H; ++h) {  // softmax numerators and sums, with ATen's vectorised exp
+      const Rows rows{tables + b * max_blocks, block_size, KVH * D};
+      key_scores(scores.data(), n, qp + b * H * D, kp, rows, first, len, H, G, D, fscale);
+      float* o = op + b * H * D;
+      for (int64_t h = 0; h < H; ++h) {  // softmax numerators, with ATen's vectorised exp
         float* s = scores.data() + h * n;
         const float mx = at::vec::reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, s, n);
         at::vec::map([mx](Vec x) { return (x - Vec(mx)).exp(); }, s, s, n);
-        denom[h] = at::vec::reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, s, n);
       }
-      for (int64_t h = 0; h < H; ++h) {  // one head at a time: its accumulators fit in registers
-        float* o = op + (b * H + h) * D;
-        const float* p = scores.data() + h * n;
-        const float* v = vp + (h / G) * D;
-        switch (D / Vec::size() * (D % Vec::size() == 0)) {
-          case 1: weighted_sum<1>(o, p, v, table, first, len, block_size, row); break;
-          case 2: weighted_sum<2>(o, p, v, table, first, len, block_size, row); break;
-          case 4: weighted_sum<4>(o, p, v, table, first, len, block_size, row); break;
-          case 8: weighted_sum<8>(o, p, v, table, first, len, block_size, row); break;
-          case 16: weighted_sum<16>(o, p, v, table, first, len, block_size, row); break;
-          default: weighted_sum_any(o, p, v, table, first, len, block_size, row, D);
-        }
-        const float inv = 1.f / denom[h];
-        for (int64_t d = 0; d < D; ++d) o[d] *= inv;
+      for (int64_t g = 0; g < KVH; ++g)
+        weighted_sums(o + g * G * D, scores.data() + g * G * n, n, vp + g * D, rows, first, len, G, D);
+      for (int64_t h = 0; h < H; ++h) {  // divided by the softmax sums
+        const float* s = scores.data() + h * n;
+        const float inv = 1.f / at::vec::reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, s, n);
+        for (int64_t d = 0; d < D; ++d) o[h * D + d] *= inv;
       }
     }
   });

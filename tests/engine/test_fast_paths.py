@@ -58,13 +58,15 @@ def kernels():
 
 @pytest.mark.parametrize("sliding_window", [None, 5])
 @pytest.mark.parametrize("head_dim", [16, 24, 64, 128])  # one to eight vectors per head, and a ragged tail
-def test_decode_kernel_matches_torch_path(kernels, sliding_window, head_dim):
+@pytest.mark.parametrize("block_size", [4, 16])  # runs of keys shorter than and as long as the kernel's 16
+@pytest.mark.parametrize("num_heads, num_kv_heads", [(6, 2), (8, 1), (4, 4)])  # groups of 3, 8 and 1 heads
+def test_decode_kernel_matches_torch_path(kernels, sliding_window, head_dim, block_size, num_heads, num_kv_heads):
     """Random caches, block tables out of order, contexts ending mid-block and on a block edge, GQA."""
     torch.manual_seed(0)
-    block_size, num_blocks, num_heads, num_kv_heads = 4, 40, 6, 2
+    num_blocks = 40
     k_cache = torch.randn(num_blocks * block_size, num_kv_heads, head_dim)
     v_cache = torch.randn(num_blocks * block_size, num_kv_heads, head_dim)
-    context_lens = [1, 7, 8, 13, 30]
+    context_lens = [1, 7, 8, 13, 30, 47]
     tables = [torch.randperm(num_blocks)[: -(-n // block_size)].tolist() for n in context_lens]
     q = torch.randn(len(context_lens), num_heads, head_dim)
     k = torch.randn(len(context_lens), num_kv_heads, head_dim)
