@@ -179,9 +179,15 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(shape.hidden_size, 2 * shape.intermediate_size, bias=shape.mlp_bias)
         self.down_proj = nn.Linear(shape.intermediate_size, shape.hidden_size, bias=shape.mlp_bias)
         self.act = ACT2FN[shape.hidden_act]
+        self.silu = shape.hidden_act == "silu"
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+    def forward(self, x: torch.Tensor, kernels: Any = None) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        if kernels is not None and self.silu:  # one pass instead of silu, then mul
+            out = gate_up.new_empty(gate_up.shape[0], self.intermediate_size)
+            kernels.silu_and_mul(out, gate_up)
+            return self.down_proj(out)
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(self.act(gate) * up)
 
 
@@ -202,7 +208,7 @@ class DecoderLayer(nn.Module):
             x, residual = self.input_layernorm.add_forward(x, residual, meta.kernels)
         x = self.self_attn(x, cos, sin, kv_cache, meta)
         x, residual = self.post_attention_layernorm.add_forward(x, residual, meta.kernels)
-        return self.mlp(x), residual
+        return self.mlp(x, meta.kernels), residual
 
 
 class LlamaForCausalLM(nn.Module):

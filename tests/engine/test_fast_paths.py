@@ -134,6 +134,16 @@ def test_norm_kernels_match_torch(kernels, num_tokens):
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("rows, width", [(1, 1536), (33, 40), (7, 37), (2048, 96)])  # vector runs and scalar tails
+def test_silu_and_mul_kernel_rounds_as_torch(kernels, rows, width):
+    torch.manual_seed(0)
+    gate_up = torch.randn(rows, 2 * width) * 6
+    gate, up = gate_up.split(width, dim=-1)
+    out = torch.empty(rows, width)
+    kernels.silu_and_mul(out, gate_up)
+    assert torch.equal(out, F.silu(gate) * up)
+
+
 def test_rotary_kernel_rounds_as_torch(kernels):
     """In place through views of a fused qkv output, as the model calls it; bit for bit."""
     torch.manual_seed(0)
