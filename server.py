@@ -28,6 +28,7 @@ from api.app import begin_drain, create_app, interrupt
 from api.auth import is_loopback
 from api.services import SERVICES
 from config import ConfigError, GalleyConfig, load_config, with_overrides
+from engine.host_memory import keep_freed_memory
 from engine.loader import ModelLoadError
 from launch import EngineLoader, check_source, start_workers
 from scheduling.router import Router
@@ -140,6 +141,8 @@ def configure_logging(fmt: str) -> None:
 
 async def serve(cfg: GalleyConfig, db: Database, admin_key_hash: str) -> int:
     loop = asyncio.get_running_loop()
+    if not keep_freed_memory():
+        log.info("malloc thresholds left as they are (not glibc, or set in the environment)")
     router = Router(queue_timeout_s=cfg.scheduling.queue_timeout_seconds)
     state = ServerState(started_s=time.monotonic())
 
