@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import os
 import platform
+import sys
 import threading
 import time
 from pathlib import Path
@@ -419,7 +420,7 @@ def _flags(cpu: str) -> list[str]:
     kernel ran on one thread whatever torch.set_num_threads said (decode attention took 29% of a
     32-sequence step at two threads). The library's libgomp.so.1 resolves to the one torch loaded."""
     flags = ["-O3", "-march=native", "-fopenmp-simd", "-ffp-contract=off"]
-    if torch.backends.openmp.is_available():
+    if sys.platform.startswith("linux") and torch.backends.openmp.is_available():  # GCC; Apple's clang lacks it
         flags.append("-fopenmp")
     cpu_flags = set(cpu.split())
     if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= cpu_flags:
