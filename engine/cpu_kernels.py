@@ -355,8 +355,6 @@ void rotary_embedding(at::Tensor q, at::Tensor k, const at::Tensor& cos, const a
   rotate_heads(k, cos.data_ptr<float>(), sin.data_ptr<float>());
 }
 
-}  // namespace
-
 // out = silu(gate) * up for rows [gate | up] of the fused gate-up projection. silu rounds as
 // torch's kernel does: x / (1 + exp(-x)), vectorised over runs of two vectors, std::exp for a
 // row's tail
@@ -384,6 +382,8 @@ void silu_and_mul(at::Tensor out, const at::Tensor& gate_up) {
     }
   });
 }
+
+}  // namespace
 
 TORCH_LIBRARY(galley_cpu, m) {
   m.def("paged_decode_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "

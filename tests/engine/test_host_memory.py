@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from engine.host_memory import keep_freed_memory
+
 ROOT = Path(__file__).resolve().parents[2]
 
 # Rounds of 5-25 MB tensors (a 2048-token prefill's activations at the SmolLM2 shape), all freed
@@ -50,7 +52,5 @@ def test_freed_activations_are_reused_without_page_faults():
 
 
 def test_the_users_malloc_settings_stand(monkeypatch):
-    from engine.host_memory import keep_freed_memory
-
     monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "131072")
     assert keep_freed_memory() is False
