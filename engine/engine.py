@@ -173,15 +173,27 @@ class LLMEngine:
                 return [self._fail(batch.seqs[0].seq, "forward failed")]
             # one sequence's input can fail the packed forward: find it by running each alone
             log.exception("engine step failed; retrying its sequences one by one", num_seqs=len(batch.seqs))
-            return [event for item in batch.seqs for event in self._run_alone(item)]
+            return self._run_each_alone(batch)
         return self._sample_and_append(batch, sampled, logits)
 
-    def _run_alone(self, item: ScheduledSeq) -> list[TokenEvent]:
-        try:
-            sampled, logits = self.runner.execute(ScheduledBatch([item]))
-        except Exception:
-            return [self._fail(item.seq, "forward failed")]
-        return self._sample_and_append(ScheduledBatch([item]), sampled, logits)
+    def _run_each_alone(self, batch: ScheduledBatch) -> list[TokenEvent]:
+        """In batch order, so a sequence reading blocks another computes this step runs after it;
+        if that one failed, its blocks hold nothing and the reader goes back to the queue."""
+        events: list[TokenEvent] = []
+        lost: set[int] = set()
+        for item in batch.seqs:
+            if any(id(source) in lost for source in item.reads_from):
+                self.scheduler.requeue(item.seq)
+                lost.add(id(item.seq))
+                continue
+            try:
+                sampled, logits = self.runner.execute(ScheduledBatch([item]))
+            except Exception:
+                events.append(self._fail(item.seq, "forward failed"))
+                lost.add(id(item.seq))
+                continue
+            events.extend(self._sample_and_append(ScheduledBatch([item]), sampled, logits))
+        return events
 
     def _sample_and_append(self, batch: ScheduledBatch, sampled: list[ScheduledSeq],
                            logits: torch.Tensor) -> list[TokenEvent]:

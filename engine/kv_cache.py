@@ -3,7 +3,10 @@
 The scheduler asks here whether a sequence's next tokens fit, and grows or frees block
 tables; the model runner only reads `seq.block_table` to compute slots. With prefix caching
 on, a sequence about to be admitted first takes the cached blocks of its longest known prefix
-(`reuse_prefix`), so only the rest is prefilled; after each step the engine reports computed
+(`reuse_prefix`), so only the rest is prefilled. The prefix may run on into blocks other
+sequences compute in the same step (a shared system prompt arriving in a burst): every layer
+writes the whole step's K/V before any attention reads it, so a chunk may attend to a block
+filled earlier in that very layer. After each step the engine reports computed
 tokens (`cache_full_blocks`) and newly full blocks get their hash, generated tokens included,
 so a conversation's next turn finds this turn's answer too.
 """
@@ -11,9 +14,10 @@ so a conversation's next turn finds this turn's answer too.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 
 from engine.block_pool import BlockPool
-from engine.prefix_hash import extend_hashes
+from engine.prefix_hash import BlockHash, extend_hashes
 from engine.types import Sequence
 
 
@@ -64,8 +68,9 @@ class KVCacheManager:
         hashes = extend_hashes(seq.block_hashes, seq.token_ids, num_tokens, self.block_size, seq.cache_salt)
         return hashes[: num_tokens // self.block_size]
 
-    def reuse_prefix(self, seq: Sequence) -> int:
-        """Give a sequence that holds no blocks the cached blocks of its longest cached prefix;
+    def reuse_prefix(self, seq: Sequence, in_flight: Mapping[BlockHash, int] | None = None) -> int:
+        """Give a sequence that holds no blocks the cached blocks of its longest cached prefix, then
+        the blocks continuing it that this step computes for others (`in_flight`: hash -> block id);
         returns how many tokens they cover. The last token is always left to compute: its logits
         give the next sample, and its slot must not be written in a block others may read."""
         if not self.enable_prefix_caching or seq.block_table:
@@ -73,9 +78,16 @@ class KVCacheManager:
         hashes = self.block_hashes(seq, seq.num_tokens - 1)
         blocks = self.pool.lookup(hashes)
         self.pool.acquire(blocks)
-        seq.block_table = blocks
-        seq.num_cached_blocks = len(blocks)
-        seq.num_computed_tokens = len(blocks) * self.block_size
+        computing = []
+        for block_hash in hashes[len(blocks) :] if in_flight else ():
+            block_id = in_flight.get(block_hash)
+            if block_id is None:
+                break
+            computing.append(block_id)
+        self.pool.share(computing)
+        seq.block_table = blocks + computing
+        seq.num_cached_blocks = len(seq.block_table)  # the block's computer registers it, not this one
+        seq.num_computed_tokens = len(seq.block_table) * self.block_size
         return seq.num_computed_tokens
 
     def count_lookup(self, seq: Sequence) -> None:

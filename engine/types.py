@@ -180,6 +180,8 @@ class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int
     draft_token_ids: list[int] = field(default_factory=list)  # verified by this step, after the last token
+    # sequences of this step computing blocks this one reads (a prefix they fill in the same step)
+    reads_from: list[Sequence] = field(default_factory=list)
 
     @property
     def completes_prefill(self) -> bool:

@@ -8,17 +8,44 @@ back to the front of the queue with its generated tokens, to be recomputed later
 sequence is preempted, and whether a waiting one may preempt a running one to get in, is
 the queue's policy (FIFO never does; the fair queue does for priority and fair share).
 A sequence admitted first takes the cached blocks of its prompt's longest cached prefix
-(automatic prefix caching, `engine.kv_cache`) and prefills only the rest. A decode with
+(automatic prefix caching, `engine.kv_cache`), continued by blocks that sequences scheduled
+before it compute in this same step, and prefills only the rest: a burst of requests sharing a
+system prompt fills one step, not one for the first and the next for the others. Such a
+sequence reads what its sources compute, so if one of them is preempted while the step is
+planned, it goes back to the queue too (to be admitted again, computing those blocks itself). A decode with
 speculative drafts (`engine.speculative`) runs them too, as far as budget and free blocks allow.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.kv_cache import KVCacheManager
+from engine.prefix_hash import BlockHash
 from engine.types import ScheduledBatch, ScheduledSeq, Sequence, SequenceStatus
 from scheduling.queue import FifoQueue, WaitingQueue
+
+
+@dataclass
+class InFlight:
+    """The full blocks this step's sequences compute, which a sequence admitted after them in the
+    same step may take as part of its cached prefix."""
+
+    blocks: dict[BlockHash, int] = field(default_factory=dict)  # hash -> block id
+    computer: dict[int, Sequence] = field(default_factory=dict)  # block id -> the sequence computing it
+
+    def add(self, kv: KVCacheManager, seq: Sequence, num_new: int) -> None:
+        """`seq`'s blocks that its next `num_new` tokens fill (block ids already allocated)."""
+        first = seq.num_computed_tokens // kv.block_size
+        for index, block_hash in enumerate(kv.pending_block_hashes(seq, num_new), start=first):
+            if block_hash not in self.blocks:
+                self.blocks[block_hash] = seq.block_table[index]
+                self.computer[seq.block_table[index]] = seq
+
+    def computers(self, seq: Sequence) -> list[Sequence]:
+        """The sequences computing blocks `seq` holds."""
+        found = {id(c): c for block_id in seq.block_table if (c := self.computer.get(block_id)) is not None}
+        return list(found.values())
 
 
 @dataclass(frozen=True)
@@ -95,43 +122,37 @@ class Scheduler:
         """Admit in queue order, each sequence first taking its cached prefix. Terminates by
         construction: each pass admits a sequence or preempts one, and a sequence preempted in
         this call is not admitted again in it."""
-        filling = self._blocks_filled_by(batch) if len(self.waiting) else set()
+        in_flight = self._in_flight(batch) if len(self.waiting) else InFlight()
         while budget > 0:
             seq = self.waiting.peek()
             if seq is None or seq in batch.preempted:
                 return
-            self.kv.reuse_prefix(seq)
-            if self._next_block_in(seq, filling):
-                self.kv.free(seq)  # wait one step and find it cached instead of computing it twice
-                return
+            self.kv.reuse_prefix(seq, in_flight.blocks)
             num_new = min(seq.num_uncomputed_tokens, budget)
             if len(self.running) >= self.config.max_num_seqs or not self.kv.can_allocate(seq, num_new):
                 if not self._preempt_to_admit(seq, num_new, batch):
                     self.kv.free(seq)
                     return
+                self.kv.free(seq)  # a victim may have been computing part of its prefix: look again
                 budget = self.config.max_num_batched_tokens - batch.num_tokens
-                filling = self._blocks_filled_by(batch)  # a preempted sequence fills nothing now
+                in_flight = self._in_flight(batch)
                 continue
             self.waiting.pop()
             self.kv.count_lookup(seq)
+            reads_from = in_flight.computers(seq)
             self.kv.allocate(seq, num_new)
             seq.status = SequenceStatus.RUNNING
             seq.num_output_at_admission = seq.num_output_tokens
             self.running.append(seq)
-            batch.seqs.append(ScheduledSeq(seq, num_new))
-            filling.update(self.kv.pending_block_hashes(seq, num_new))
+            batch.seqs.append(ScheduledSeq(seq, num_new, reads_from=reads_from))
+            in_flight.add(self.kv, seq, num_new)
             budget -= num_new
 
-    def _blocks_filled_by(self, batch: ScheduledBatch) -> set[bytes]:
-        """Hashes of the full blocks this step's sequences compute."""
-        return {h for item in batch.seqs for h in self.kv.pending_block_hashes(item.seq, item.num_known_tokens)}
-
-    def _next_block_in(self, seq: Sequence, filling: set[bytes]) -> bool:
-        """Is the first block `seq` would compute being computed this step by another sequence
-        (a shared prompt arriving together, `n` choices of one prompt)?"""
-        index = len(seq.block_table)
-        hashes = self.kv.block_hashes(seq, seq.num_tokens - 1) if filling else []
-        return index < len(hashes) and hashes[index] in filling
+    def _in_flight(self, batch: ScheduledBatch) -> InFlight:
+        in_flight = InFlight()
+        for item in batch.seqs:
+            in_flight.add(self.kv, item.seq, item.num_known_tokens)
+        return in_flight
 
     def _preempt_to_admit(self, seq: Sequence, num_new: int, batch: ScheduledBatch) -> bool:
         """Preempt what the queue's policy allows until `seq` fits; False if it still does not."""
@@ -144,20 +165,34 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> int:
         """Free `seq` and requeue it at the front; returns the budget it held in this batch."""
+        returned = self._unschedule(seq, batch)
+        self.num_preemptions += 1
+        batch.preempted.append(seq)
+        return returned
+
+    def _unschedule(self, seq: Sequence, batch: ScheduledBatch) -> int:
+        """Take `seq` out of this batch and back to the queue, and with it the sequences admitted
+        after it to read blocks it was to compute (they may be admitted again in this call, to
+        compute those themselves); returns the budget they held."""
         returned = 0
         for item in batch.seqs:
             if item.seq is seq:
                 batch.seqs.remove(item)
                 returned = item.num_new_tokens
                 break
+        self.requeue(seq)
+        for item in [item for item in batch.seqs if seq in item.reads_from]:
+            returned += self._unschedule(item.seq, batch)
+        return returned
+
+    def requeue(self, seq: Sequence) -> None:
+        """Put a running sequence back at the front of the queue, its blocks freed: it will be
+        recomputed from its tokens (after a preemption, or when a step it depended on failed)."""
         self.running.remove(seq)
         self.kv.free(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
-        self.num_preemptions += 1
         self.waiting.push_front(seq)
-        batch.preempted.append(seq)
-        return returned
 
     def _charge(self, item: ScheduledSeq) -> None:
         """Service this step gives the tenant: prompt tokens prefilled for the first time and

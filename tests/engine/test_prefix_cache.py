@@ -156,15 +156,36 @@ def test_next_turn_reuses_the_previous_turns_prompt_and_answer(tiny_models, fami
     assert_all_blocks_free(engine.scheduler.kv)
 
 
-def test_requests_sharing_a_prompt_together_compute_it_once(tiny_models):
+def test_requests_sharing_a_prompt_together_compute_it_once_in_one_step(tiny_models):
+    """The first computes the 48 shared tokens; the others read those blocks in the same step
+    (each layer writes all K/V before attending), so all four sample their first token at once."""
     path = tiny_models["qwen2"]
     engine = make_engine(path)
     [system] = prompts(1, 300, lengths=[48], seed=4)
     batch = [system + own for own in prompts(4, 300, lengths=[5, 9, 3, 12], seed=5)]
-    ours = run_to_completion(engine, batch, GREEDY)
-    assert ours == [hf_greedy(path, p, 16) for p in batch]
-    assert hits(engine) == 3 * 48  # the first computes the 48 shared tokens; the others wait one step
+    for i, prompt in enumerate(batch):
+        engine.add_request(GenerationRequest(f"p{i}", prompt, GREEDY))
+    first = engine.step()
+    assert sorted(event.request_id for event in first) == ["p0", "p1", "p2", "p3"]
+    assert engine.scheduler.kv.num_hit_tokens == 3 * 48
+    ours = {event.request_id: list(event.token_ids) for event in first}
+    while engine.has_work():
+        for event in engine.step():
+            ours[event.request_id].extend(event.token_ids)
+    assert [ours[f"p{i}"] for i in range(4)] == [hf_greedy(path, p, 16) for p in batch]
     assert engine.scheduler.kv.num_query_tokens == sum(map(len, batch))
+    assert_all_blocks_free(engine.scheduler.kv)
+
+
+def test_a_reader_of_blocks_computed_this_step_stays_correct_when_chunked(tiny_models):
+    """A budget that ends inside the shared prompt: later requests take only the blocks computed
+    so far, then compute on from there; every output still equals HF."""
+    path = tiny_models["llama"]
+    engine = make_engine(path, max_num_batched_tokens=40)
+    [system] = prompts(1, 300, lengths=[50], seed=18)
+    batch = [system + own for own in prompts(3, 300, lengths=[4, 20, 7], seed=19)]
+    assert run_to_completion(engine, batch, GREEDY) == [hf_greedy(path, p, 16) for p in batch]
+    assert hits(engine) > 0
     assert_all_blocks_free(engine.scheduler.kv)
 
 

@@ -61,6 +61,29 @@ def test_a_token_past_the_embedding_fails_only_its_request(llama_path, alone):
     assert "index" not in last["hostile"].error.lower()
 
 
+def test_a_request_reading_blocks_its_failing_neighbour_computes_is_recomputed(llama_path):
+    """The neighbour takes the shared prefix the hostile request computes in the same step. That
+    step fails; alone, the hostile one fails again and its blocks hold nothing, so the neighbour
+    goes back to the queue and computes the prefix itself: the same tokens as alone."""
+    shared = list(range(40, 72))  # two full blocks of 16
+    prompt = shared + [5, 6, 7]
+    [expected] = run_to_completion(make_engine(llama_path), [prompt], GREEDY)
+    engine = make_engine(llama_path)
+    vocab = engine.runner.model.shape.vocab_size
+    engine.add_request(GenerationRequest("hostile", shared + [vocab + 3], GREEDY))
+    engine.add_request(GenerationRequest("n", prompt, GREEDY))
+    tokens: list[int] = []
+    last = {}
+    while engine.has_work():
+        for event in engine.step():
+            tokens += event.token_ids if event.request_id == "n" else []
+            last[event.request_id] = event
+    assert engine.scheduler.kv.num_hit_tokens == 32  # it did read the hostile request's blocks
+    assert tokens == expected and last["n"].finish_reason == FinishReason.LENGTH
+    assert last["hostile"].finish_reason == FinishReason.ERROR
+    assert_all_blocks_free(engine.scheduler.kv)
+
+
 def test_a_parameter_the_sampler_chokes_on_fails_only_its_request(llama_path, alone):
     engine = make_engine(llama_path)
     broken = SamplingParams(max_tokens=10, temperature=1.0, min_p=None)  # None > 0.0 raises TypeError

@@ -98,3 +98,31 @@ def test_finish_and_abort_free_blocks_from_any_state():
     sched.finish(a)  # running
     assert sched.kv.num_free_blocks == 4
     assert not sched.has_work()
+
+
+def test_preempting_a_sequence_unschedules_those_reading_blocks_it_computes():
+    """Found by the progress simulation: a high request took the block a low one was filling in
+    the same step; a normal one then preempted the low one for its slot. The high one must not
+    read a block nobody computes: it goes back and is admitted again, computing it itself."""
+    from engine.types import GenerationRequest, Priority, SamplingParams, Sequence
+    from scheduling.fair_queue import FairQueue, FairShareConfig
+
+    def request(name: str, tokens: list[int], priority: Priority) -> Sequence:
+        return Sequence(GenerationRequest(name, tokens, SamplingParams(max_tokens=4), priority=priority))
+
+    kv = KVCacheManager(32, 4)
+    sched = Scheduler(SchedulerConfig(20, 2), kv, FairQueue(FairShareConfig()))
+    low = request("low", list(range(1, 27)), Priority.LOW)
+    sched.add(low)
+    advance(sched.schedule())  # 20 of its 26 tokens: five blocks cached
+    kv.cache_full_blocks(low)
+    high = request("high", list(range(1, 35)), Priority.HIGH)  # shares low's prompt and its sixth block
+    normal = request("normal", list(range(100, 110)), Priority.NORMAL)
+    sched.add(high)
+    sched.add(normal)
+    batch = sched.schedule()
+    assert [s.request_id for s in batch.preempted] == ["low"]
+    assert sorted(plan(batch)) == [("high", 14), ("normal", 6)]  # high computes block 5 itself now
+    assert all(not item.reads_from for item in batch.seqs)
+    assert high.num_computed_tokens == 20 and low.status is SequenceStatus.WAITING
+    assert kv.num_hit_tokens == 24 + 20  # admitted with the block in flight, then without it
