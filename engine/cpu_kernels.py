@@ -1,5 +1,6 @@
 """CPU float32 kernels in C++: decode attention over the paged KV cache, RMSNorm (with the
-residual add fused), rotary embedding in place, and the MLP's SiLU-and-multiply in one pass.
+residual add fused), rotary embedding in place, the MLP's SiLU-and-multiply in one pass, and
+linear layers for one to four rows over weights laid out in panels (`engine.packed_linear`).
 
 Why: the torch path copies every decoding sequence's blocks into a padded tensor per layer
 and runs SDPA with one query per sequence, a shape its CPU kernels handle poorly (measured
@@ -383,6 +384,92 @@ void silu_and_mul(at::Tensor out, const at::Tensor& gate_up) {
   });
 }
 
+// y[m] = x[m] @ W.T (+ bias) for the M rows of x, W stored as panels of 16 output features:
+// panels[p][k][j] = W[16 p + j][k], zero past the last feature. Each panel is one contiguous
+// run read once for all the rows, so the weights stream from memory at close to its bandwidth
+// (oneDNN's packed GEMM reads them at half that with one to four rows). Two accumulator sets
+// (even and odd k) keep two FMA chains going per output vector.
+inline void store_panel(float* out, const float* row, const float* bias, int64_t n0, int64_t count) {
+  for (int64_t i = 0; i < count; ++i) out[i] = bias ? row[i] + bias[n0 + i] : row[i];
+}
+
+#if defined(CPU_CAPABILITY_AVX512)
+template <int64_t M>
+void panel_rows(float* y, const float* x, const float* panels, const float* bias, int64_t K, int64_t N,
+                int64_t first, int64_t last) {
+  for (int64_t p = first; p < last; ++p) {
+    const float* w = panels + p * K * 16;
+    __m512 even[M], odd[M];
+    for (int64_t m = 0; m < M; ++m) even[m] = odd[m] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 2 <= K; k += 2) {
+      const __m512 w0 = _mm512_loadu_ps(w + k * 16), w1 = _mm512_loadu_ps(w + k * 16 + 16);
+      for (int64_t m = 0; m < M; ++m) {
+        even[m] = _mm512_fmadd_ps(_mm512_set1_ps(x[m * K + k]), w0, even[m]);
+        odd[m] = _mm512_fmadd_ps(_mm512_set1_ps(x[m * K + k + 1]), w1, odd[m]);
+      }
+    }
+    for (; k < K; ++k) {
+      const __m512 w0 = _mm512_loadu_ps(w + k * 16);
+      for (int64_t m = 0; m < M; ++m) even[m] = _mm512_fmadd_ps(_mm512_set1_ps(x[m * K + k]), w0, even[m]);
+    }
+    const int64_t n0 = p * 16, count = std::min<int64_t>(16, N - n0);
+    alignas(64) float row[16];
+    for (int64_t m = 0; m < M; ++m) {
+      _mm512_store_ps(row, _mm512_add_ps(even[m], odd[m]));
+      store_panel(y + m * N + n0, row, bias, n0, count);
+    }
+  }
+}
+#else
+template <int64_t M>
+void panel_rows(float* y, const float* x, const float* panels, const float* bias, int64_t K, int64_t N,
+                int64_t first, int64_t last) {
+  constexpr int64_t W = Vec::size(), NV = 16 / W;
+  for (int64_t p = first; p < last; ++p) {
+    const float* w = panels + p * K * 16;
+    Vec acc[M][NV];
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t j = 0; j < NV; ++j) acc[m][j] = Vec(0.f);
+    for (int64_t k = 0; k < K; ++k, w += 16)
+      for (int64_t j = 0; j < NV; ++j)
+        for (int64_t m = 0; m < M; ++m) acc[m][j] = at::vec::fmadd(Vec(x[m * K + k]), Vec::loadu(w + j * W), acc[m][j]);
+    const int64_t n0 = p * 16, count = std::min<int64_t>(16, N - n0);
+    float row[16];
+    for (int64_t m = 0; m < M; ++m) {
+      for (int64_t j = 0; j < NV; ++j) acc[m][j].store(row + j * W);
+      store_panel(y + m * N + n0, row, bias, n0, count);
+    }
+  }
+}
+#endif
+
+void panel_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& panels, const c10::optional<at::Tensor>& bias) {
+  check_float(out, "panel_linear out");
+  check_float(x, "panel_linear x");
+  check_float(panels, "panel_linear panels");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && out.is_contiguous() && panels.is_contiguous() && panels.dim() == 3);
+  const int64_t M = x.size(0), K = x.size(1), N = out.size(1), P = panels.size(0);
+  TORCH_CHECK(out.size(0) == M && panels.size(1) == K && panels.size(2) == 16 && P == (N + 15) / 16);
+  TORCH_CHECK(M >= 1 && M <= 4, "panel_linear: one to four rows");
+  const float* bp = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    check_float(*bias, "panel_linear bias");
+    TORCH_CHECK(bias->is_contiguous() && bias->numel() == N);
+    bp = bias->data_ptr<float>();
+  }
+  float* yp = out.data_ptr<float>();
+  const float *xp = x.data_ptr<float>(), *wp = panels.data_ptr<float>();
+  at::parallel_for(0, P, 8, [&](int64_t first, int64_t last) {
+    switch (M) {
+      case 1: return panel_rows<1>(yp, xp, wp, bp, K, N, first, last);
+      case 2: return panel_rows<2>(yp, xp, wp, bp, K, N, first, last);
+      case 3: return panel_rows<3>(yp, xp, wp, bp, K, N, first, last);
+      default: return panel_rows<4>(yp, xp, wp, bp, K, N, first, last);
+    }
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY(galley_cpu, m) {
@@ -392,6 +479,7 @@ TORCH_LIBRARY(galley_cpu, m) {
   m.def("add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
   m.def("rotary_embedding(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()");
   m.def("silu_and_mul(Tensor(a!) out, Tensor gate_up) -> ()");
+  m.def("panel_linear(Tensor(a!) out, Tensor x, Tensor panels, Tensor? bias) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(galley_cpu, CPU, m) {
@@ -400,6 +488,7 @@ TORCH_LIBRARY_IMPL(galley_cpu, CPU, m) {
   m.impl("add_rms_norm", add_rms_norm);
   m.impl("rotary_embedding", rotary_embedding);
   m.impl("silu_and_mul", silu_and_mul);
+  m.impl("panel_linear", panel_linear);
 }
 """
 

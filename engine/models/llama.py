@@ -19,6 +19,7 @@ from transformers.activations import ACT2FN
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from engine.attention import AttentionMetadata, paged_attention
+from engine.packed_linear import linear
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -160,7 +161,7 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata):
         n, s = x.shape[0], self.shape
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = linear(self.qkv_proj, x, meta.kernels).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(n, s.num_heads, s.head_dim)  # [num_tokens, num_heads, head_dim]
         k = k.view(n, s.num_kv_heads, s.head_dim)
         v = v.view(n, s.num_kv_heads, s.head_dim)
@@ -169,7 +170,7 @@ class Attention(nn.Module):
             k = self.k_norm(k.reshape(-1, s.head_dim), meta.kernels).view(n, s.num_kv_heads, s.head_dim)
         q, k = rotate_qk(q, k, cos, sin, meta.kernels)
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
-        return self.o_proj(out.reshape(n, self.q_size))
+        return linear(self.o_proj, out.reshape(n, self.q_size), meta.kernels)
 
 
 class MLP(nn.Module):
@@ -182,13 +183,13 @@ class MLP(nn.Module):
         self.silu = shape.hidden_act == "silu"
 
     def forward(self, x: torch.Tensor, kernels: Any = None) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
+        gate_up = linear(self.gate_up_proj, x, kernels)
         if kernels is not None and self.silu:  # one pass instead of silu, then mul
             out = gate_up.new_empty(gate_up.shape[0], self.intermediate_size)
             kernels.silu_and_mul(out, gate_up)
-            return self.down_proj(out)
+            return linear(self.down_proj, out, kernels)
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+        return linear(self.down_proj, self.act(gate) * up, kernels)
 
 
 class DecoderLayer(nn.Module):
@@ -237,4 +238,4 @@ class LlamaForCausalLM(nn.Module):
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, residual = layer(x, residual, cos, sin, kv_cache, meta)
         x = self.norm(residual[logits_indices] + x[logits_indices], meta.kernels)
-        return self.lm_head(x).float()
+        return linear(self.lm_head, x, meta.kernels).float()

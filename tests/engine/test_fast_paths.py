@@ -19,7 +19,7 @@ from engine.attention import build_metadata, paged_attention
 from engine.cpu_kernels import CPU_KERNELS
 from engine.loader import load_model
 from engine.models.llama import RMSNorm, apply_rotary, rotate_qk
-from engine.packed_linear import PackedLinear, can_pack
+from engine.packed_linear import SMALL_BATCH_ROWS, PackedLinear, can_pack, small_batch_copy_fits
 from tests.engine.test_reference import GREEDY, hf_greedy, prompts
 from tests.helpers import assert_all_blocks_free, make_engine, run_to_completion
 from tests.models import FAMILIES
@@ -105,12 +105,45 @@ def test_decode_kernel_runs_on_torchs_threads(kernels):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_engine_with_kernels_matches_hf(tiny_models, kernels, family):
+    """Six sequences decode through oneDNN's GEMM, three through the small-batch panel kernel."""
     path = tiny_models[family]
     engine = make_engine(path, max_num_batched_tokens=20)  # chunked prefills beside decodes
     assert engine.runner.cpu_kernels.ops is kernels
-    batch = prompts(6, 300)
-    assert run_to_completion(engine, batch, GREEDY) == [hf_greedy(path, p, 16) for p in batch]
+    assert engine.runner.model.lm_head.panels is not None
+    for batch in (prompts(6, 300), prompts(3, 300, seed=21)):
+        assert run_to_completion(engine, batch, GREEDY) == [hf_greedy(path, p, 16) for p in batch]
     assert_all_blocks_free(engine.scheduler.kv)
+
+
+@needs_mkldnn
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("num_tokens", [0, 1, 2, 3, 4, 5])  # 0: a step whose chunks all sample nothing
+@pytest.mark.parametrize("in_features", [96, 97])  # an odd one runs the kernel's tail
+def test_panel_kernel_matches_f_linear(kernels, bias, num_tokens, in_features):
+    """Up to SMALL_BATCH_ROWS rows the layer runs the panel kernel (200 outputs: a ragged last
+    panel), above it oneDNN; both compute F.linear."""
+    torch.manual_seed(0)
+    linear = nn.Linear(in_features, 200, bias=bias)
+    x = torch.randn(num_tokens, in_features)
+    layer = PackedLinear(linear, panels=True)
+    with torch.inference_mode():
+        expected = F.linear(x, linear.weight, linear.bias)
+        got = layer(x, kernels)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        if 0 < num_tokens <= SMALL_BATCH_ROWS:  # the kernel ran, not oneDNN: it sums in its own order
+            assert not torch.equal(got, layer(x))
+
+
+def test_small_batch_copy_is_kept_only_where_memory_allows(monkeypatch):
+    import engine.packed_linear as packed_linear
+
+    model = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256))  # 512 KiB of weights
+    monkeypatch.setattr(packed_linear, "available_memory_bytes", lambda: 4 * 512 * 1024)
+    assert small_batch_copy_fits(model)
+    monkeypatch.setattr(packed_linear, "available_memory_bytes", lambda: 4 * 512 * 1024 - 1)
+    assert not small_batch_copy_fits(model)
+    monkeypatch.setattr(packed_linear, "available_memory_bytes", lambda: None)
+    assert not small_batch_copy_fits(model)
 
 
 def test_engine_without_cpu_kernels_uses_the_torch_path(tiny_models):
