@@ -35,6 +35,9 @@ log = structlog.get_logger(__name__)
 
 Emit = Callable[[list[TokenEvent]], None]
 
+BURST_QUIET_S = 0.005  # an idle worker's first request waits this long for the next one
+BURST_MAX_S = 0.05  # and gathers a burst for at most this long
+
 
 @dataclass
 class _Add:
@@ -246,15 +249,27 @@ class DeviceWorker:
         return min(waits) if waits else None
 
     def _drain(self) -> bool:
-        """Apply every queued command, first waiting up to `_wait_s` for one; False once asked to stop."""
+        """Apply every queued command, first waiting up to `_wait_s` for one; False once asked to stop.
+
+        A request that wakes an idle worker opens a burst: more are taken while they keep coming
+        (each within BURST_QUIET_S of the last, for at most BURST_MAX_S), so requests sent together
+        (a shared system prompt's burst, `n` clients at once) start in one step instead of the first
+        running alone while the rest queue behind its prefill. A lone request pays BURST_QUIET_S."""
         wait_s = self._wait_s()
         try:
             item = self._inbox.get(timeout=wait_s) if wait_s != 0.0 else self._inbox.get_nowait()
+            burst_ends = time.monotonic() + BURST_MAX_S if wait_s != 0.0 and isinstance(item, _Add) else None
             while True:
                 if item is _STOP:
                     return False
                 self._apply(item)
-                item = self._inbox.get_nowait()
+                try:
+                    item = self._inbox.get_nowait()
+                except queue.Empty:
+                    left = burst_ends - time.monotonic() if burst_ends is not None else 0.0
+                    if left <= 0 or not isinstance(item, _Add):
+                        raise
+                    item = self._inbox.get(timeout=min(BURST_QUIET_S, left))
         except queue.Empty:
             return True
 
