@@ -1,6 +1,6 @@
 """CPU float32 kernels in C++: decode attention over the paged KV cache, RMSNorm (with the
 residual add fused), rotary embedding in place, the MLP's SiLU-and-multiply in one pass, and
-linear layers for one to four rows over weights laid out in panels (`engine.packed_linear`).
+linear layers for one to eight rows over weights laid out in panels (`engine.packed_linear`).
 
 Why: the torch path copies every decoding sequence's blocks into a padded tensor per layer
 and runs SDPA with one query per sequence, a shape its CPU kernels handle poorly (measured
@@ -387,46 +387,62 @@ void silu_and_mul(at::Tensor out, const at::Tensor& gate_up) {
 // y[m] = x[m] @ W.T (+ bias) for the M rows of x, W stored as panels of 16 output features:
 // panels[p][k][j] = W[16 p + j][k], zero past the last feature. Each panel is one contiguous
 // run read once for all the rows, so the weights stream from memory at close to its bandwidth
-// (oneDNN's packed GEMM reads them at half that with one to four rows). Two accumulator sets
-// (even and odd k) keep two FMA chains going per output vector.
+// (oneDNN's packed GEMM reads them at half that with one to four rows, and 0.6-0.8 of it with eight).
 inline void store_panel(float* out, const float* row, const float* bias, int64_t n0, int64_t count) {
   for (int64_t i = 0; i < count; ++i) out[i] = bias ? row[i] + bias[n0 + i] : row[i];
 }
 
 #if defined(CPU_CAPABILITY_AVX512)
-template <int64_t M>
-void panel_rows(float* y, const float* x, const float* panels, const float* bias, int64_t K, int64_t N,
-                int64_t first, int64_t last) {
-  for (int64_t p = first; p < last; ++p) {
-    const float* w = panels + p * K * 16;
-    __m512 even[M], odd[M];
-    for (int64_t m = 0; m < M; ++m) even[m] = odd[m] = _mm512_setzero_ps();
-    int64_t k = 0;
+// NP (1 or 2) panels at once, so each broadcast of x feeds NP FMAs (at 8 rows the broadcasts,
+// not memory, bound a one-panel loop); one panel has even/odd sets for two FMA chains
+template <int64_t M, int64_t NP>
+void panels_at(float* y, const float* x, const float* w, const float* bias, int64_t K, int64_t N, int64_t p) {
+  __m512 acc[NP == 1 ? 2 : NP][M];
+  for (auto& row : acc)
+    for (int64_t m = 0; m < M; ++m) row[m] = _mm512_setzero_ps();
+  int64_t k = 0;
+  if constexpr (NP == 1) {
     for (; k + 2 <= K; k += 2) {
       const __m512 w0 = _mm512_loadu_ps(w + k * 16), w1 = _mm512_loadu_ps(w + k * 16 + 16);
       for (int64_t m = 0; m < M; ++m) {
-        even[m] = _mm512_fmadd_ps(_mm512_set1_ps(x[m * K + k]), w0, even[m]);
-        odd[m] = _mm512_fmadd_ps(_mm512_set1_ps(x[m * K + k + 1]), w1, odd[m]);
+        acc[0][m] = _mm512_fmadd_ps(_mm512_set1_ps(x[m * K + k]), w0, acc[0][m]);
+        acc[1][m] = _mm512_fmadd_ps(_mm512_set1_ps(x[m * K + k + 1]), w1, acc[1][m]);
       }
     }
-    for (; k < K; ++k) {
-      const __m512 w0 = _mm512_loadu_ps(w + k * 16);
-      for (int64_t m = 0; m < M; ++m) even[m] = _mm512_fmadd_ps(_mm512_set1_ps(x[m * K + k]), w0, even[m]);
-    }
-    const int64_t n0 = p * 16, count = std::min<int64_t>(16, N - n0);
-    alignas(64) float row[16];
+  }
+  for (; k < K; ++k) {
+    __m512 wv[NP];
+    for (int64_t j = 0; j < NP; ++j) wv[j] = _mm512_loadu_ps(w + j * K * 16 + k * 16);
     for (int64_t m = 0; m < M; ++m) {
-      _mm512_store_ps(row, _mm512_add_ps(even[m], odd[m]));
+      const __m512 xv = _mm512_set1_ps(x[m * K + k]);
+      for (int64_t j = 0; j < NP; ++j) acc[j][m] = _mm512_fmadd_ps(xv, wv[j], acc[j][m]);
+    }
+  }
+  alignas(64) float row[16];
+  for (int64_t j = 0; j < NP; ++j) {
+    const int64_t n0 = (p + j) * 16, count = std::min<int64_t>(16, N - n0);
+    for (int64_t m = 0; m < M; ++m) {
+      _mm512_store_ps(row, NP == 1 ? _mm512_add_ps(acc[0][m], acc[1][m]) : acc[j][m]);
       store_panel(y + m * N + n0, row, bias, n0, count);
     }
+  }
+}
+
+// panels [2 first, 2 last): pairs, and a last odd one alone
+template <int64_t M>
+void panel_rows(float* y, const float* x, const float* panels, const float* bias, int64_t K, int64_t N,
+                int64_t first, int64_t last, int64_t num_panels) {
+  for (int64_t p = 2 * first; p < std::min(2 * last, num_panels); p += 2) {
+    if (p + 1 < num_panels) panels_at<M, 2>(y, x, panels + p * K * 16, bias, K, N, p);
+    else panels_at<M, 1>(y, x, panels + p * K * 16, bias, K, N, p);
   }
 }
 #else
 template <int64_t M>
 void panel_rows(float* y, const float* x, const float* panels, const float* bias, int64_t K, int64_t N,
-                int64_t first, int64_t last) {
+                int64_t first, int64_t last, int64_t num_panels) {
   constexpr int64_t W = Vec::size(), NV = 16 / W;
-  for (int64_t p = first; p < last; ++p) {
+  for (int64_t p = 2 * first; p < std::min(2 * last, num_panels); ++p) {
     const float* w = panels + p * K * 16;
     Vec acc[M][NV];
     for (int64_t m = 0; m < M; ++m)
@@ -451,7 +467,7 @@ void panel_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& panels,
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && out.is_contiguous() && panels.is_contiguous() && panels.dim() == 3);
   const int64_t M = x.size(0), K = x.size(1), N = out.size(1), P = panels.size(0);
   TORCH_CHECK(out.size(0) == M && panels.size(1) == K && panels.size(2) == 16 && P == (N + 15) / 16);
-  TORCH_CHECK(M >= 1 && M <= 4, "panel_linear: one to four rows");
+  TORCH_CHECK(M >= 1 && M <= 8, "panel_linear: one to eight rows");
   const float* bp = nullptr;
   if (bias.has_value() && bias->defined()) {
     check_float(*bias, "panel_linear bias");
@@ -460,12 +476,16 @@ void panel_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& panels,
   }
   float* yp = out.data_ptr<float>();
   const float *xp = x.data_ptr<float>(), *wp = panels.data_ptr<float>();
-  at::parallel_for(0, P, 8, [&](int64_t first, int64_t last) {
+  at::parallel_for(0, (P + 1) / 2, 4, [&](int64_t first, int64_t last) {  // pairs of panels
     switch (M) {
-      case 1: return panel_rows<1>(yp, xp, wp, bp, K, N, first, last);
-      case 2: return panel_rows<2>(yp, xp, wp, bp, K, N, first, last);
-      case 3: return panel_rows<3>(yp, xp, wp, bp, K, N, first, last);
-      default: return panel_rows<4>(yp, xp, wp, bp, K, N, first, last);
+      case 1: return panel_rows<1>(yp, xp, wp, bp, K, N, first, last, P);
+      case 2: return panel_rows<2>(yp, xp, wp, bp, K, N, first, last, P);
+      case 3: return panel_rows<3>(yp, xp, wp, bp, K, N, first, last, P);
+      case 4: return panel_rows<4>(yp, xp, wp, bp, K, N, first, last, P);
+      case 5: return panel_rows<5>(yp, xp, wp, bp, K, N, first, last, P);
+      case 6: return panel_rows<6>(yp, xp, wp, bp, K, N, first, last, P);
+      case 7: return panel_rows<7>(yp, xp, wp, bp, K, N, first, last, P);
+      default: return panel_rows<8>(yp, xp, wp, bp, K, N, first, last, P);
     }
   });
 }

@@ -8,7 +8,7 @@ size. The packed weight is an opaque mkldnn tensor: only `torch.ops.mkldnn` read
 this module owns the only calls that may touch it. Other devices and dtypes keep
 `nn.Linear`.
 
-Steps of one to four tokens (decoding one to four sequences) are bound by streaming the weights
+Steps of one to eight tokens (decoding up to eight sequences) are bound by streaming the weights
 from memory, and oneDNN streams them at about half the bandwidth there is (measured on
 SmolLM2-135M's shapes at two threads: 14-19 GB/s at one row, 42 GB/s available). Where memory
 allows (`small_batch_copy_fits`), each layer also keeps its weight as panels of 16 output
@@ -35,9 +35,9 @@ def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
 PACKING_BATCH_SIZE = 32
 
 
-# Up to this many rows, a layer with panels runs the panel kernel; oneDNN above (at 8 rows the
-# two are level, and beyond that the step is compute-bound, where oneDNN's GEMM is the better one).
-SMALL_BATCH_ROWS = 4
+# Up to this many rows, a layer with panels runs the panel kernel; oneDNN above, where the step
+# turns compute-bound and oneDNN's GEMM is the better one.
+SMALL_BATCH_ROWS = 8
 PANEL = 16  # output features per panel: one AVX-512 vector
 
 
