@@ -460,7 +460,8 @@ void panel_rows(float* y, const float* x, const float* panels, const float* bias
 }
 #endif
 
-void panel_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& panels, const c10::optional<at::Tensor>& bias) {
+void panel_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& panels,
+                  const c10::optional<at::Tensor>& bias) {
   check_float(out, "panel_linear out");
   check_float(x, "panel_linear x");
   check_float(panels, "panel_linear panels");

@@ -12,8 +12,9 @@ A sequence admitted first takes the cached blocks of its prompt's longest cached
 before it compute in this same step, and prefills only the rest: a burst of requests sharing a
 system prompt fills one step, not one for the first and the next for the others. Such a
 sequence reads what its sources compute, so if one of them is preempted while the step is
-planned, it goes back to the queue too (to be admitted again, computing those blocks itself). A decode with
-speculative drafts (`engine.speculative`) runs them too, as far as budget and free blocks allow.
+planned, it goes back to the queue too (to be admitted again, computing those blocks
+itself). A decode with speculative drafts (`engine.speculative`) runs them too, as far as
+budget and free blocks allow.
 """
 
 from __future__ import annotations
@@ -120,8 +121,8 @@ class Scheduler:
 
     def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
         """Admit in queue order, each sequence first taking its cached prefix. Terminates by
-        construction: each pass admits a sequence or preempts one, and a sequence preempted in
-        this call is not admitted again in it."""
+        construction: each pass admits a sequence or preempts one, a sequence preempted in this
+        call is not admitted again in it, and one admitted again was unscheduled by a preemption."""
         in_flight = self._in_flight(batch) if len(self.waiting) else InFlight()
         while budget > 0:
             seq = self.waiting.peek()
