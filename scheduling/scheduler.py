@@ -165,7 +165,8 @@ class Scheduler:
         return True
 
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> int:
-        """Free `seq` and requeue it at the front; returns the budget it held in this batch."""
+        """Free `seq` and requeue it at the front (with its readers, `_unschedule`); returns the
+        budget they held in this batch."""
         returned = self._unschedule(seq, batch)
         self.num_preemptions += 1
         batch.preempted.append(seq)
