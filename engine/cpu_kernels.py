@@ -1,6 +1,6 @@
 """CPU float32 kernels in C++: decode attention over the paged KV cache, RMSNorm (with the
 residual add fused), rotary embedding in place, the MLP's SiLU-and-multiply in one pass, and
-linear layers for one to eight rows over weights laid out in panels (`engine.packed_linear`).
+linear layers over weights laid out in panels (`engine.packed_linear`).
 
 Why: the torch path copies every decoding sequence's blocks into a padded tensor per layer
 and runs SDPA with one query per sequence, a shape its CPU kernels handle poorly (measured
@@ -385,35 +385,30 @@ void silu_and_mul(at::Tensor out, const at::Tensor& gate_up) {
 }
 
 // y[m] = x[m] @ W.T (+ bias) for the M rows of x, W stored as panels of 16 output features:
-// panels[p][k][j] = W[16 p + j][k], zero past the last feature. Each panel is one contiguous
-// run read once for all the rows, so the weights stream from memory at close to its bandwidth
-// (oneDNN's packed GEMM reads them at half that with one to four rows, and 0.6-0.8 of it with eight).
+// panels[p][k][j] = W[16 p + j][k], zero past the last feature (`engine.packed_linear`).
+// A register tile of up to 8 rows by 3 panels keeps 24 vector accumulators over the whole of K,
+// so each broadcast of x feeds three FMAs and each panel load eight. The threads share out groups
+// of 3 panels (one contiguous run); a group is read from memory once and then from L2 by each
+// further 8-row tile, and those tiles prefetch the thread's next group, one panel each, so that its
+// first tile does not wait on memory (a lone tile prefetches the next group's first panel).
 inline void store_panel(float* out, const float* row, const float* bias, int64_t n0, int64_t count) {
   for (int64_t i = 0; i < count; ++i) out[i] = bias ? row[i] + bias[n0 + i] : row[i];
 }
 
+constexpr int64_t TILE_ROWS = 8, GROUP_PANELS = 3, CHUNK_ROWS = 128;
+
 #if defined(CPU_CAPABILITY_AVX512)
-// NP (1 or 2) panels at once, so each broadcast of x feeds NP FMAs (at 8 rows the broadcasts,
-// not memory, bound a one-panel loop); one panel has even/odd sets for two FMA chains
-template <int64_t M, int64_t NP>
-void panels_at(float* y, const float* x, const float* w, const float* bias, int64_t K, int64_t N, int64_t p) {
-  __m512 acc[NP == 1 ? 2 : NP][M];
-  for (auto& row : acc)
-    for (int64_t m = 0; m < M; ++m) row[m] = _mm512_setzero_ps();
-  int64_t k = 0;
-  if constexpr (NP == 1) {
-    for (; k + 2 <= K; k += 2) {
-      const __m512 w0 = _mm512_loadu_ps(w + k * 16), w1 = _mm512_loadu_ps(w + k * 16 + 16);
-      for (int64_t m = 0; m < M; ++m) {
-        acc[0][m] = _mm512_fmadd_ps(_mm512_set1_ps(x[m * K + k]), w0, acc[0][m]);
-        acc[1][m] = _mm512_fmadd_ps(_mm512_set1_ps(x[m * K + k + 1]), w1, acc[1][m]);
-      }
-    }
-  }
-  for (; k < K; ++k) {
+template <int64_t MR, int64_t NP>
+void tile(float* y, const float* x, const float* w, const float* bias, int64_t K, int64_t N, int64_t p,
+          const float* prefetch) {
+  __m512 acc[NP][MR];
+  for (auto& panel : acc)
+    for (auto& a : panel) a = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(prefetch + k * 16), _MM_HINT_T1);
     __m512 wv[NP];
     for (int64_t j = 0; j < NP; ++j) wv[j] = _mm512_loadu_ps(w + j * K * 16 + k * 16);
-    for (int64_t m = 0; m < M; ++m) {
+    for (int64_t m = 0; m < MR; ++m) {
       const __m512 xv = _mm512_set1_ps(x[m * K + k]);
       for (int64_t j = 0; j < NP; ++j) acc[j][m] = _mm512_fmadd_ps(xv, wv[j], acc[j][m]);
     }
@@ -421,44 +416,73 @@ void panels_at(float* y, const float* x, const float* w, const float* bias, int6
   alignas(64) float row[16];
   for (int64_t j = 0; j < NP; ++j) {
     const int64_t n0 = (p + j) * 16, count = std::min<int64_t>(16, N - n0);
-    for (int64_t m = 0; m < M; ++m) {
-      _mm512_store_ps(row, NP == 1 ? _mm512_add_ps(acc[0][m], acc[1][m]) : acc[j][m]);
+    for (int64_t m = 0; m < MR; ++m) {
+      if (count == 16 && !bias) {
+        _mm512_storeu_ps(y + m * N + n0, acc[j][m]);
+        continue;
+      }
+      _mm512_store_ps(row, acc[j][m]);
       store_panel(y + m * N + n0, row, bias, n0, count);
     }
   }
 }
-
-// panels [2 first, 2 last): pairs, and a last odd one alone
-template <int64_t M>
-void panel_rows(float* y, const float* x, const float* panels, const float* bias, int64_t K, int64_t N,
-                int64_t first, int64_t last, int64_t num_panels) {
-  for (int64_t p = 2 * first; p < std::min(2 * last, num_panels); p += 2) {
-    if (p + 1 < num_panels) panels_at<M, 2>(y, x, panels + p * K * 16, bias, K, N, p);
-    else panels_at<M, 1>(y, x, panels + p * K * 16, bias, K, N, p);
-  }
-}
 #else
-template <int64_t M>
-void panel_rows(float* y, const float* x, const float* panels, const float* bias, int64_t K, int64_t N,
-                int64_t first, int64_t last, int64_t num_panels) {
+template <int64_t MR, int64_t NP>
+void tile(float* y, const float* x, const float* w, const float* bias, int64_t K, int64_t N, int64_t p,
+          const float*) {
   constexpr int64_t W = Vec::size(), NV = 16 / W;
-  for (int64_t p = 2 * first; p < std::min(2 * last, num_panels); ++p) {
-    const float* w = panels + p * K * 16;
-    Vec acc[M][NV];
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t j = 0; j < NV; ++j) acc[m][j] = Vec(0.f);
-    for (int64_t k = 0; k < K; ++k, w += 16)
-      for (int64_t j = 0; j < NV; ++j)
-        for (int64_t m = 0; m < M; ++m) acc[m][j] = at::vec::fmadd(Vec(x[m * K + k]), Vec::loadu(w + j * W), acc[m][j]);
-    const int64_t n0 = p * 16, count = std::min<int64_t>(16, N - n0);
+  for (int64_t j = 0; j < NP; ++j, w += K * 16) {
+    Vec acc[MR][NV];
+    for (auto& row : acc)
+      for (auto& a : row) a = Vec(0.f);
+    for (int64_t k = 0; k < K; ++k)
+      for (int64_t v = 0; v < NV; ++v) {
+        const Vec wv = Vec::loadu(w + k * 16 + v * W);
+        for (int64_t m = 0; m < MR; ++m) acc[m][v] = at::vec::fmadd(Vec(x[m * K + k]), wv, acc[m][v]);
+      }
+    const int64_t n0 = (p + j) * 16, count = std::min<int64_t>(16, N - n0);
     float row[16];
-    for (int64_t m = 0; m < M; ++m) {
-      for (int64_t j = 0; j < NV; ++j) acc[m][j].store(row + j * W);
+    for (int64_t m = 0; m < MR; ++m) {
+      for (int64_t v = 0; v < NV; ++v) acc[m][v].store(row + v * W);
       store_panel(y + m * N + n0, row, bias, n0, count);
     }
   }
 }
 #endif
+
+template <int64_t NP>
+void tile_rows(int64_t rows, float* y, const float* x, const float* w, const float* bias, int64_t K, int64_t N,
+               int64_t p, const float* prefetch) {
+  switch (rows) {
+    case 1: return tile<1, NP>(y, x, w, bias, K, N, p, prefetch);
+    case 2: return tile<2, NP>(y, x, w, bias, K, N, p, prefetch);
+    case 3: return tile<3, NP>(y, x, w, bias, K, N, p, prefetch);
+    case 4: return tile<4, NP>(y, x, w, bias, K, N, p, prefetch);
+    case 5: return tile<5, NP>(y, x, w, bias, K, N, p, prefetch);
+    case 6: return tile<6, NP>(y, x, w, bias, K, N, p, prefetch);
+    case 7: return tile<7, NP>(y, x, w, bias, K, N, p, prefetch);
+    default: return tile<8, NP>(y, x, w, bias, K, N, p, prefetch);
+  }
+}
+
+// all M rows against panels [p, p + np); next: the thread's next group of np_next panels, or null
+void panel_group(int64_t M, float* y, const float* x, const float* panels, const float* bias, int64_t K,
+                 int64_t N, int64_t p, int64_t np, const float* next, int64_t np_next) {
+  const float* w = panels + p * K * 16;
+  const int64_t tiles = (M + TILE_ROWS - 1) / TILE_ROWS;
+  for (int64_t t = 0; t < tiles; ++t) {
+    const int64_t j = tiles == 1 ? 0 : t - 1;  // the next group's panel this tile prefetches
+    const float* prefetch = next && j >= 0 && j < np_next ? next + j * K * 16 : nullptr;
+    const int64_t m0 = t * TILE_ROWS, rows = std::min(TILE_ROWS, M - m0);
+    float* yt = y + m0 * N;
+    const float* xt = x + m0 * K;
+    switch (np) {
+      case 1: tile_rows<1>(rows, yt, xt, w, bias, K, N, p, prefetch); break;
+      case 2: tile_rows<2>(rows, yt, xt, w, bias, K, N, p, prefetch); break;
+      default: tile_rows<3>(rows, yt, xt, w, bias, K, N, p, prefetch); break;
+    }
+  }
+}
 
 void panel_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& panels,
                   const c10::optional<at::Tensor>& bias) {
@@ -468,27 +492,27 @@ void panel_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& panels,
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && out.is_contiguous() && panels.is_contiguous() && panels.dim() == 3);
   const int64_t M = x.size(0), K = x.size(1), N = out.size(1), P = panels.size(0);
   TORCH_CHECK(out.size(0) == M && panels.size(1) == K && panels.size(2) == 16 && P == (N + 15) / 16);
-  TORCH_CHECK(M >= 1 && M <= 8, "panel_linear: one to eight rows");
   const float* bp = nullptr;
   if (bias.has_value() && bias->defined()) {
     check_float(*bias, "panel_linear bias");
     TORCH_CHECK(bias->is_contiguous() && bias->numel() == N);
     bp = bias->data_ptr<float>();
   }
+  if (M == 0) return;
   float* yp = out.data_ptr<float>();
   const float *xp = x.data_ptr<float>(), *wp = panels.data_ptr<float>();
-  at::parallel_for(0, (P + 1) / 2, 4, [&](int64_t first, int64_t last) {  // pairs of panels
-    switch (M) {
-      case 1: return panel_rows<1>(yp, xp, wp, bp, K, N, first, last, P);
-      case 2: return panel_rows<2>(yp, xp, wp, bp, K, N, first, last, P);
-      case 3: return panel_rows<3>(yp, xp, wp, bp, K, N, first, last, P);
-      case 4: return panel_rows<4>(yp, xp, wp, bp, K, N, first, last, P);
-      case 5: return panel_rows<5>(yp, xp, wp, bp, K, N, first, last, P);
-      case 6: return panel_rows<6>(yp, xp, wp, bp, K, N, first, last, P);
-      case 7: return panel_rows<7>(yp, xp, wp, bp, K, N, first, last, P);
-      default: return panel_rows<8>(yp, xp, wp, bp, K, N, first, last, P);
-    }
-  });
+  const int64_t groups = (P + GROUP_PANELS - 1) / GROUP_PANELS;
+  for (int64_t m0 = 0; m0 < M; m0 += CHUNK_ROWS) {
+    const int64_t rows = std::min(CHUNK_ROWS, M - m0);
+    at::parallel_for(0, groups, 1, [&](int64_t first, int64_t last) {
+      for (int64_t g = first; g < last; ++g) {
+        const int64_t p = g * GROUP_PANELS, np = std::min(GROUP_PANELS, P - p);
+        const int64_t np_next = g + 1 < last ? std::min(GROUP_PANELS, P - p - np) : 0;
+        panel_group(rows, yp + m0 * N, xp + m0 * K, wp, bp, K, N, p, np,
+                    np_next ? wp + (p + np) * K * 16 : nullptr, np_next);
+      }
+    });
+  }
 }
 
 }  // namespace

@@ -18,7 +18,7 @@ from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PreTrained
 from engine.gguf import GGUF_BLOCK, find_gguf, hf_folder_for, is_gguf_file, read_weights
 from engine.load_progress import LoadProgress, ProgressCallback
 from engine.models.llama import SUPPORTED_ARCHITECTURES, LlamaForCausalLM
-from engine.packed_linear import can_pack, pack_linears, small_batch_copy_fits
+from engine.packed_linear import can_pack, pack_linears
 from engine.quantization import Int4Groups, QuantizationSpec, cat_rows, quantize_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -238,7 +238,7 @@ def load_model(source: str, device: str = "cpu", dtype: str = "auto",
         quantize_model(model, spec, prequantized=int4_codes, device=torch_device)
     if can_pack(torch_device, torch_dtype):  # what stays nn.Linear
         progress.enter("building kernels")
-        pack_linears(model, panels=small_batch_copy_fits(model))
+        pack_linears(model)
     model.eval()
     progress.enter("loading tokenizer")
     tokenizer = AutoTokenizer.from_pretrained(path)

@@ -15,7 +15,7 @@ float32 activations they measured 10-20x slower than the float32 oneDNN linear t
 kernels take them in the activations' dtype); `dequantize` gives the exact float weights the
 kernels multiply by, for references and fake-quantized models.
 
-Must not: touch the oneDNN-packed linears (`engine.packed_linear` packs whatever stays
+Must not: touch the panel-packed linears (`engine.packed_linear` packs whatever stays
 `nn.Linear` after this), or the embedding (a tied lm_head is quantized as its own copy).
 """
 
