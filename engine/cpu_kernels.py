@@ -359,17 +359,11 @@ void rotary_embedding(at::Tensor q, at::Tensor k, const at::Tensor& cos, const a
 // out = silu(gate) * up for rows [gate | up] of the fused gate-up projection. silu rounds as
 // torch's kernel does: x / (1 + exp(-x)), vectorised over runs of two vectors, std::exp for a
 // row's tail
-void silu_and_mul(at::Tensor out, const at::Tensor& gate_up) {
-  check_float(out, "silu_and_mul out");
-  check_float(gate_up, "silu_and_mul gate_up");
-  TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && out.is_contiguous() && gate_up.size(1) % 2 == 0);
-  const int64_t I = gate_up.size(1) / 2;
-  TORCH_CHECK(out.dim() == 2 && out.size(0) == gate_up.size(0) && out.size(1) == I);
-  const float* xp = gate_up.data_ptr<float>();
-  float* op = out.data_ptr<float>();
+// o[t] = silu(g[t]) * u[t] for rows t of [g | u], each I wide
+void silu_mul_rows(float* op, const float* xp, int64_t rows, int64_t I) {
   constexpr int64_t W = Vec::size();
   const int64_t vector_end = I - I % (2 * W);
-  at::parallel_for(0, gate_up.size(0), grain(2 * I), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, grain(2 * I), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const float* g = xp + t * 2 * I;
       const float* u = g + I;
@@ -382,6 +376,15 @@ void silu_and_mul(at::Tensor out, const at::Tensor& gate_up) {
       for (; i < I; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
     }
   });
+}
+
+void silu_and_mul(at::Tensor out, const at::Tensor& gate_up) {
+  check_float(out, "silu_and_mul out");
+  check_float(gate_up, "silu_and_mul gate_up");
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && out.is_contiguous() && gate_up.size(1) % 2 == 0);
+  const int64_t I = gate_up.size(1) / 2;
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == gate_up.size(0) && out.size(1) == I);
+  silu_mul_rows(out.data_ptr<float>(), gate_up.data_ptr<float>(), gate_up.size(0), I);
 }
 
 // y[m] = x[m] @ W.T (+ bias) for the M rows of x, W stored as panels of 16 output features:
@@ -484,34 +487,67 @@ void panel_group(int64_t M, float* y, const float* x, const float* panels, const
   }
 }
 
-void panel_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& panels,
-                  const c10::optional<at::Tensor>& bias) {
-  check_float(out, "panel_linear out");
-  check_float(x, "panel_linear x");
-  check_float(panels, "panel_linear panels");
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && out.is_contiguous() && panels.is_contiguous() && panels.dim() == 3);
-  const int64_t M = x.size(0), K = x.size(1), N = out.size(1), P = panels.size(0);
-  TORCH_CHECK(out.size(0) == M && panels.size(1) == K && panels.size(2) == 16 && P == (N + 15) / 16);
-  const float* bp = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    check_float(*bias, "panel_linear bias");
-    TORCH_CHECK(bias->is_contiguous() && bias->numel() == N);
-    bp = bias->data_ptr<float>();
-  }
-  if (M == 0) return;
-  float* yp = out.data_ptr<float>();
-  const float *xp = x.data_ptr<float>(), *wp = panels.data_ptr<float>();
-  const int64_t groups = (P + GROUP_PANELS - 1) / GROUP_PANELS;
+// y[0:M] = x[0:M] @ W.T (+ bias), in chunks of CHUNK_ROWS rows, so a chunk of x stays in cache
+// while every group of panels passes over it
+void panel_gemm(float* y, const float* x, const float* panels, const float* bias, int64_t M, int64_t K,
+                int64_t N) {
+  const int64_t P = (N + 15) / 16, groups = (P + GROUP_PANELS - 1) / GROUP_PANELS;
   for (int64_t m0 = 0; m0 < M; m0 += CHUNK_ROWS) {
     const int64_t rows = std::min(CHUNK_ROWS, M - m0);
     at::parallel_for(0, groups, 1, [&](int64_t first, int64_t last) {
       for (int64_t g = first; g < last; ++g) {
         const int64_t p = g * GROUP_PANELS, np = std::min(GROUP_PANELS, P - p);
         const int64_t np_next = g + 1 < last ? std::min(GROUP_PANELS, P - p - np) : 0;
-        panel_group(rows, yp + m0 * N, xp + m0 * K, wp, bp, K, N, p, np,
-                    np_next ? wp + (p + np) * K * 16 : nullptr, np_next);
+        panel_group(rows, y + m0 * N, x + m0 * K, panels, bias, K, N, p, np,
+                    np_next ? panels + (p + np) * K * 16 : nullptr, np_next);
       }
     });
+  }
+}
+
+// [K, N] panels for N outputs; the bias, if any, as a pointer
+const float* check_panels(const at::Tensor& panels, const c10::optional<at::Tensor>& bias, int64_t K, int64_t N) {
+  check_float(panels, "panels");
+  TORCH_CHECK(panels.is_contiguous() && panels.dim() == 3 && panels.size(1) == K && panels.size(2) == 16 &&
+              panels.size(0) == (N + 15) / 16, "panels of the wrong shape");
+  if (!bias.has_value() || !bias->defined()) return nullptr;
+  check_float(*bias, "bias");
+  TORCH_CHECK(bias->is_contiguous() && bias->numel() == N, "bias of the wrong size");
+  return bias->data_ptr<float>();
+}
+
+void panel_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& panels,
+                  const c10::optional<at::Tensor>& bias) {
+  check_float(out, "panel_linear out");
+  check_float(x, "panel_linear x");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && out.is_contiguous() && out.size(0) == x.size(0));
+  const int64_t M = x.size(0), K = x.size(1), N = out.size(1);
+  const float* bp = check_panels(panels, bias, K, N);
+  if (M > 0) panel_gemm(out.data_ptr<float>(), x.data_ptr<float>(), panels.data_ptr<float>(), bp, M, K, N);
+}
+
+// out = down(silu(gate) * up), gate and up the two halves of x @ gate_up.T: the MLP a chunk of
+// rows at a time, so its [rows, 2 I] and [rows, I] intermediates stay in cache from one step to
+// the next (a 2048-token prefill wrote them out and read them back: 9% of its time, in silu_and_mul)
+void silu_mlp(at::Tensor out, const at::Tensor& x, const at::Tensor& gate_up,
+              const c10::optional<at::Tensor>& gate_up_bias, const at::Tensor& down,
+              const c10::optional<at::Tensor>& down_bias) {
+  check_float(out, "silu_mlp out");
+  check_float(x, "silu_mlp x");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && out.is_contiguous() && out.size(0) == x.size(0));
+  const int64_t M = x.size(0), H = x.size(1), N = out.size(1), I = down.size(1);
+  const float* gub = check_panels(gate_up, gate_up_bias, H, 2 * I);
+  const float* db = check_panels(down, down_bias, I, N);
+  if (M == 0) return;
+  const int64_t chunk = std::min(M, CHUNK_ROWS);
+  std::vector<float> gu(chunk * 2 * I), act(chunk * I);
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  for (int64_t m0 = 0; m0 < M; m0 += chunk) {
+    const int64_t rows = std::min(chunk, M - m0);
+    panel_gemm(gu.data(), xp + m0 * H, gate_up.data_ptr<float>(), gub, rows, H, 2 * I);
+    silu_mul_rows(act.data(), gu.data(), rows, I);
+    panel_gemm(op + m0 * N, act.data(), down.data_ptr<float>(), db, rows, I, N);
   }
 }
 
@@ -525,6 +561,8 @@ TORCH_LIBRARY(galley_cpu, m) {
   m.def("rotary_embedding(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()");
   m.def("silu_and_mul(Tensor(a!) out, Tensor gate_up) -> ()");
   m.def("panel_linear(Tensor(a!) out, Tensor x, Tensor panels, Tensor? bias) -> ()");
+  m.def("silu_mlp(Tensor(a!) out, Tensor x, Tensor gate_up, Tensor? gate_up_bias, Tensor down, "
+        "Tensor? down_bias) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(galley_cpu, CPU, m) {
@@ -534,6 +572,7 @@ TORCH_LIBRARY_IMPL(galley_cpu, CPU, m) {
   m.impl("rotary_embedding", rotary_embedding);
   m.impl("silu_and_mul", silu_and_mul);
   m.impl("panel_linear", panel_linear);
+  m.impl("silu_mlp", silu_mlp);
 }
 """
 

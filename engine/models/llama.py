@@ -19,7 +19,7 @@ from transformers.activations import ACT2FN
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from engine.attention import AttentionMetadata, paged_attention
-from engine.packed_linear import linear
+from engine.packed_linear import PackedLinear, linear
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -183,7 +183,15 @@ class MLP(nn.Module):
         self.silu = shape.hidden_act == "silu"
 
     def forward(self, x: torch.Tensor, kernels: Any = None) -> torch.Tensor:
-        gate_up = linear(self.gate_up_proj, x, kernels)
+        gate_up_proj, down_proj = self.gate_up_proj, self.down_proj
+        if kernels is not None and self.silu and isinstance(gate_up_proj, PackedLinear) and isinstance(
+            down_proj, PackedLinear
+        ):  # the whole MLP in one op, a chunk of rows at a time
+            out = x.new_empty(x.shape[0], down_proj.out_features)
+            kernels.silu_mlp(out, x.contiguous(), gate_up_proj.panels, gate_up_proj.bias, down_proj.panels,
+                             down_proj.bias)
+            return out
+        gate_up = linear(gate_up_proj, x, kernels)
         if kernels is not None and self.silu:  # one pass instead of silu, then mul
             out = gate_up.new_empty(gate_up.shape[0], self.intermediate_size)
             kernels.silu_and_mul(out, gate_up)

@@ -143,6 +143,22 @@ def test_panel_kernel_matches_f_linear(kernels, bias, num_tokens, out_features, 
     assert counting.calls == 1
 
 
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("num_tokens", [0, 3, 128, 300])  # one chunk of rows, exactly one, and three
+@pytest.mark.parametrize("intermediate", [40, 37])  # an odd one: gate and up split mid-panel
+def test_silu_mlp_matches_torch(kernels, bias, num_tokens, intermediate):
+    torch.manual_seed(0)
+    gate_up, down = nn.Linear(48, 2 * intermediate, bias=bias), nn.Linear(intermediate, 48, bias=bias)
+    x = torch.randn(num_tokens, 48)
+    out = torch.empty(num_tokens, 48)
+    with torch.inference_mode():
+        gate, up = F.linear(x, gate_up.weight, gate_up.bias).split(intermediate, dim=-1)
+        expected = F.linear(F.silu(gate) * up, down.weight, down.bias)
+        packed_gate_up, packed_down = PackedLinear(gate_up), PackedLinear(down)
+        kernels.silu_mlp(out, x, packed_gate_up.panels, packed_gate_up.bias, packed_down.panels, packed_down.bias)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
 def test_engine_without_cpu_kernels_uses_the_torch_path(tiny_models):
     engine = make_engine(tiny_models["llama"], cpu_kernels=False)
     assert engine.runner.cpu_kernels is None
