@@ -21,6 +21,7 @@ drifts), as median and range over repetitions. vLLM lives in its own venv (see
     python bench/peers.py                          # defaults: W,S,MT,SP x 3 repetitions
     python bench/peers.py --quick                  # ~2 min smoke test: 4 layers, small workloads
     python bench/peers.py --workloads W,S --repetitions 5 --galley-dir /tmp/wt_base
+    python bench/peers.py --max-num-batched-tokens 2048   # one step token budget for both (default: each its own)
     python bench/peers.py --model-dir DIR --workloads W,S --galley-quantization int8   # a real model
 
 With --model-dir both servers load that HF folder instead (any tokenizer): prompts are still
@@ -206,9 +207,10 @@ def start_galley(args: argparse.Namespace, model_dir: Path, work_dir: Path, max_
         "--data-dir", str(work_dir / "galley-data"),
         "--log-format", "console",
         "--max-num-seqs", str(max_num_seqs),
-        "--max-num-batched-tokens", "2048",
         "--kv-cache-gib", str(args.kv_cache_gib),
     ]  # fmt: skip
+    if args.max_num_batched_tokens is not None:
+        server_args += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     quantized = args.galley_quantization != "none"
     models = (f'[[models]]\nname = "bench"\npath = "{model_dir}"\nquantization = "{args.galley_quantization}"\n'
               if quantized else "models = []\n")
@@ -230,6 +232,8 @@ def start_vllm(args: argparse.Namespace, model_dir: Path, work_dir: Path) -> Sys
         "--host", "127.0.0.1",
         "--port", str(port),
     ]  # fmt: skip
+    if args.max_num_batched_tokens is not None:
+        cmd += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     env = {
         **os.environ,
         "VLLM_CPU_KVCACHE_SPACE": str(args.kv_cache_gib),
@@ -648,6 +652,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=None, help="default 30, SmolLM2-135M (4 with --quick)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="OpenMP threads of each server")
     p.add_argument("--kv-cache-gib", type=int, default=4, help="KV cache of each server, GiB")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="the token budget of a step, for both servers; default: each server's own")
     p.add_argument("--vllm-python", type=Path, default=DEFAULT_VLLM_PYTHON, help="python of the vLLM-CPU venv")
     p.add_argument("--model-dir", type=Path, default=None,
                    help="an HF folder both serve, not random weights (smollm2: SmolLM2-135M-Instruct)")
@@ -726,6 +732,7 @@ def main(argv: list[str] | None = None) -> int:
     header = [
         f"galley {git_commit(args.galley_dir)}" + (f" vs {vllm_version(args.vllm_python)}" if VLLM in names else ""),
         f"model: {what}; {args.repetitions} repetitions; {args.threads} threads per server on {os.cpu_count()} cpus; "
+        f"step token budget: {args.max_num_batched_tokens or 'each server default'}; "
         f"{time.strftime('%Y-%m-%d')}, {(time.monotonic() - started) / 60:.1f} min" + (" (interrupted)" * interrupted),
         "medians over repetitions; galley / vLLM: median (range) of the paired ratios; "
         "others: cores busy with other processes during the run",
