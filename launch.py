@@ -13,7 +13,6 @@ from functools import partial
 from pathlib import Path
 
 import structlog
-import torch
 
 from engine.draft_model import DraftModelProposer, load_draft, num_target_blocks
 from engine.encoders import resolve_encoder_path, start_encoder
@@ -46,7 +45,7 @@ log = structlog.get_logger(__name__)
 class EngineConfig:
     devices: tuple[str, ...] = ("cpu",)
     dtype: str = "auto"
-    max_num_batched_tokens: int | None = None  # None: the device's default (default_batched_tokens)
+    max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     seed: int = 0
@@ -57,17 +56,9 @@ class EngineConfig:
     cache: CacheConfig = CacheConfig()
     speculative: SpeculativeConfig = SpeculativeConfig()  # [speculative]: drafts verified by the model (off by default)
 
-    def scheduler(self, device: torch.device) -> SchedulerConfig:
-        return SchedulerConfig(self.max_num_batched_tokens or default_batched_tokens(device), self.max_num_seqs)
-
-
-def default_batched_tokens(device: torch.device) -> int:
-    """A step's token budget where none is configured. On CPU a prefill GEMM is as efficient at 512
-    rows as at 2048, so bigger steps only make everyone behind them wait: measured through HTTP
-    (bench/peers.py, SmolLM2-135M shape, 2 cores), 512 against 2048 cut mean TTFT by 12% with 32
-    concurrent requests and by 40% in multi-turn chat, for 3-5% fewer tokens/s. GPUs need bigger
-    GEMMs to be busy; 2048 is vLLM's default for its OpenAI server (untested here)."""
-    return 512 if device.type == "cpu" else 2048
+    @property
+    def scheduler(self) -> SchedulerConfig:
+        return SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs)
 
 
 def build_engine(loaded: LoadedModel, cfg: EngineConfig, num_blocks: int | None = None,
@@ -88,7 +79,7 @@ def build_engine(loaded: LoadedModel, cfg: EngineConfig, num_blocks: int | None 
         max_model_len = num_blocks * block_size
     queue = FairQueue(cfg.fair_share) if cfg.policy == "fair" else FifoQueue()
     kv = KVCacheManager(num_blocks, block_size, cfg.cache.enable_prefix_caching, cfg.cache.prefix_cache_idle_seconds)
-    scheduler = Scheduler(cfg.scheduler(loaded.device), kv, queue)
+    scheduler = Scheduler(cfg.scheduler, kv, queue)
     proposer = None if draft is None else DraftModelProposer(cfg.speculative, draft, num_blocks, block_size,
                                                              max_model_len, cfg.max_num_seqs, cfg.cpu_kernels)
     return LLMEngine(runner, scheduler, loaded.tokenizer, loaded.eos_token_ids, max_model_len, cfg.seed,
