@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from engine.sampler import Sampler, apply_penalties, filter_logits
+from engine.sampler import Sampler, apply_penalties, filter_logits, greedy
 from engine.types import SamplingParams
 from tests.helpers import assert_all_blocks_free, make_engine, make_seq, run_to_completion
 
@@ -15,6 +15,15 @@ def seq_with(output: list[int], **params):
     seq = make_seq(2, **params)
     seq.token_ids = [5, 6] + output
     return seq
+
+
+def test_greedy_is_argmax_with_the_first_of_ties():
+    torch.manual_seed(0)
+    logits = torch.randn(32, 49152)
+    logits[3, [7, 9000, 40000]] = 100.0  # a tie: the first index wins, as with argmax and HF
+    logits[5, :] = 0.0
+    assert greedy(logits).tolist() == logits.argmax(dim=-1).tolist()
+    assert greedy(logits)[3] == 7 and greedy(logits)[5] == 0
 
 
 def test_repetition_penalty_divides_positive_and_multiplies_negative():
