@@ -102,6 +102,7 @@ class DeviceWorker:
         self.engines: dict[str, LLMEngine] = {}
         self.encoders: dict[str, DynamicBatcher] = {}
         self._encode_credit_s = 0.0  # see _run_encoders
+        self.burst_sizes: dict[int, int] = {}  # requests an idle worker gathered in one burst -> bursts (metrics)
         self.profiler = StepProfiler(device)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=f"galley-worker-{device}", daemon=True)
@@ -256,6 +257,7 @@ class DeviceWorker:
         (a shared system prompt's burst, `n` clients at once) start in one step instead of the first
         running alone while the rest queue behind its prefill. A lone request pays BURST_QUIET_S."""
         wait_s = self._wait_s()
+        burst = 0
         try:
             item = self._inbox.get(timeout=wait_s) if wait_s != 0.0 else self._inbox.get_nowait()
             burst_ends = time.monotonic() + BURST_MAX_S if wait_s != 0.0 and isinstance(item, _Add) else None
@@ -263,6 +265,7 @@ class DeviceWorker:
                 if item is _STOP:
                     return False
                 self._apply(item)
+                burst += burst_ends is not None and isinstance(item, _Add)
                 try:
                     item = self._inbox.get_nowait()
                 except queue.Empty:
@@ -272,6 +275,9 @@ class DeviceWorker:
                     item = self._inbox.get(timeout=min(BURST_QUIET_S, left))
         except queue.Empty:
             return True
+        finally:
+            if burst:
+                self.burst_sizes[burst] = self.burst_sizes.get(burst, 0) + 1
 
     def _apply(self, item: _Add | _Abort | _Encode | Command) -> None:
         try:

@@ -18,6 +18,7 @@ from engine.types import BATCH_TOKEN_BOUNDS, EngineStats, FinishReason, TokenEve
 from scheduling.router import RequestStream, Router, ServedModel
 from services.observability.telemetry import SUCCESS, RequestRecord
 
+BURST_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 STATUS = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.ABORT: "cancelled",
           FinishReason.ERROR: "error"}
@@ -74,8 +75,23 @@ class EngineCollector:
         yield from gauges.values()
         yield from counters.values()
         yield batch
+        yield self._bursts()
         yield self._queue_depth()
         yield from device_memory(devices)
+
+    def _bursts(self) -> HistogramMetricFamily:
+        family = HistogramMetricFamily("galley_worker_burst_requests", "Requests a device worker took together "
+                                       "when one woke it from idle, so that they start in one step",
+                                       labels=["worker"])
+        workers = {replica.worker.device: replica.worker
+                   for model in self.router.served_models() for replica in model.replicas}
+        for name, worker in sorted(workers.items()):
+            sizes = dict(worker.burst_sizes)  # written by the worker thread
+            buckets = [(str(float(bound)), sum(n for size, n in sizes.items() if size <= bound))
+                       for bound in BURST_BUCKETS]
+            buckets.append(("+Inf", sum(sizes.values())))
+            family.add_metric([name], buckets, sum_value=sum(size * n for size, n in sizes.items()))
+        return family
 
     def _queue_depth(self) -> GaugeMetricFamily:
         depth = GaugeMetricFamily("galley_queue_depth", "Waiting sequences by priority and tenant",

@@ -109,6 +109,9 @@ async def test_metrics_match_a_known_set_of_requests(aiohttp_server, llama_path)
     assert m[("galley_batch_tokens_bucket", tuple(sorted((*replica, ("le", "+Inf")))))] == \
         m[("galley_engine_steps_total", replica)]
     assert m[("galley_kv_blocks_used", replica)] == 0 and m[("galley_kv_blocks_total", replica)] == 6
+    # a and d each woke the idle worker (b may have joined a's burst); c never reached it
+    assert m[("galley_worker_burst_requests_count", (("worker", "cpu#0"),))] == 2
+    assert m[("galley_worker_burst_requests_sum", (("worker", "cpu#0"),))] in (2, 3)
     # the ring holds the same story, newest first
     assert [r["status"] for r in records] == ["length", "length", "length", "rejected"]
     assert [r["output_tokens"] for r in records[:3]] == [5, 60, 60]

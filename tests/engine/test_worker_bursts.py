@@ -13,9 +13,10 @@ from tests.helpers import make_engine
 PARAMS = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
 
 
-def first_tokens_by_call(llama_path, gap_s: float, count: int = 6) -> tuple[list[set[str]], float]:
+def first_tokens_by_call(llama_path, gap_s: float, count: int = 6) -> tuple[list[set[str]], float, dict[int, int]]:
     """Submit `count` requests `gap_s` apart to an idle worker: which requests got their first
-    token in each emit call (one call per step), and the longest gap there really was."""
+    token in each emit call (one call per step), the longest gap there really was, and the
+    worker's burst sizes (for `galley_worker_burst_requests`)."""
     calls: list[set[str]] = []
     seen: set[str] = set()
     finished: set[str] = set()
@@ -42,17 +43,18 @@ def first_tokens_by_call(llama_path, gap_s: float, count: int = 6) -> tuple[list
         assert done.wait(60)
     finally:
         worker.stop()
-    return calls, max(b - a for a, b in zip(sent, sent[1:]))
+    return calls, max(b - a for a, b in zip(sent, sent[1:])), dict(worker.burst_sizes)
 
 
 def test_a_burst_starts_in_one_step(llama_path):
     for _ in range(3):  # a busy machine may sleep the sender past the window: then try again
-        calls, longest_gap = first_tokens_by_call(llama_path, gap_s=BURST_QUIET_S / 5)
+        calls, longest_gap, bursts = first_tokens_by_call(llama_path, gap_s=BURST_QUIET_S / 5)
         if longest_gap < BURST_QUIET_S * 0.8:
             break
     assert calls[0] == {f"r{i}" for i in range(6)}
+    assert bursts == {6: 1}
 
 
 def test_requests_further_apart_than_the_burst_window_do_not_wait_for_each_other(llama_path):
-    calls, _ = first_tokens_by_call(llama_path, gap_s=BURST_MAX_S)
+    calls, _, _ = first_tokens_by_call(llama_path, gap_s=BURST_MAX_S)
     assert calls[0] == {"r0"}
