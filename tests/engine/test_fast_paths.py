@@ -8,7 +8,10 @@ here by name, not only as a changed token somewhere.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,6 +26,8 @@ from engine.packed_linear import PackedLinear
 from tests.engine.test_reference import GREEDY, hf_greedy, prompts
 from tests.helpers import assert_all_blocks_free, make_engine, run_to_completion
 from tests.models import FAMILIES
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -157,6 +162,37 @@ def test_silu_mlp_matches_torch(kernels, bias, num_tokens, intermediate):
         packed_gate_up, packed_down = PackedLinear(gate_up), PackedLinear(down)
         kernels.silu_mlp(out, x, packed_gate_up.panels, packed_gate_up.bias, packed_down.panels, packed_down.bias)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+AVX2_CHECK = """
+import torch, torch.nn.functional as F
+from torch.utils.cpp_extension import load_inline
+from engine import cpu_kernels
+from engine.packed_linear import to_panels
+flags = cpu_kernels._flags("avx2 fma")  # what a CPU without AVX-512 gets: the generic vector code
+load_inline(cpu_kernels._build_name(flags, "avx2 check"), cpp_sources=cpu_kernels._SOURCE, extra_cflags=flags,
+            extra_ldflags=[f for f in flags if f == "-fopenmp"], is_python_module=False)
+ops = torch.ops.galley_cpu
+torch.manual_seed(0)
+for rows in (0, 1, 5, 9, 33, 300):
+    for out_features in (200, 16, 48):
+        w, b, x = torch.randn(out_features, 97), torch.randn(out_features), torch.randn(rows, 97)
+        out = torch.empty(rows, out_features)
+        ops.panel_linear(out, x, to_panels(w), b)
+        torch.testing.assert_close(out, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+gate_up, down, x = torch.randn(2 * 37, 48), torch.randn(48, 37), torch.randn(130, 48)
+out = torch.empty(130, 48)
+ops.silu_mlp(out, x, to_panels(gate_up), None, to_panels(down), None)
+gate, up = F.linear(x, gate_up).split(37, -1)
+torch.testing.assert_close(out, F.linear(F.silu(gate) * up, down), rtol=1e-5, atol=1e-5)
+"""
+
+
+def test_linear_kernels_without_avx512_match_torch(kernels):
+    """The panel GEMM's generic path (CPUs without AVX-512), built and checked in its own process:
+    one process cannot register the kernels' namespace twice."""
+    proc = subprocess.run([sys.executable, "-c", AVX2_CHECK], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
 
 
 def test_engine_without_cpu_kernels_uses_the_torch_path(tiny_models):
