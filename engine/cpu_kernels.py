@@ -123,12 +123,21 @@ void key_scores16(float* scores, int64_t n, const float* q, const float* k_cache
         const float* qh = q + h * D;
         const float* k = kr + (h / G) * D;
         __m512 part[16];
-        for (int64_t t = 0; t < 16; ++t) {
-          __m512 acc = _mm512_setzero_ps();
-          if (t < count)
+        if (count == 16) {  // a full run, unrolled without the bound: part[] stays in registers
+          for (int64_t t = 0; t < 16; ++t) {
+            __m512 acc = _mm512_setzero_ps();
             for (int64_t j = 0; j < NV; ++j)
               acc = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 16 * j), _mm512_loadu_ps(k + t * rows.row + 16 * j), acc);
-          part[(t % 4) * 4 + t / 4] = acc;
+            part[(t % 4) * 4 + t / 4] = acc;
+          }
+        } else {
+          for (int64_t t = 0; t < 16; ++t) {
+            __m512 acc = _mm512_setzero_ps();
+            if (t < count)
+              for (int64_t j = 0; j < NV; ++j)
+                acc = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 16 * j), _mm512_loadu_ps(k + t * rows.row + 16 * j), acc);
+            part[(t % 4) * 4 + t / 4] = acc;
+          }
         }
         _mm512_mask_storeu_ps(scores + h * n + pos - first, static_cast<__mmask16>((1u << count) - 1),
                               _mm512_mul_ps(reduce16(part), vscale));
