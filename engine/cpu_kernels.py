@@ -549,14 +549,15 @@ void silu_mlp(at::Tensor out, const at::Tensor& x, const at::Tensor& gate_up,
   const float* db = check_panels(down, down_bias, I, N);
   if (M == 0) return;
   const int64_t chunk = std::min(M, CHUNK_ROWS);
-  std::vector<float> gu(chunk * 2 * I), act(chunk * I);
+  // uninitialised scratch: a std::vector would zero ~2 MB per call, once per layer per step
+  at::Tensor gu = at::empty({chunk, 2 * I}, x.options()), act = at::empty({chunk, I}, x.options());
   const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
   for (int64_t m0 = 0; m0 < M; m0 += chunk) {
     const int64_t rows = std::min(chunk, M - m0);
-    panel_gemm(gu.data(), xp + m0 * H, gate_up.data_ptr<float>(), gub, rows, H, 2 * I);
-    silu_mul_rows(act.data(), gu.data(), rows, I);
-    panel_gemm(op + m0 * N, act.data(), down.data_ptr<float>(), db, rows, I, N);
+    panel_gemm(gu.data_ptr<float>(), xp + m0 * H, gate_up.data_ptr<float>(), gub, rows, H, 2 * I);
+    silu_mul_rows(act.data_ptr<float>(), gu.data_ptr<float>(), rows, I);
+    panel_gemm(op + m0 * N, act.data_ptr<float>(), down.data_ptr<float>(), db, rows, I, N);
   }
 }
 
