@@ -43,7 +43,7 @@ _SOURCE = r"""
 #include <cmath>
 #include <vector>
 
-#if defined(CPU_CAPABILITY_AVX512)
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
 #include <immintrin.h>
 #endif
 
@@ -407,7 +407,14 @@ inline void store_panel(float* out, const float* row, const float* bias, int64_t
   for (int64_t i = 0; i < count; ++i) out[i] = bias ? row[i] + bias[n0 + i] : row[i];
 }
 
-constexpr int64_t TILE_ROWS = 8, GROUP_PANELS = 3, CHUNK_ROWS = 128;
+#if defined(CPU_CAPABILITY_AVX512)
+constexpr int64_t TILE_ROWS = 8;
+#else
+// AVX2 has 16 vector registers: 6 rows x 2 vectors of a panel make 12 accumulators (BLIS's 6x16
+// Haswell kernel); 8 rows would be 16 and spill. 8 also bounds the generic path's tile.
+constexpr int64_t TILE_ROWS = Vec::size() == 8 ? 6 : 8;
+#endif
+constexpr int64_t GROUP_PANELS = 3, CHUNK_ROWS = 128;
 
 #if defined(CPU_CAPABILITY_AVX512)
 template <int64_t MR, int64_t NP>
@@ -436,6 +443,36 @@ void tile(float* y, const float* x, const float* w, const float* bias, int64_t K
       _mm512_store_ps(row, acc[j][m]);
       store_panel(y + m * N + n0, row, bias, n0, count);
     }
+  }
+}
+#elif defined(CPU_CAPABILITY_AVX2)
+// one panel at a time, its 16 lanes as two vectors; the rows of x are read again for each panel,
+// from L1; the next group's first panel is prefetched during the first
+template <int64_t MR, int64_t NP>
+void tile(float* y, const float* x, const float* w, const float* bias, int64_t K, int64_t N, int64_t p,
+          const float* prefetch) {
+  for (int64_t j = 0; j < NP; ++j, w += K * 16) {
+    __m256 acc[MR][2];
+    for (auto& row : acc) row[0] = row[1] = _mm256_setzero_ps();
+    const float* ahead = j == 0 ? prefetch : nullptr;
+    for (int64_t k = 0; k < K; ++k) {
+      if (ahead) _mm_prefetch(reinterpret_cast<const char*>(ahead + k * 16), _MM_HINT_T1);
+      const __m256 w0 = _mm256_loadu_ps(w + k * 16), w1 = _mm256_loadu_ps(w + k * 16 + 8);
+      for (int64_t m = 0; m < MR; ++m) {
+        const __m256 xv = _mm256_broadcast_ss(x + m * K + k);
+        acc[m][0] = _mm256_fmadd_ps(xv, w0, acc[m][0]);
+        acc[m][1] = _mm256_fmadd_ps(xv, w1, acc[m][1]);
+      }
+    }
+    // through a buffer: with a store per row into y here, GCC 12 kept the accumulators in memory
+    // in the loop above (a store after every FMA)
+    const int64_t n0 = (p + j) * 16, count = std::min<int64_t>(16, N - n0);
+    alignas(32) float rows[MR][16];
+    for (int64_t m = 0; m < MR; ++m) {
+      _mm256_store_ps(rows[m], acc[m][0]);
+      _mm256_store_ps(rows[m] + 8, acc[m][1]);
+    }
+    for (int64_t m = 0; m < MR; ++m) store_panel(y + m * N + n0, rows[m], bias, n0, count);
   }
 }
 #else
@@ -473,7 +510,7 @@ void tile_rows(int64_t rows, float* y, const float* x, const float* w, const flo
     case 5: return tile<5, NP>(y, x, w, bias, K, N, p, prefetch);
     case 6: return tile<6, NP>(y, x, w, bias, K, N, p, prefetch);
     case 7: return tile<7, NP>(y, x, w, bias, K, N, p, prefetch);
-    default: return tile<8, NP>(y, x, w, bias, K, N, p, prefetch);
+    default: return tile<TILE_ROWS, NP>(y, x, w, bias, K, N, p, prefetch);
   }
 }
 

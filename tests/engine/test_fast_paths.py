@@ -164,13 +164,14 @@ def test_silu_mlp_matches_torch(kernels, bias, num_tokens, intermediate):
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
-AVX2_CHECK = """
+PORTABLE_CHECK = """
+import sys
 import torch, torch.nn.functional as F
 from torch.utils.cpp_extension import load_inline
 from engine import cpu_kernels
 from engine.packed_linear import to_panels
-flags = cpu_kernels._flags("avx2 fma")  # what a CPU without AVX-512 gets: the generic vector code
-load_inline(cpu_kernels._build_name(flags, "avx2 check"), cpp_sources=cpu_kernels._SOURCE, extra_cflags=flags,
+flags = cpu_kernels._flags(sys.argv[1])  # the build a CPU with these flags gets
+load_inline(cpu_kernels._build_name(flags, sys.argv[1] + " check"), cpp_sources=cpu_kernels._SOURCE, extra_cflags=flags,
             extra_ldflags=[f for f in flags if f == "-fopenmp"], is_python_module=False)
 ops = torch.ops.galley_cpu
 torch.manual_seed(0)
@@ -180,7 +181,7 @@ for rows in (0, 1, 5, 9, 33, 300):
         out = torch.empty(rows, out_features)
         ops.panel_linear(out, x, to_panels(w), b)
         torch.testing.assert_close(out, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
-gate_up, down, x = torch.randn(2 * 37, 48), torch.randn(48, 37), torch.randn(130, 48)
+gate_up, down, x = torch.randn(2 * 37, 48) / 7, torch.randn(48, 37) / 6, torch.randn(130, 48)  # outputs ~1
 out = torch.empty(130, 48)
 ops.silu_mlp(out, x, to_panels(gate_up), None, to_panels(down), None)
 gate, up = F.linear(x, gate_up).split(37, -1)
@@ -188,10 +189,12 @@ torch.testing.assert_close(out, F.linear(F.silu(gate) * up, down), rtol=1e-5, at
 """
 
 
-def test_linear_kernels_without_avx512_match_torch(kernels):
-    """The panel GEMM's generic path (CPUs without AVX-512), built and checked in its own process:
+@pytest.mark.parametrize("cpu_flags", ["avx2 fma", "neither"])  # the AVX2 tile, and the generic vector code
+def test_linear_kernels_without_avx512_match_torch(kernels, cpu_flags):
+    """The panel GEMM's paths for CPUs without AVX-512, each built and checked in its own process:
     one process cannot register the kernels' namespace twice."""
-    proc = subprocess.run([sys.executable, "-c", AVX2_CHECK], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    command = [sys.executable, "-c", PORTABLE_CHECK, cpu_flags]
+    proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
