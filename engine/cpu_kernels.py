@@ -147,6 +147,57 @@ void key_scores16(float* scores, int64_t n, const float* q, const float* k_cache
 }
 #endif
 
+#if defined(CPU_CAPABILITY_AVX2)
+// the 8 lanes' sums of v[0..7], in order: 6 horizontal adds and one cross-lane add for 8 dot products
+inline __m256 reduce8(const __m256* v) {
+  const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+
+// key_scores_any for head_dim = NV * 8: runs of up to 8 positions of one block per head
+template <int64_t NV>
+void key_scores8(float* scores, int64_t n, const float* q, const float* k_cache, const Rows& rows, int64_t first,
+                 int64_t len, int64_t H, int64_t G, float scale) {
+  constexpr int64_t D = NV * 8;
+  const __m256 vscale = _mm256_set1_ps(scale);
+  for (int64_t pos = first; pos < len;) {
+    const int64_t stop = rows.block_end(pos, len);
+    for (int64_t count; pos < stop; pos += count) {
+      count = std::min<int64_t>(8, stop - pos);
+      const float* kr = rows.at(k_cache, pos);
+      for (int64_t h = 0; h < H; ++h) {
+        const float* qh = q + h * D;
+        const float* k = kr + (h / G) * D;
+        __m256 part[8];  // with one vector of q at a time: 8 sums, q and a key vector fit in 16 registers
+        for (auto& acc : part) acc = _mm256_setzero_ps();
+        if (count == 8) {
+          for (int64_t j = 0; j < NV; ++j) {
+            const __m256 qv = _mm256_loadu_ps(qh + 8 * j);
+            for (int64_t t = 0; t < 8; ++t)
+              part[t] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + t * rows.row + 8 * j), part[t]);
+          }
+        } else {
+          for (int64_t j = 0; j < NV; ++j) {
+            const __m256 qv = _mm256_loadu_ps(qh + 8 * j);
+            for (int64_t t = 0; t < count; ++t)
+              part[t] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + t * rows.row + 8 * j), part[t]);
+          }
+        }
+        const __m256 sums = _mm256_mul_ps(reduce8(part), vscale);
+        if (count == 8) {
+          _mm256_storeu_ps(scores + h * n + pos - first, sums);
+        } else {
+          alignas(32) float tail[8];
+          _mm256_store_ps(tail, sums);
+          std::copy(tail, tail + count, scores + h * n + pos - first);
+        }
+      }
+    }
+  }
+}
+#endif
+
 void key_scores(float* scores, int64_t n, const float* q, const float* k_cache, const Rows& rows, int64_t first,
                 int64_t len, int64_t H, int64_t G, int64_t D, float scale) {
 #if defined(CPU_CAPABILITY_AVX512)
@@ -156,13 +207,20 @@ void key_scores(float* scores, int64_t n, const float* q, const float* k_cache, 
     case 4: return key_scores16<4>(scores, n, q, k_cache, rows, first, len, H, G, scale);
     case 8: return key_scores16<8>(scores, n, q, k_cache, rows, first, len, H, G, scale);
   }
+#elif defined(CPU_CAPABILITY_AVX2)
+  switch (D % 8 == 0 ? D / 8 : 0) {
+    case 2: return key_scores8<2>(scores, n, q, k_cache, rows, first, len, H, G, scale);
+    case 4: return key_scores8<4>(scores, n, q, k_cache, rows, first, len, H, G, scale);
+    case 8: return key_scores8<8>(scores, n, q, k_cache, rows, first, len, H, G, scale);
+    case 16: return key_scores8<16>(scores, n, q, k_cache, rows, first, len, H, G, scale);
+  }
 #endif
   key_scores_any(scores, n, q, k_cache, rows, first, len, H, G, D, scale);
 }
 
 // out[h][0:NV * W] = sum over the positions of p[h][pos] * v_pos[0:NV * W], for NH heads that
-// read the same values: each value row is loaded once for all of them, and the NH * NV
-// accumulators stay in registers across the whole context
+// read the same values: each value row (or its slice) is loaded once for all of them, and the
+// NH * NV accumulators stay in registers across the whole context
 template <int64_t NV, int64_t NH>
 void weighted_sum(float* out, int64_t D, const float* p, int64_t n, const float* v_cache, const Rows& rows,
                   int64_t first, int64_t len) {
@@ -186,20 +244,26 @@ void weighted_sum(float* out, int64_t D, const float* p, int64_t n, const float*
     for (int64_t j = 0; j < NV; ++j) acc[h][j].store(out + h * D + j * W);
 }
 
-// the G heads of one group, in runs of as many heads as keep their sums in 16 vector registers
+// the G heads of one group, NV vectors each: a slice of the columns at a time (a cache line of
+// each value row with AVX2) for runs of up to 4 heads, as many sums as stay in registers (16 of
+// AVX-512's 32, 6 of AVX2's 16, which also hold the slice of a value row and the weights)
 template <int64_t NV>
 void weighted_sum_group(float* out, int64_t D, const float* p, int64_t n, const float* v_cache, const Rows& rows,
                         int64_t first, int64_t len, int64_t G) {
-  constexpr int64_t most = std::max<int64_t>(1, std::min<int64_t>(4, 16 / NV));
-  for (int64_t h = 0; h < G;) {
-    const int64_t take = std::min(most, G - h);
-    float* o = out + h * D;
-    const float* ph = p + h * n;
-    if (take >= 4) { if constexpr (most >= 4) weighted_sum<NV, 4>(o, D, ph, n, v_cache, rows, first, len); }
-    else if (take == 3) { if constexpr (most >= 3) weighted_sum<NV, 3>(o, D, ph, n, v_cache, rows, first, len); }
-    else if (take == 2) { if constexpr (most >= 2) weighted_sum<NV, 2>(o, D, ph, n, v_cache, rows, first, len); }
-    else weighted_sum<NV, 1>(o, D, ph, n, v_cache, rows, first, len);
-    h += take;
+  constexpr int64_t W = Vec::size(), sums = W >= 16 ? 16 : 6, slice = std::min<int64_t>(NV, W >= 16 ? 4 : 2);
+  constexpr int64_t most = std::max<int64_t>(1, std::min<int64_t>(4, sums / slice));
+  for (int64_t c = 0; c < NV; c += slice) {
+    const float* vc = v_cache + c * W;
+    for (int64_t h = 0; h < G;) {
+      const int64_t take = std::min(most, G - h);
+      float* o = out + h * D + c * W;
+      const float* ph = p + h * n;
+      if (take >= 4) { if constexpr (most >= 4) weighted_sum<slice, 4>(o, D, ph, n, vc, rows, first, len); }
+      else if (take == 3) { if constexpr (most >= 3) weighted_sum<slice, 3>(o, D, ph, n, vc, rows, first, len); }
+      else if (take == 2) { if constexpr (most >= 2) weighted_sum<slice, 2>(o, D, ph, n, vc, rows, first, len); }
+      else weighted_sum<slice, 1>(o, D, ph, n, vc, rows, first, len);
+      h += take;
+    }
   }
 }
 
