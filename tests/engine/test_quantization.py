@@ -200,7 +200,10 @@ def test_a_registered_version_loads_quantized(tiny_models):
 @pytest.mark.parametrize("method", ["int8", "int4"])
 def test_real_smollm2_quantized_answers(method):
     loaded = load_model(SMOLLM2, quantization=method)
-    prompt = loaded.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+    # not the bare question: with int4 its first token was a tie at bf16 logit resolution ("The" or
+    # "L'"), which an AVX2 CPU's kernels broke the other way; this one leads by >= 1.0 on both paths
+    question = "What is the capital of France? Answer in one sentence."
+    prompt = loaded.tokenizer.apply_chat_template([{"role": "user", "content": question}],
                                                   add_generation_prompt=True, tokenize=True,
                                                   return_dict=True)["input_ids"]
     engine = build_engine(loaded, EngineConfig(), num_blocks=16)
