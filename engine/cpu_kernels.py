@@ -582,11 +582,13 @@ void tile_rows(int64_t rows, float* y, const float* x, const float* w, const flo
 void panel_group(int64_t M, float* y, const float* x, const float* panels, const float* bias, int64_t K,
                  int64_t N, int64_t p, int64_t np, const float* next, int64_t np_next) {
   const float* w = panels + p * K * 16;
-  const int64_t tiles = (M + TILE_ROWS - 1) / TILE_ROWS;
-  for (int64_t t = 0; t < tiles; ++t) {
+  // the rows shared out evenly (32 as 5, 5, 5, 5, 6, 6 rather than 6 x 5 + 2): a tile of one or two
+  // rows waits on its few FMA chains' latency for nearly as long as a full tile takes
+  const int64_t tiles = (M + TILE_ROWS - 1) / TILE_ROWS, base = M / tiles, extra = M % tiles;
+  for (int64_t t = 0, m0 = 0, rows; t < tiles; ++t, m0 += rows) {
+    rows = base + (t >= tiles - extra);
     const int64_t j = tiles == 1 ? 0 : t - 1;  // the next group's panel this tile prefetches
     const float* prefetch = next && j >= 0 && j < np_next ? next + j * K * 16 : nullptr;
-    const int64_t m0 = t * TILE_ROWS, rows = std::min(TILE_ROWS, M - m0);
     float* yt = y + m0 * N;
     const float* xt = x + m0 * K;
     switch (np) {
