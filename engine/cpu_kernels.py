@@ -80,6 +80,19 @@ struct Rows {
   int64_t block_end(int64_t pos, int64_t len) const { return std::min(len, (pos / block_size + 1) * block_size); }
 };
 
+// f(pos, count, first key row) for the runs of up to R positions, none across a block's end, of
+// the positions [first, len)
+template <int64_t R, typename F>
+void for_each_run(const Rows& rows, const float* cache, int64_t first, int64_t len, F&& f) {
+  for (int64_t pos = first; pos < len;) {
+    const int64_t stop = rows.block_end(pos, len);
+    for (int64_t count; pos < stop; pos += count) {
+      count = std::min<int64_t>(R, stop - pos);
+      f(pos, count, rows.at(cache, pos));
+    }
+  }
+}
+
 // scores[h * n + pos - first] = q[h] . k_pos * scale, one dot product at a time
 void key_scores_any(float* scores, int64_t n, const float* q, const float* k_cache, const Rows& rows, int64_t first,
                     int64_t len, int64_t H, int64_t G, int64_t D, float scale) {
@@ -114,36 +127,31 @@ void key_scores16(float* scores, int64_t n, const float* q, const float* k_cache
                   int64_t len, int64_t H, int64_t G, float scale) {
   constexpr int64_t D = NV * 16;
   const __m512 vscale = _mm512_set1_ps(scale);
-  for (int64_t pos = first; pos < len;) {
-    const int64_t stop = rows.block_end(pos, len);
-    for (int64_t count; pos < stop; pos += count) {
-      count = std::min<int64_t>(16, stop - pos);
-      const float* kr = rows.at(k_cache, pos);
-      for (int64_t h = 0; h < H; ++h) {
-        const float* qh = q + h * D;
-        const float* k = kr + (h / G) * D;
-        __m512 part[16];
-        if (count == 16) {  // a full run, unrolled without the bound: part[] stays in registers
-          for (int64_t t = 0; t < 16; ++t) {
-            __m512 acc = _mm512_setzero_ps();
+  for_each_run<16>(rows, k_cache, first, len, [&](int64_t pos, int64_t count, const float* kr) {
+    for (int64_t h = 0; h < H; ++h) {
+      const float* qh = q + h * D;
+      const float* k = kr + (h / G) * D;
+      __m512 part[16];
+      if (count == 16) {  // a full run, unrolled without the bound: part[] stays in registers
+        for (int64_t t = 0; t < 16; ++t) {
+          __m512 acc = _mm512_setzero_ps();
+          for (int64_t j = 0; j < NV; ++j)
+            acc = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 16 * j), _mm512_loadu_ps(k + t * rows.row + 16 * j), acc);
+          part[(t % 4) * 4 + t / 4] = acc;
+        }
+      } else {
+        for (int64_t t = 0; t < 16; ++t) {
+          __m512 acc = _mm512_setzero_ps();
+          if (t < count)
             for (int64_t j = 0; j < NV; ++j)
               acc = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 16 * j), _mm512_loadu_ps(k + t * rows.row + 16 * j), acc);
-            part[(t % 4) * 4 + t / 4] = acc;
-          }
-        } else {
-          for (int64_t t = 0; t < 16; ++t) {
-            __m512 acc = _mm512_setzero_ps();
-            if (t < count)
-              for (int64_t j = 0; j < NV; ++j)
-                acc = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 16 * j), _mm512_loadu_ps(k + t * rows.row + 16 * j), acc);
-            part[(t % 4) * 4 + t / 4] = acc;
-          }
+          part[(t % 4) * 4 + t / 4] = acc;
         }
-        _mm512_mask_storeu_ps(scores + h * n + pos - first, static_cast<__mmask16>((1u << count) - 1),
-                              _mm512_mul_ps(reduce16(part), vscale));
       }
+      _mm512_mask_storeu_ps(scores + h * n + pos - first, static_cast<__mmask16>((1u << count) - 1),
+                            _mm512_mul_ps(reduce16(part), vscale));
     }
-  }
+  });
 }
 #endif
 
@@ -161,40 +169,35 @@ void key_scores8(float* scores, int64_t n, const float* q, const float* k_cache,
                  int64_t len, int64_t H, int64_t G, float scale) {
   constexpr int64_t D = NV * 8;
   const __m256 vscale = _mm256_set1_ps(scale);
-  for (int64_t pos = first; pos < len;) {
-    const int64_t stop = rows.block_end(pos, len);
-    for (int64_t count; pos < stop; pos += count) {
-      count = std::min<int64_t>(8, stop - pos);
-      const float* kr = rows.at(k_cache, pos);
-      for (int64_t h = 0; h < H; ++h) {
-        const float* qh = q + h * D;
-        const float* k = kr + (h / G) * D;
-        __m256 part[8];  // with one vector of q at a time: 8 sums, q and a key vector fit in 16 registers
-        for (auto& acc : part) acc = _mm256_setzero_ps();
-        if (count == 8) {
-          for (int64_t j = 0; j < NV; ++j) {
-            const __m256 qv = _mm256_loadu_ps(qh + 8 * j);
-            for (int64_t t = 0; t < 8; ++t)
-              part[t] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + t * rows.row + 8 * j), part[t]);
-          }
-        } else {
-          for (int64_t j = 0; j < NV; ++j) {
-            const __m256 qv = _mm256_loadu_ps(qh + 8 * j);
-            for (int64_t t = 0; t < count; ++t)
-              part[t] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + t * rows.row + 8 * j), part[t]);
-          }
+  for_each_run<8>(rows, k_cache, first, len, [&](int64_t pos, int64_t count, const float* kr) {
+    for (int64_t h = 0; h < H; ++h) {
+      const float* qh = q + h * D;
+      const float* k = kr + (h / G) * D;
+      __m256 part[8];  // with one vector of q at a time: 8 sums, q and a key vector fit in 16 registers
+      for (auto& acc : part) acc = _mm256_setzero_ps();
+      if (count == 8) {
+        for (int64_t j = 0; j < NV; ++j) {
+          const __m256 qv = _mm256_loadu_ps(qh + 8 * j);
+          for (int64_t t = 0; t < 8; ++t)
+            part[t] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + t * rows.row + 8 * j), part[t]);
         }
-        const __m256 sums = _mm256_mul_ps(reduce8(part), vscale);
-        if (count == 8) {
-          _mm256_storeu_ps(scores + h * n + pos - first, sums);
-        } else {
-          alignas(32) float tail[8];
-          _mm256_store_ps(tail, sums);
-          std::copy(tail, tail + count, scores + h * n + pos - first);
+      } else {
+        for (int64_t j = 0; j < NV; ++j) {
+          const __m256 qv = _mm256_loadu_ps(qh + 8 * j);
+          for (int64_t t = 0; t < count; ++t)
+            part[t] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + t * rows.row + 8 * j), part[t]);
         }
       }
+      const __m256 sums = _mm256_mul_ps(reduce8(part), vscale);
+      if (count == 8) {
+        _mm256_storeu_ps(scores + h * n + pos - first, sums);
+      } else {
+        alignas(32) float tail[8];
+        _mm256_store_ps(tail, sums);
+        std::copy(tail, tail + count, scores + h * n + pos - first);
+      }
     }
-  }
+  });
 }
 #endif
 
