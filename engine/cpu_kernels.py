@@ -478,7 +478,8 @@ inline void store_panel(float* out, const float* row, const float* bias, int64_t
 constexpr int64_t TILE_ROWS = 8;
 #else
 // AVX2 has 16 vector registers: 6 rows x 2 vectors of a panel make 12 accumulators (BLIS's 6x16
-// Haswell kernel); 8 rows would be 16 and spill. 8 also bounds the generic path's tile.
+// Haswell kernel); 8 rows would be 16 and spill. The portable code takes the same 6 rows when its
+// vectors hold 8 floats, else 8.
 constexpr int64_t TILE_ROWS = Vec::size() == 8 ? 6 : 8;
 #endif
 constexpr int64_t GROUP_PANELS = 3, CHUNK_ROWS = 128;
