@@ -86,6 +86,51 @@ def test_decode_kernel_matches_torch_path(kernels, sliding_window, head_dim, blo
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("sliding_window", [None, 5])  # a window: no sharing
+@pytest.mark.parametrize("head_dim", [24, 64])
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_decode_kernel_over_shared_blocks_matches_torch_path(kernels, sliding_window, head_dim, block_size):
+    """Sequences whose tables start with the same blocks (a system prompt, n > 1 choices) are
+    attended in tiles that read those blocks once: groups interleaved in the batch, a group of 20
+    (two tiles or more), members that share fewer blocks than the rest, a context ending right
+    after the shared blocks and one ending on their last position."""
+    torch.manual_seed(0)
+    num_blocks, kv_heads = 200, 2
+    free = iter(torch.randperm(num_blocks).tolist())
+
+    def own(count: int) -> list[int]:
+        return [next(free) for _ in range(count)]
+
+    system, other = own(3), own(2)
+    contexts = []  # (table, context_len)
+    for i in range(20):
+        extra = i % 4 * block_size // 2 + 1 + i // 4
+        contexts.append((system + own(2 + extra // block_size), 3 * block_size + extra))
+    contexts += [
+        (system + own(1), 3 * block_size),  # its newest token is in the shared third block: shares two
+        (system[:1] + own(4), 4 * block_size + 2),  # shares one block with the group
+        (other + own(1), 2 * block_size + 1),
+        (other + own(2), 3 * block_size + 3),
+        (own(3), block_size + 5),  # alone
+    ]
+    order = torch.randperm(len(contexts)).tolist()
+    contexts = [contexts[i] for i in order]
+    tables = [table for table, _ in contexts]
+    context_lens = [n for _, n in contexts]
+    num_heads = 3 * kv_heads
+    k_cache = torch.randn(num_blocks * block_size, kv_heads, head_dim)
+    v_cache = torch.randn(num_blocks * block_size, kv_heads, head_dim)
+    q = torch.randn(len(contexts), num_heads, head_dim)
+    k = torch.randn(len(contexts), kv_heads, head_dim)
+    v = torch.randn(len(contexts), kv_heads, head_dim)
+    slots = [table[(n - 1) // block_size] * block_size + (n - 1) % block_size for table, n in contexts]
+    outs = []
+    for kernel in (None, kernels):
+        meta = build_metadata(contexts, [], slots, block_size, sliding_window, torch.device("cpu"), kernel)
+        outs.append(paged_attention(q, k, v, k_cache.clone(), v_cache.clone(), meta, head_dim**-0.5))
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="one CPU: nothing to share the work with")
 def test_decode_kernel_runs_on_torchs_threads(kernels):
     """The kernels split their work over torch's OpenMP team: with two threads the calling thread
