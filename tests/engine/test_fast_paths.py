@@ -64,7 +64,7 @@ def kernels():
 
 @pytest.mark.parametrize("sliding_window", [None, 5])
 @pytest.mark.parametrize("head_dim", [16, 24, 64, 128])  # one to eight vectors per head, and a ragged tail
-@pytest.mark.parametrize("block_size", [4, 16])  # runs of keys shorter than and as long as the kernel's 16
+@pytest.mark.parametrize("block_size", [4, 6, 16])  # runs shorter than and as long as the kernel's; 6: no shift
 @pytest.mark.parametrize("num_heads, num_kv_heads", [(6, 2), (8, 1), (4, 4)])  # groups of 3, 8 and 1 heads
 def test_decode_kernel_matches_torch_path(kernels, sliding_window, head_dim, block_size, num_heads, num_kv_heads):
     """Random caches, block tables out of order, contexts ending mid-block and on a block edge, GQA."""
