@@ -115,8 +115,6 @@ def test_decode_kernel_over_shared_blocks_matches_torch_path(kernels, sliding_wi
     ]
     order = torch.randperm(len(contexts)).tolist()
     contexts = [contexts[i] for i in order]
-    tables = [table for table, _ in contexts]
-    context_lens = [n for _, n in contexts]
     num_heads = 3 * kv_heads
     k_cache = torch.randn(num_blocks * block_size, kv_heads, head_dim)
     v_cache = torch.randn(num_blocks * block_size, kv_heads, head_dim)
