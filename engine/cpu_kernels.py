@@ -399,16 +399,14 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tenso
   }
   // a sliding window hides a different start of the context from each member: no sharing
   const std::vector<Tile> tiles = decode_tiles(tables, lens, B, max_blocks, block_size, sliding_window <= 0);
+  const auto first = [&](int64_t b) { return sliding_window > 0 ? std::max<int64_t>(0, lens[b] - sliding_window) : 0; };
+  const auto rows = [&](int64_t b) { return Rows{tables + b * max_blocks, block_size, KVH * D}; };
   at::parallel_for(0, static_cast<int64_t>(tiles.size()), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     std::vector<int64_t> offsets;
     for (int64_t t = begin; t < end; ++t) {
       const std::vector<int64_t>& seqs = tiles[t].seqs;
       const int64_t shared = tiles[t].shared, members = seqs.size();
-      const auto first = [&](int64_t b) {
-        return sliding_window > 0 ? std::max<int64_t>(0, lens[b] - sliding_window) : 0;
-      };
-      const auto rows = [&](int64_t b) { return Rows{tables + b * max_blocks, block_size, KVH * D}; };
       offsets.assign(1, 0);  // member i's scores: [H][n] at offsets[i], n = lens[b] - first(b)
       for (int64_t b : seqs) offsets.push_back(offsets.back() + H * (lens[b] - first(b)));
       scores.resize(offsets.back());

@@ -17,7 +17,7 @@ from engine.attention import build_metadata
 from engine.loader import load_model
 from engine.types import SamplingParams
 from launch import EngineConfig, build_engine
-from tests.engine.test_reference import prompts
+from tests.engine.test_reference import generate_greedy, prompts
 from tests.helpers import assert_all_blocks_free, run_to_completion
 from tests.models import FAMILIES
 
@@ -30,13 +30,6 @@ def hf_model(path, device: str, dtype: str):
     return AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype]).to(device).eval()
 
 
-def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
-    ids = torch.tensor([prompt], device=model.device)
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                         min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
-
-
 def check_matches_hf(path, device: str, dtype: str) -> None:
     """Eight prompts at once with a 20-token step budget (chunked prefills beside decodes), then
     the same prompts again (every one a prefix hit); the tokens equal HF's each time."""
@@ -44,7 +37,7 @@ def check_matches_hf(path, device: str, dtype: str) -> None:
                           num_blocks=256)
     model = hf_model(path, device, dtype)
     batch = prompts(8, 300)
-    expected = [hf_greedy(model, p, 16) for p in batch]
+    expected = [generate_greedy(model, p, 16) for p in batch]
     assert run_to_completion(engine, batch, GREEDY) == expected
     assert run_to_completion(engine, batch, GREEDY) == expected
     assert engine.scheduler.kv.num_hit_tokens > 0

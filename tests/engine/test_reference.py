@@ -29,12 +29,16 @@ def hf_greedy(path, prompt: list[int], max_new_tokens: int) -> list[int]:
     if key not in _hf_cache:
         if str(path) not in _hf_cache:
             _hf_cache[str(path)] = AutoModelForCausalLM.from_pretrained(path).eval()
-        model = _hf_cache[str(path)]
-        ids = torch.tensor([prompt])
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                             min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
-        _hf_cache[key] = out[0, len(prompt):].tolist()
+        _hf_cache[key] = generate_greedy(_hf_cache[str(path)], prompt, max_new_tokens)
     return _hf_cache[key]
+
+
+def generate_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """HF `generate`'s greedy tokens after `prompt`, exactly max_new_tokens of them, on the model's device."""
+    ids = torch.tensor([prompt], device=model.device)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                         min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
 
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
