@@ -40,6 +40,7 @@ _SOURCE = r"""
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <numeric>
 #include <vector>
@@ -436,12 +437,21 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tenso
   const std::vector<Tile> tiles = decode_tiles(tables, lens, B, max_blocks, block_size, sliding_window <= 0);
   const auto first = [&](int64_t b) { return sliding_window > 0 ? std::max<int64_t>(0, lens[b] - sliding_window) : 0; };
   const auto rows = [&](int64_t b) { return Rows{tables + b * max_blocks, block_size, KVH * D}; };
-  at::parallel_for(0, static_cast<int64_t>(tiles.size()), 1, [&](int64_t begin, int64_t end) {
+  // The costliest tiles first, each thread taking the next one as it finishes: a static split of
+  // contexts of different lengths (a chat's turns) left one thread waiting on the other
+  const int64_t count = tiles.size();
+  std::vector<int64_t> cost(count, 0), order(count);
+  for (int64_t t = 0; t < count; ++t)
+    for (int64_t b : tiles[t].seqs) cost[t] += lens[b] - first(b);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return cost[a] > cost[b]; });
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), count), 1, [&](int64_t, int64_t) {
     std::vector<float> scores;
     std::vector<int64_t> offsets;
-    for (int64_t t = begin; t < end; ++t) {
-      const std::vector<int64_t>& seqs = tiles[t].seqs;
-      const int64_t shared = tiles[t].shared, members = seqs.size();
+    for (int64_t i; (i = next.fetch_add(1)) < count;) {
+      const std::vector<int64_t>& seqs = tiles[order[i]].seqs;
+      const int64_t shared = tiles[order[i]].shared, members = seqs.size();
       offsets.assign(1, 0);  // member i's scores: [H][n] at offsets[i], n = lens[b] - first(b)
       for (int64_t b : seqs) offsets.push_back(offsets.back() + H * (lens[b] - first(b)));
       scores.resize(offsets.back());
