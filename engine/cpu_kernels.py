@@ -614,9 +614,9 @@ void silu_and_mul(at::Tensor out, const at::Tensor& gate_up) {
 // of 3 panels (one contiguous run); a group is read from memory once and then from L2 by each
 // further 8-row tile, and those tiles prefetch the thread's next group between them, so that its
 // first tile does not wait on memory (a lone tile prefetches the next group's first panel). With two
-// tiles (7-16 rows, AVX2) the second prefetches the whole next group: when it prefetched one panel,
-// the next group's first tile waited on memory for the other two, and 8 rows took 1.45x as long as
-// 6 (SmolLM2-135M's layers, AVX2 host: 25 against 17 ms).
+// tiles (7-12 rows, AVX2) the second prefetches the whole next group; when it took one panel, the
+// next group's first tile waited on memory for the other two (SmolLM2-135M's layers at 8 rows, AVX2
+// host: 27-33 -> 23-28 ms, where 1-6 rows, one tile, take ~17).
 inline void store_panel(float* out, const float* row, const float* bias, int64_t n0, int64_t count) {
   for (int64_t i = 0; i < count; ++i) out[i] = bias ? row[i] + bias[n0 + i] : row[i];
 }
