@@ -3,8 +3,9 @@
 Tokens of one step are packed: decode tokens first (one per sequence), then the prefill
 chunks. Decodes run as one call: the C++ kernel of `engine.cpu_kernels` when the runner
 passes those ops (it reads the blocks in place), else one batched SDPA call over keys
-gathered from the paged cache. Each prefill chunk runs its own SDPA call (causal, offset by what is
-already cached). The metadata is built once per step and shared by all layers.
+gathered from the paged cache. Each prefill chunk runs its own call (causal, offset by what is
+already cached): the C++ prefill kernel over the blocks in place, else SDPA. The metadata is
+built once per step and shared by all layers.
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ import torch.nn.functional as F
 class PrefillChunk:
     start: int  # first token of the chunk in the flat batch
     end: int
+    start_pos: int  # the chunk's first position in its sequence (what is already cached before it)
     block_table: torch.Tensor | None  # [num_blocks] to read; None: the chunk is the whole context
-    mask: torch.Tensor | None  # [1, 1, chunk_len, num_blocks * block_size] bool; None: plain causal
+    mask: torch.Tensor | None  # [1, 1, chunk_len, num_blocks * block_size] bool; None: plain causal or kernel
 
 
 @dataclass
@@ -77,12 +79,14 @@ def build_metadata(
     for table, start_pos, chunk_len in prefill_chunks:
         context_len = start_pos + chunk_len
         blocks = mask = None
-        if start_pos > 0 or (sliding_window is not None and context_len > sliding_window):
-            n = cdiv(context_len, block_size)
+        n = cdiv(context_len, block_size)
+        if kernels is not None:  # the kernel reads the chunk's keys from the cache and masks by position
+            blocks = torch.tensor(table[:n], dtype=torch.long, device=device)
+        elif start_pos > 0 or (sliding_window is not None and context_len > sliding_window):
             blocks = torch.tensor(table[:n], dtype=torch.long, device=device)
             positions = torch.arange(start_pos, context_len, device=device)
             mask = visible_mask(positions, n * block_size, context_len, sliding_window)[None, None]
-        prefills.append(PrefillChunk(offset, offset + chunk_len, blocks, mask))
+        prefills.append(PrefillChunk(offset, offset + chunk_len, start_pos, blocks, mask))
         offset += chunk_len
 
     return AttentionMetadata(
@@ -136,6 +140,11 @@ def paged_attention(
             q[:nd, :, None, :], keys, values, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True
         ).squeeze(2)
     for chunk in meta.prefills:
+        if meta.kernels is not None:
+            meta.kernels.paged_prefill_attention(out[chunk.start : chunk.end], q[chunk.start : chunk.end], k_cache,
+                                                 v_cache, chunk.block_table, chunk.start_pos, meta.block_size, scale,
+                                                 meta.sliding_window or 0)
+            continue
         query = q[chunk.start : chunk.end].transpose(0, 1)[None]  # [1, heads, chunk, head_dim]
         if chunk.block_table is None:
             keys = k[chunk.start : chunk.end].transpose(0, 1)[None]

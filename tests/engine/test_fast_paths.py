@@ -285,3 +285,33 @@ def test_rotary_kernel_rounds_as_torch(kernels):
     got = rotate_qk(*views(qkv), cos, sin, kernels)
     assert all(torch.equal(g, e) for g, e in zip(got, expected))
     assert torch.equal(views(qkv)[0], got[0])  # written in place
+
+
+@pytest.mark.parametrize("sliding_window", [None, 5, 40])
+@pytest.mark.parametrize("head_dim", [16, 24, 64, 128])
+@pytest.mark.parametrize("block_size", [4, 6, 16])
+@pytest.mark.parametrize("num_heads, num_kv_heads", [(6, 2), (8, 1), (4, 4)])
+def test_prefill_kernel_matches_torch_path(kernels, sliding_window, head_dim, block_size, num_heads, num_kv_heads):
+    """Chunks from the start of a sequence and after a cached prefix (ending mid-block and on a
+    block edge), one token long and longer than a row tile, in one step beside decodes, GQA."""
+    torch.manual_seed(0)
+    num_blocks = 120
+    k_cache = torch.randn(num_blocks * block_size, num_kv_heads, head_dim)
+    v_cache = torch.randn(num_blocks * block_size, num_kv_heads, head_dim)
+    free = iter(torch.randperm(num_blocks).tolist())
+    decodes = [([next(free) for _ in range(-(-n // block_size))], n) for n in (9, 30)]
+    chunks = []  # (table, start_pos, chunk_len)
+    for start, length in [(0, 1), (0, 37), (3 * block_size, 2 * block_size), (13, 1), (29, 50), (0, 8)]:
+        chunks.append(([next(free) for _ in range(-(-(start + length) // block_size))], start, length))
+    slots = [table[(n - 1) // block_size] * block_size + (n - 1) % block_size for table, n in decodes]
+    for table, start, length in chunks:
+        slots += [table[p // block_size] * block_size + p % block_size for p in range(start, start + length)]
+    tokens = len(slots)
+    q = torch.randn(tokens, num_heads, head_dim)
+    k = torch.randn(tokens, num_kv_heads, head_dim)
+    v = torch.randn(tokens, num_kv_heads, head_dim)
+    outs = []
+    for kernel in (None, kernels):
+        meta = build_metadata(decodes, chunks, slots, block_size, sliding_window, torch.device("cpu"), kernel)
+        outs.append(paged_attention(q, k, v, k_cache.clone(), v_cache.clone(), meta, head_dim**-0.5))
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
