@@ -96,8 +96,21 @@ struct Rows {
   int64_t block_end(int64_t pos, int64_t len) const { return std::min(len, (block(pos) + 1) * block_size); }
 };
 
-// f(pos, count, first key row) for the runs of up to R positions, none across a block's end, of
-// the positions [first, len); each run's rows PREFETCH_BLOCKS blocks later are prefetched first
+// f(pos, count, first key row, ahead) for the runs of up to R positions, none across a block's end,
+// of the positions [first, len); ahead: the run's rows PREFETCH_BLOCKS blocks later, for f to prefetch
+struct Ahead {
+  const char* rows = nullptr;
+  int64_t bytes = 0;
+  // part h of H: the run's prefetches spread over the heads' work. Issued all at once before it
+  // (96 prefetches per run of 8 positions), they stalled the loop: 27% of the key pass's samples
+  // sat there, with the keys in L2 as well as in memory (32 x 200 positions read from memory, 30
+  // layers, AVX2: 31-43 -> 24-30 ms; 8 x 900: 32-35 -> 26-30 ms)
+  void prefetch(int64_t h, int64_t H) const {
+    const int64_t share = (bytes / 64 + H - 1) / H * 64;
+    for (int64_t b = h * share; b < std::min(bytes, (h + 1) * share); b += 64) __builtin_prefetch(rows + b);
+  }
+};
+
 template <int64_t R, typename F>
 void for_each_run(const Rows& rows, const float* cache, int64_t first, int64_t len, F&& f) {
   for (int64_t pos = first; pos < len;) {
@@ -105,11 +118,9 @@ void for_each_run(const Rows& rows, const float* cache, int64_t first, int64_t l
     for (int64_t count; pos < stop; pos += count) {
       count = std::min<int64_t>(R, stop - pos);
       const int64_t later = pos + PREFETCH_BLOCKS * rows.block_size;
-      if (later < len) {
-        const char* ahead = reinterpret_cast<const char*>(rows.at(cache, later));
-        for (int64_t b = 0; b < count * rows.row * 4; b += 64) __builtin_prefetch(ahead + b);
-      }
-      f(pos, count, rows.at(cache, pos));
+      Ahead ahead;
+      if (later < len) ahead = {reinterpret_cast<const char*>(rows.at(cache, later)), count * rows.row * 4};
+      f(pos, count, rows.at(cache, pos), ahead);
     }
   }
 }
@@ -148,8 +159,9 @@ void key_scores16(float* scores, int64_t n, const float* q, const float* k_cache
                   int64_t len, int64_t H, int64_t G, float scale) {
   constexpr int64_t D = NV * 16;
   const __m512 vscale = _mm512_set1_ps(scale);
-  for_each_run<16>(rows, k_cache, first, len, [&](int64_t pos, int64_t count, const float* kr) {
+  for_each_run<16>(rows, k_cache, first, len, [&](int64_t pos, int64_t count, const float* kr, const Ahead& ahead) {
     for (int64_t h = 0; h < H; ++h) {
+      ahead.prefetch(h, H);
       const float* qh = q + h * D;
       const float* k = kr + (h / G) * D;
       __m512 part[16];
@@ -190,8 +202,9 @@ void key_scores8(float* scores, int64_t n, const float* q, const float* k_cache,
                  int64_t len, int64_t H, int64_t G, float scale) {
   constexpr int64_t D = NV * 8;
   const __m256 vscale = _mm256_set1_ps(scale);
-  for_each_run<8>(rows, k_cache, first, len, [&](int64_t pos, int64_t count, const float* kr) {
+  for_each_run<8>(rows, k_cache, first, len, [&](int64_t pos, int64_t count, const float* kr, const Ahead& ahead) {
     for (int64_t h = 0; h < H; ++h) {
+      ahead.prefetch(h, H);
       const float* qh = q + h * D;
       const float* k = kr + (h / G) * D;
       __m256 part[8];  // with one vector of q at a time: 8 sums, q and a key vector fit in 16 registers
