@@ -1,4 +1,4 @@
-"""CPU float32 kernels in C++: decode attention over the paged KV cache, RMSNorm (with the
+"""CPU float32 kernels in C++: decode and prefill attention over the paged KV cache, RMSNorm (with the
 residual add fused), rotary embedding in place, the MLP's SiLU-and-multiply in one pass, and
 linear layers over weights laid out in panels (`engine.packed_linear`).
 
