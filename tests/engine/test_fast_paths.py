@@ -293,7 +293,8 @@ def test_rotary_kernel_rounds_as_torch(kernels):
 @pytest.mark.parametrize("num_heads, num_kv_heads", [(6, 2), (8, 1), (4, 4)])
 def test_prefill_kernel_matches_torch_path(kernels, sliding_window, head_dim, block_size, num_heads, num_kv_heads):
     """Chunks from the start of a sequence and after a cached prefix (ending mid-block and on a
-    block edge), one token long and longer than a row tile, in one step beside decodes, GQA."""
+    block edge), one token long and longer than a row tile, in one step beside decodes, GQA,
+    queries as the strided views the model's fused QKV projection gives."""
     torch.manual_seed(0)
     num_blocks = 120
     k_cache = torch.randn(num_blocks * block_size, num_kv_heads, head_dim)
@@ -307,9 +308,11 @@ def test_prefill_kernel_matches_torch_path(kernels, sliding_window, head_dim, bl
     for table, start, length in chunks:
         slots += [table[p // block_size] * block_size + p % block_size for p in range(start, start + length)]
     tokens = len(slots)
-    q = torch.randn(tokens, num_heads, head_dim)
-    k = torch.randn(tokens, num_kv_heads, head_dim)
-    v = torch.randn(tokens, num_kv_heads, head_dim)
+    qkv = torch.randn(tokens, (num_heads + 2 * num_kv_heads) * head_dim)  # split as the model does: strided views
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    q = q.view(tokens, num_heads, head_dim)
+    k = k.view(tokens, num_kv_heads, head_dim)
+    v = v.view(tokens, num_kv_heads, head_dim)
     outs = []
     for kernel in (None, kernels):
         meta = build_metadata(decodes, chunks, slots, block_size, sliding_window, torch.device("cpu"), kernel)
