@@ -288,7 +288,7 @@ def test_rotary_kernel_rounds_as_torch(kernels):
 
 
 @pytest.mark.parametrize("sliding_window", [None, 5, 40])
-@pytest.mark.parametrize("head_dim", [24, 64, 128])  # a ragged panel of values, one and two whole panel groups
+@pytest.mark.parametrize("head_dim", [24, 64, 128])  # 24: a ragged last panel of values; 64, 128: 4 and 8 whole
 @pytest.mark.parametrize("block_size", [4, 6, 16])
 @pytest.mark.parametrize("num_heads, num_kv_heads", [(6, 2), (8, 1), (4, 4)])
 def test_prefill_kernel_matches_torch_path(kernels, sliding_window, head_dim, block_size, num_heads, num_kv_heads):
