@@ -22,7 +22,7 @@ class PrefillChunk:
     start: int  # first token of the chunk in the flat batch
     end: int
     start_pos: int  # the chunk's first position in its sequence (what is already cached before it)
-    block_table: torch.Tensor | None  # [num_blocks] to read; None: the chunk is the whole context
+    block_table: torch.Tensor | None  # [num_blocks] to read; None (torch path): the chunk is the whole context
     mask: torch.Tensor | None  # [1, 1, chunk_len, num_blocks * block_size] bool; None: plain causal or kernel
 
 
