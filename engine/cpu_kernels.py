@@ -481,10 +481,10 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tenso
         const int64_t b = seqs[i], len = lens[b], start = first(b) + shared, n = len - first(b);
         float* s = scores.data() + offsets[i];
         key_scores(s + shared, n, qp + b * H * D, kp, rows(b), start, len, H, G, D, fscale);
-        for (int64_t h = 0; h < H; ++h) {  // softmax numerators, with ATen's vectorised exp
+        for (int64_t h = 0; h < H; ++h) {  // softmax numerators, ATen's exp_u20 (u10: +5% instructions)
           float* sh = s + h * n;
           const float mx = at::vec::reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, sh, n);
-          at::vec::map([mx](Vec x) { return (x - Vec(mx)).exp(); }, sh, sh, n);
+          at::vec::map([mx](Vec x) { return (x - Vec(mx)).exp_u20(); }, sh, sh, n);
         }
         for (int64_t g = 0; g < KVH; ++g)
           weighted_sums(op + b * H * D + g * G * D, s + g * G * n + shared, n, vp + g * D, rows(b), start, len, G, D,
