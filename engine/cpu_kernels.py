@@ -367,6 +367,31 @@ void weighted_sums(float* out, const float* p, int64_t n, const float* v_cache, 
   for (int64_t h = 0; h < G; ++h) weighted_sum_any(out + h * D, p + h * n, v_cache, rows, first, len, D, add);
 }
 
+// x[i] = exp(x[i] * scale - max_j x[j] * scale) in place (scale > 0); returns their sum. Two passes
+// over x; ATen's exp_u20, as its own flash attention uses (its u10 exp was 10% of the kernel's time)
+float softmax_numerators(float* x, int64_t n, float scale) {
+  constexpr int64_t W = Vec::size();
+  const Vec vs(scale);
+  float mx = -std::numeric_limits<float>::infinity();
+  int64_t i = 0;
+  if (n >= W) {
+    Vec m = Vec::loadu(x);
+    for (i = W; i + W <= n; i += W) m = at::vec::maximum(m, Vec::loadu(x + i));
+    mx = at::vec::vec_reduce_all<float>([](Vec& u, Vec& v) { return at::vec::maximum(u, v); }, m);
+  }
+  for (; i < n; ++i) mx = std::max(mx, x[i]);
+  const Vec vm(mx * scale);
+  Vec acc(0.f);
+  for (i = 0; i + W <= n; i += W) {
+    const Vec e = (Vec::loadu(x + i) * vs - vm).exp_u20();
+    e.store(x + i);
+    acc = acc + e;
+  }
+  float sum = at::vec::vec_reduce_all<float>([](Vec& u, Vec& v) { return u + v; }, acc);
+  for (; i < n; ++i) sum += x[i] = std::exp(x[i] * scale - mx * scale);
+  return sum;
+}
+
 // A unit of decode work: one sequence, or several whose first `shared` positions sit in the same
 // blocks (a common system prompt, the choices of n > 1). A tile reads those keys and values a
 // chunk at a time for all its members while the chunk is in L1, where one sequence at a time
@@ -481,11 +506,7 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tenso
         const int64_t b = seqs[i], len = lens[b], start = first(b) + shared, n = len - first(b);
         float* s = scores.data() + offsets[i];
         key_scores(s + shared, n, qp + b * H * D, kp, rows(b), start, len, H, G, D, fscale);
-        for (int64_t h = 0; h < H; ++h) {  // softmax numerators, ATen's exp_u20 (u10: +5% instructions)
-          float* sh = s + h * n;
-          const float mx = at::vec::reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, sh, n);
-          at::vec::map([mx](Vec x) { return (x - Vec(mx)).exp_u20(); }, sh, sh, n);
-        }
+        for (int64_t h = 0; h < H; ++h) softmax_numerators(s + h * n, n, 1.f);  // scores already scaled
         for (int64_t g = 0; g < KVH; ++g)
           weighted_sums(op + b * H * D + g * G * D, s + g * G * n + shared, n, vp + g * D, rows(b), start, len, G, D,
                         false);
@@ -838,31 +859,6 @@ void silu_mlp(at::Tensor out, const at::Tensor& x, const at::Tensor& gate_up,
     silu_mul_rows(act.data_ptr<float>(), gu.data_ptr<float>(), rows, I);
     panel_gemm(op + m0 * N, act.data_ptr<float>(), down.data_ptr<float>(), db, rows, I, N);
   }
-}
-
-// x[i] = exp(x[i] * scale - max_j x[j] * scale) in place (scale > 0); returns their sum. Two passes
-// over x; ATen's exp_u20, as its own flash attention uses (its u10 exp was 10% of the kernel's time)
-float softmax_numerators(float* x, int64_t n, float scale) {
-  constexpr int64_t W = Vec::size();
-  const Vec vs(scale);
-  float mx = -std::numeric_limits<float>::infinity();
-  int64_t i = 0;
-  if (n >= W) {
-    Vec m = Vec::loadu(x);
-    for (i = W; i + W <= n; i += W) m = at::vec::maximum(m, Vec::loadu(x + i));
-    mx = at::vec::vec_reduce_all<float>([](Vec& u, Vec& v) { return at::vec::maximum(u, v); }, m);
-  }
-  for (; i < n; ++i) mx = std::max(mx, x[i]);
-  const Vec vm(mx * scale);
-  Vec acc(0.f);
-  for (i = 0; i + W <= n; i += W) {
-    const Vec e = (Vec::loadu(x + i) * vs - vm).exp_u20();
-    e.store(x + i);
-    acc = acc + e;
-  }
-  float sum = at::vec::vec_reduce_all<float>([](Vec& u, Vec& v) { return u + v; }, acc);
-  for (; i < n; ++i) sum += x[i] = std::exp(x[i] * scale - mx * scale);
-  return sum;
 }
 
 // Prefill attention over the paged cache: out[i, h] = softmax(q[i, h] . K * scale) @ V for the
