@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from engine.sampler import Sampler, apply_penalties, filter_logits, greedy
+from engine.sampler import Sampler, apply_penalties, draw, filter_probs, greedy, keep_mask
 from engine.types import SamplingParams
 from tests.helpers import assert_all_blocks_free, make_engine, make_seq, run_to_completion
 
@@ -44,10 +44,56 @@ def test_frequency_and_presence_penalties_count_output_tokens_only():
 
 
 def test_top_k_top_p_min_p_mask_the_tail():
-    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]] * 3))
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]] * 3)
     seqs = [make_seq(1, top_k=2), make_seq(1, top_p=0.7), make_seq(1, min_p=0.2)]
-    kept = torch.isfinite(filter_logits(logits, seqs)).tolist()
+    kept = (filter_probs(probs.clone(), seqs) > 0).tolist()
     assert kept == [[True, True, False, False], [True, True, False, False], [True, True, True, False]]
+
+
+def sorted_reference(probs: torch.Tensor, seqs) -> torch.Tensor:
+    """The whole-vocabulary sort that filter_probs avoids where it can."""
+    vocab = probs.shape[1]
+    top_k = torch.tensor([min(s.params.top_k or vocab, vocab) for s in seqs])
+    top_p = torch.tensor([s.params.top_p for s in seqs])
+    min_p = torch.tensor([s.params.min_p for s in seqs])
+    values, ids = probs.sort(dim=-1, descending=True)
+    return torch.zeros_like(probs).scatter_(1, ids, values * keep_mask(values, top_k, top_p, min_p))
+
+
+def test_filter_probs_keeps_what_a_whole_sort_keeps():
+    """Peaked rows cut among the first candidates, flatter ones among the second, flat ones need the
+    sort; rows of one batch take different ways, and rows without a filter stay whole."""
+    gen = torch.Generator().manual_seed(0)
+    vocab = 5000
+    settings = [dict(top_p=0.9), dict(top_p=0.99), dict(top_k=40), dict(top_k=300), dict(top_k=3000),
+                dict(min_p=0.05), dict(top_p=0.8, top_k=200, min_p=0.01), dict(top_p=0.5, min_p=0.3), dict()]
+    for sharpness in (0.05, 1.0, 3.0, 8.0):
+        probs = (torch.randn(len(settings), vocab, generator=gen) * sharpness).softmax(dim=-1)
+        seqs = [make_seq(1, temperature=1.0, **kw) for kw in settings]
+        expected = sorted_reference(probs, seqs)
+        got = filter_probs(probs.clone(), seqs)
+        assert torch.equal(got > 0, expected > 0), sharpness
+        assert torch.allclose(got, expected)
+
+
+def test_draw_never_picks_a_dropped_token():
+    probs = torch.tensor([[0.0, 0.4, 0.0, 0.6, 0.0, 0.0]] * 4)
+    uniforms = torch.tensor([0.0, 0.399, 0.4, 1.0 - 2.0**-53], dtype=torch.float64)  # token 1 owns [0, 0.4)
+    assert draw(probs, uniforms).tolist() == [1, 1, 3, 3]
+    assert draw(torch.tensor([[1e-30, 0.0, 0.0]]), torch.tensor([0.999999], dtype=torch.float64)).tolist() == [0]
+
+
+def test_filtered_sampling_follows_the_kept_distribution():
+    """Each filter's survivors are drawn in proportion to their probability, the rest never."""
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    n = 6000
+    cases = [(dict(top_p=0.7), [0.625, 0.375, 0, 0]), (dict(top_k=3), [0.5 / 0.95, 0.3 / 0.95, 0.15 / 0.95, 0]),
+             (dict(min_p=0.5), [0.625, 0.375, 0, 0])]
+    for kw, expected in cases:
+        seqs = [make_seq(1, temperature=1.0, **kw) for _ in range(n)]
+        tokens, _ = Sampler(torch.device("cpu"), seed=7).sample(probs.log().repeat(n, 1), seqs)
+        freq = torch.bincount(torch.tensor(tokens), minlength=4).float() / n
+        assert torch.allclose(freq, torch.tensor(expected), atol=0.025), (kw, freq)
 
 
 def test_top_k_one_is_greedy_and_logprobs_are_reported():
