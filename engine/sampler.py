@@ -13,6 +13,8 @@ step (two threads), half a decode step's model time before.
 
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 
 from engine.guided import TokenMask, apply_token_mask
@@ -22,21 +24,32 @@ SEED_STRIDE = 1_000_003
 
 
 def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-    """Repetition penalty (HF/CTRL style, prompt + output) and OpenAI frequency/presence (output)."""
+    """Repetition penalty (HF/CTRL style, prompt + output) and OpenAI frequency/presence (output),
+    each as one gather/scatter over the (row, token) pairs it touches: a row's own ops (a
+    vocabulary-sized count per row) took 15-19 ms a step for 32 rows."""
+    rows, tokens, factors = [], [], []
+    for row, seq in enumerate(seqs):
+        if seq.params.repetition_penalty != 1.0:
+            seen = set(seq.token_ids)
+            rows += [row] * len(seen)
+            tokens += seen
+            factors += [seq.params.repetition_penalty] * len(seen)
+    if rows:
+        index = (torch.tensor(rows, device=logits.device), torch.tensor(tokens, device=logits.device))
+        factor = torch.tensor(factors, device=logits.device, dtype=logits.dtype)
+        picked = logits[index]
+        logits[index] = torch.where(picked > 0, picked / factor, picked * factor)
+    rows, tokens, amounts = [], [], []
     for row, seq in enumerate(seqs):
         p = seq.params
-        if not p.needs_penalties:
-            continue
-        if p.repetition_penalty != 1.0:
-            seen = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.long, device=logits.device)
-            picked = logits[row, seen]
-            logits[row, seen] = torch.where(picked > 0, picked / p.repetition_penalty, picked * p.repetition_penalty)
         if (p.frequency_penalty or p.presence_penalty) and seq.num_output_tokens:
-            out = torch.tensor(seq.output_token_ids, dtype=torch.long, device=logits.device)
-            counts = torch.zeros(logits.shape[1], device=logits.device).scatter_add_(
-                0, out, torch.ones_like(out, dtype=torch.float)
-            )
-            logits[row] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
+            for token, count in Counter(seq.output_token_ids).items():
+                rows.append(row)
+                tokens.append(token)
+                amounts.append(p.frequency_penalty * count + p.presence_penalty)
+    if rows:
+        index = (torch.tensor(rows, device=logits.device), torch.tensor(tokens, device=logits.device))
+        logits.index_put_(index, -torch.tensor(amounts, device=logits.device, dtype=logits.dtype), accumulate=True)
     return logits
 
 
@@ -184,19 +197,20 @@ class Sampler:
 
     @staticmethod
     def _logprobs(raw: torch.Tensor | None, tokens: list[int], seqs: list[Sequence]) -> list[TokenLogprob | None]:
+        """Each asking row's token's log-probability and its top ones, gathered for all rows at once
+        (row by row, `topk` and `.item()` took 13 ms a step for 32 rows)."""
         if raw is None:
             return [None] * len(seqs)
+        index = torch.tensor(tokens, device=raw.device)[:, None]
+        chosen = raw.gather(1, index).squeeze(1).tolist()
+        most = min(max(s.params.logprobs or 0 for s in seqs), raw.shape[1])
+        top_values, top_ids = raw.topk(most, dim=-1) if most else (raw[:, :0], index[:, :0])
+        top_values, top_ids = top_values.tolist(), top_ids.tolist()
         out: list[TokenLogprob | None] = []
         for row, (token, seq) in enumerate(zip(tokens, seqs)):
             n = seq.params.logprobs
-            if n is None:
-                out.append(None)
-                continue
-            top = []
-            if n:
-                values, ids = raw[row].topk(min(n, raw.shape[1]))
-                top = list(zip(ids.tolist(), values.tolist()))
-            out.append(TokenLogprob(token, raw[row, token].item(), top))
+            top = list(zip(top_ids[row][:n], top_values[row][:n])) if n else []
+            out.append(None if n is None else TokenLogprob(token, chosen[row], top))
         return out
 
 

@@ -43,6 +43,24 @@ def test_frequency_and_presence_penalties_count_output_tokens_only():
     assert out.tolist() == [[0.0, 0.0, -2.0, -1.5]]
 
 
+def test_penalties_of_a_batch_are_each_rows_own():
+    """Rows with different penalties, one with none, penalised in one pass: each as if alone."""
+    gen = torch.Generator().manual_seed(4)
+    logits = torch.randn(4, 30, generator=gen)
+    seqs = [seq_with([3, 3, 9], repetition_penalty=1.5), seq_with([3, 7, 7, 7], frequency_penalty=0.4),
+            seq_with([], temperature=1.0), seq_with([9, 9, 1], repetition_penalty=0.8, presence_penalty=0.3)]
+    together = apply_penalties(logits.clone(), seqs)
+    for row, seq in enumerate(seqs):
+        alone = apply_penalties(logits[row:row + 1].clone(), [seq])
+        assert torch.equal(together[row], alone[0]), row
+    assert torch.equal(together[2], logits[2])
+    assert math.isclose(together[1, 7], logits[1, 7] - 0.4 * 3, rel_tol=1e-6)  # three 7s in the output
+    penalised = logits[0, 5] / 1.5 if logits[0, 5] > 0 else logits[0, 5] * 1.5  # 5: in the prompt
+    assert math.isclose(together[0, 5], penalised, rel_tol=1e-6)
+    assert math.isclose(together[3, 9], (logits[3, 9] / 0.8 if logits[3, 9] > 0 else logits[3, 9] * 0.8) - 0.3,
+                        rel_tol=1e-6)
+
+
 def test_top_k_top_p_min_p_mask_the_tail():
     probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]] * 3)
     seqs = [make_seq(1, top_k=2), make_seq(1, top_p=0.7), make_seq(1, min_p=0.2)]
