@@ -7,8 +7,8 @@ Sampling inverts each row's CDF at one uniform draw: a seeded request draws it f
 seeded by (seed, token position), so its output does not depend on batch neighbours or on how
 many steps ran before (a resumed stream samples the same tokens). It was the exponential race
 (argmax of p / E, E ~ Exp(1)), which needs a random draw per vocabulary entry: torch makes those
-at ~1.8 ms a row of 49152 on CPU. On SmolLM2's logits, 32 rows at temperature 1: 86 -> 7.5 ms a
-step (two threads), half a decode step's model time before.
+at ~1.8 ms a row of 49152 on CPU. On SmolLM2's logits, 32 rows at temperature 1: 59 -> 3 ms a
+step (two threads; `bench/sampler.py`), where the model's decode step takes ~150 ms.
 """
 
 from __future__ import annotations
