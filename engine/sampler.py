@@ -115,10 +115,9 @@ def filter_probs(probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         rows = todo.nonzero().squeeze(1)
         sub = probs if len(rows) == len(probs) else probs[rows]
         values, ids = sub.topk(k, dim=-1) if k < vocab else sub.sort(dim=-1, descending=True)
-        # cut within the candidates: its top-k is one of them, or they outweigh its top_p
+        # cut within the candidates: its top-k is one of them (so always, sorted whole), or they
+        # outweigh its top_p
         done = (top_k[rows] <= k) | ((top_p[rows] < 1.0) & (values.sum(dim=-1) > top_p[rows]))
-        if k == vocab:
-            done[:] = True
         rows, values, ids = rows[done], values[done], ids[done]
         kept = values.new_zeros(len(rows), vocab).scatter_(1, ids, values * keep_mask(values, top_k[rows],
                                                                                        top_p[rows], min_p[rows]))
