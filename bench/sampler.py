@@ -14,13 +14,16 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import sys
 import time
 from pathlib import Path
 
 import torch
 
-from engine.sampler import Sampler
-from engine.types import GenerationRequest, SamplingParams, Sequence
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as `python bench/sampler.py`
+
+from engine.sampler import Sampler  # noqa: E402
+from engine.types import GenerationRequest, SamplingParams, Sequence  # noqa: E402
 
 PROMPTS = ["Write a short poem about the sea.", "Explain how a bicycle works.", "What should I cook tonight?",
            "Tell me a story about a dragon and a knight."]
@@ -76,7 +79,7 @@ def main() -> None:
     logits = real_logits(40)
     batches = [int(b) for b in args.batches.split(",")]
     print(f"{len(logits)} rows of SmolLM2 logits; ms per step, best of 5 rounds")
-    print("| setting | " + " | ".join(f"{b} rows" for b in batches) + " |")
+    print("| setting | " + " | ".join(f"{b} row{'s' if b > 1 else ''}" for b in batches) + " |")
     print("|---|" + "---|" * len(batches))
     for name, params in SETTINGS.items():
         cells = []
