@@ -203,8 +203,10 @@ class Sampler:
         index = torch.tensor(tokens, device=raw.device)[:, None]
         chosen = raw.gather(1, index).squeeze(1).tolist()
         most = min(max(s.params.logprobs or 0 for s in seqs), raw.shape[1])
-        top_values, top_ids = raw.topk(most, dim=-1) if most else (raw[:, :0], index[:, :0])
-        top_values, top_ids = top_values.tolist(), top_ids.tolist()
+        top_values, top_ids = [], []  # (read only by rows asking for top ones, so most > 0)
+        if most:
+            values, ids = raw.topk(most, dim=-1)
+            top_values, top_ids = values.tolist(), ids.tolist()
         out: list[TokenLogprob | None] = []
         for row, (token, seq) in enumerate(zip(tokens, seqs)):
             n = seq.params.logprobs
