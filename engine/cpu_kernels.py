@@ -486,7 +486,7 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tenso
   std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return cost[a] > cost[b]; });
   std::atomic<int64_t> next{0};
   at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), count), 1, [&](int64_t, int64_t) {
-    std::vector<float> scores;
+    std::vector<float> scores, sums;  // sums[i * H + h]: member i's head h's softmax numerators, summed
     std::vector<int64_t> offsets;
     for (int64_t i; (i = next.fetch_add(1)) < count;) {
       const std::vector<int64_t>& seqs = tiles[order[i]].seqs;
@@ -494,6 +494,7 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tenso
       offsets.assign(1, 0);  // member i's scores: [H][n] at offsets[i], n = lens[b] - first(b)
       for (int64_t b : seqs) offsets.push_back(offsets.back() + H * (lens[b] - first(b)));
       scores.resize(offsets.back());
+      sums.resize(members * H);
       for (int64_t pos = 0; pos < shared; pos += SHARED_CHUNK) {  // shared keys: first == 0 here
         const int64_t stop = std::min(shared, pos + SHARED_CHUNK);
         for (int64_t i = 0; i < members; ++i) {
@@ -506,7 +507,7 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tenso
         const int64_t b = seqs[i], len = lens[b], start = first(b) + shared, n = len - first(b);
         float* s = scores.data() + offsets[i];
         key_scores(s + shared, n, qp + b * H * D, kp, rows(b), start, len, H, G, D, fscale);
-        for (int64_t h = 0; h < H; ++h) softmax_numerators(s + h * n, n, 1.f);  // scores already scaled
+        for (int64_t h = 0; h < H; ++h) sums[i * H + h] = softmax_numerators(s + h * n, n, 1.f);  // already scaled
         for (int64_t g = 0; g < KVH; ++g)
           weighted_sums(op + b * H * D + g * G * D, s + g * G * n + shared, n, vp + g * D, rows(b), start, len, G, D,
                         false);
@@ -521,11 +522,9 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tenso
         }
       }
       for (int64_t i = 0; i < members; ++i) {  // divided by the softmax sums
-        const int64_t b = seqs[i], n = lens[b] - first(b);
-        float* o = op + b * H * D;
+        float* o = op + seqs[i] * H * D;
         for (int64_t h = 0; h < H; ++h) {
-          const float* sh = scores.data() + offsets[i] + h * n;
-          const float inv = 1.f / at::vec::reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, sh, n);
+          const float inv = 1.f / sums[i * H + h];
           for (int64_t d = 0; d < D; ++d) o[h * D + d] *= inv;
         }
       }
