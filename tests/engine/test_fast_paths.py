@@ -22,7 +22,7 @@ from engine.attention import build_metadata, paged_attention
 from engine.cpu_kernels import CPU_KERNELS
 from engine.loader import load_model
 from engine.models.llama import RMSNorm, apply_rotary, rotate_qk
-from engine.packed_linear import PackedLinear
+from engine.packed_linear import PackedLinear, to_panels
 from tests.engine.test_reference import GREEDY, hf_greedy, prompts
 from tests.helpers import assert_all_blocks_free, make_engine, run_to_completion
 from tests.models import FAMILIES
@@ -176,8 +176,9 @@ class CountingKernels:
 
 
 @pytest.mark.parametrize("bias", [False, True])
-# 0: a step whose chunks all sample nothing; then every tail of the 8-row tile, and several tiles
-@pytest.mark.parametrize("num_tokens", [0, 1, 2, 3, 5, 8, 9, 16, 17, 33, 300])
+# 0: a step whose chunks all sample nothing; then every tail of the 8-row tile, AVX2's packed 7 and 8
+# rows, and several tiles
+@pytest.mark.parametrize("num_tokens", [0, 1, 2, 3, 5, 7, 8, 9, 16, 17, 33, 300])
 @pytest.mark.parametrize("out_features", [200, 16, 32, 48, 1000])  # ragged last panel; groups of 1, 2, 3 panels
 @pytest.mark.parametrize("in_features", [96, 97])  # an odd K
 def test_panel_kernel_matches_f_linear(kernels, bias, num_tokens, out_features, in_features):
@@ -189,6 +190,23 @@ def test_panel_kernel_matches_f_linear(kernels, bias, num_tokens, out_features, 
         expected = F.linear(x, linear.weight, linear.bias)
         torch.testing.assert_close(layer(x, counting), expected, rtol=1e-5, atol=1e-5)
     assert counting.calls == 1
+
+
+@pytest.mark.parametrize("out_features", [200, 48])
+def test_panel_kernel_rows_do_not_depend_on_their_batch(kernels, out_features):
+    """A row's output is the same sum in the same order whichever tile its batch size takes (one row
+    alone, tiles of 4-6 rows, AVX2's packed 8 rows, several tiles): a sequence decodes to the same
+    greedy tokens alone and in any batch, bit for bit."""
+    torch.manual_seed(0)
+    w, b, x = torch.randn(out_features, 97), torch.randn(out_features), torch.randn(14, 97)
+    panels = to_panels(w)
+    alone = torch.empty(14, out_features)
+    for i in range(14):
+        kernels.panel_linear(alone[i : i + 1], x[i : i + 1], panels, b)
+    for rows in range(1, 15):
+        out = torch.empty(rows, out_features)
+        kernels.panel_linear(out, x[:rows], panels, b)
+        assert torch.equal(out, alone[:rows]), rows
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -218,7 +236,7 @@ load_inline(cpu_kernels._build_name(flags, sys.argv[1] + " check"), cpp_sources=
             extra_ldflags=[f for f in flags if f == "-fopenmp"], is_python_module=False)
 ops = torch.ops.galley_cpu
 torch.manual_seed(0)
-for rows in (0, 1, 5, 9, 33, 300):
+for rows in (0, 1, 5, 7, 8, 9, 33, 300):
     for out_features in (200, 16, 48):
         w, b, x = torch.randn(out_features, 97), torch.randn(out_features), torch.randn(rows, 97)
         out = torch.empty(rows, out_features)
