@@ -648,9 +648,10 @@ void silu_and_mul(at::Tensor out, const at::Tensor& gate_up) {
 // of 3 panels (one contiguous run); a group is read from memory once and then from L2 by each
 // further 8-row tile, and those tiles prefetch the thread's next group between them, so that its
 // first tile does not wait on memory (a lone tile prefetches the next group's first panel). With two
-// tiles (7-12 rows, AVX2) the second prefetches the whole next group; when it took one panel, the
-// next group's first tile waited on memory for the other two (SmolLM2-135M's layers at 8 rows, AVX2
-// host: 27-33 -> 23-28 ms, where 1-6 rows, one tile, take ~17).
+// tiles (9-12 rows on AVX2; 7-8 rows take the packed pass below) the second prefetches the whole next
+// group; when it took one panel, the next group's first tile waited on memory for the other two
+// (measured with 8 rows as two tiles, SmolLM2-135M's layers, AVX2 host: 27-33 -> 23-28 ms, where 1-6
+// rows, one tile, take ~17).
 inline void store_panel(float* out, const float* row, const float* bias, int64_t n0, int64_t count) {
   for (int64_t i = 0; i < count; ++i) out[i] = bias ? row[i] + bias[n0 + i] : row[i];
 }
@@ -777,7 +778,7 @@ void tile_rows(int64_t rows, float* y, const float* x, const float* w, const flo
 // per feature holding all 8 rows, so each k is one load of x, eight broadcasts of weights and eight
 // FMAs. As two tiles of the layout above (4 + 4 rows, eight accumulators each), 8 rows ran at 45
 // GFLOP/s one thread with the weights in L3, this at 52; a whole decode step of 8 sequences took
-// 4-7% less (in-process A/B, alternating step by step). Each half prefetches one of the thread's
+// 3-8% less (in-process A/B, alternating step by step). Each half prefetches one of the thread's
 // next two panels. Every output is the same sum in the same order as the tiles', so a row's result
 // does not depend on the rows beside it.
 constexpr int64_t PACKED_ROWS = 8, PACKED_MIN_ROWS = 7;
