@@ -17,7 +17,6 @@ first: that A/A ratio's spread is the noise floor.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import importlib.util
 import random
 import statistics
@@ -40,24 +39,13 @@ from launch import EngineConfig, build_engine  # noqa: E402
 
 def load_other(checkout: Path):
     """The other checkout's kernels, built (once, cached by source) under the namespace galley_cpu_other."""
-    from torch.utils.cpp_extension import get_default_build_root, load_inline
-
     spec = importlib.util.spec_from_file_location("other_cpu_kernels", checkout / "engine" / "cpu_kernels.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     source = module._SOURCE.replace("TORCH_LIBRARY(galley_cpu,", "TORCH_LIBRARY(galley_cpu_other,")
     source = source.replace("TORCH_LIBRARY_IMPL(galley_cpu,", "TORCH_LIBRARY_IMPL(galley_cpu_other,")
     cpu = cpu_kernels._cpu_identity()
-    flags = cpu_kernels._flags(cpu)
-    name = "galley_kernels_ab_" + hashlib.sha256((source + " ".join(flags) + cpu).encode()).hexdigest()[:12]
-    directory = Path(get_default_build_root()) / name
-    library = directory / f"{name}.so"
-    if library.is_file():
-        torch.ops.load_library(str(library))
-    else:
-        directory.mkdir(parents=True, exist_ok=True)
-        load_inline(name, cpp_sources=source, extra_cflags=flags, extra_ldflags=[f for f in flags if f == "-fopenmp"],
-                    is_python_module=False, build_directory=str(directory))
+    cpu_kernels._load_or_build(cpu_kernels._flags(cpu), cpu, source)
     return torch.ops.galley_cpu_other
 
 

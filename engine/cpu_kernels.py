@@ -1090,21 +1090,22 @@ def _flags(cpu: str) -> list[str]:
     return flags
 
 
-def _build_name(flags: list[str], cpu: str) -> str:
-    digest = hashlib.sha256((_SOURCE + " ".join(flags) + cpu + torch.__version__).encode())
+def _build_name(flags: list[str], cpu: str, source: str = _SOURCE) -> str:
+    digest = hashlib.sha256((source + " ".join(flags) + cpu + torch.__version__).encode())
     return f"galley_cpu_kernels_{digest.hexdigest()[:12]}"
 
 
 STALE_LOCK_S = 900.0  # a build lock this old was left by a killed process
 
 
-def _load_or_build(flags: list[str], cpu: str) -> None:
+def _load_or_build(flags: list[str], cpu: str, source: str = _SOURCE) -> None:
     """Load the cached library directly when it exists: torch's builder would take its file lock and
     run ninja on every start, and a process killed holding that lock (SIGKILL in the first seconds)
-    would make every later start wait on it forever. Build only when it is missing."""
+    would make every later start wait on it forever. Build only when it is missing. `source`: another
+    build's (bench/kernels_ab.py), under its own op namespace."""
     from torch.utils.cpp_extension import get_default_build_root, load_inline
 
-    name = _build_name(flags, cpu)
+    name = _build_name(flags, cpu, source)
     directory = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()) / name
     library = directory / f"{name}.so"
     if library.is_file():
@@ -1115,7 +1116,7 @@ def _load_or_build(flags: list[str], cpu: str) -> None:
     if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
         lock.unlink(missing_ok=True)
     openmp = [flag for flag in flags if flag == "-fopenmp"]
-    load_inline(name, cpp_sources=_SOURCE, extra_cflags=flags, extra_ldflags=openmp, is_python_module=False,
+    load_inline(name, cpp_sources=source, extra_cflags=flags, extra_ldflags=openmp, is_python_module=False,
                 build_directory=str(directory))
 
 
