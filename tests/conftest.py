@@ -1,9 +1,31 @@
 from __future__ import annotations
 
+import faulthandler
+import os
+import signal
+
 import pytest
 
 from storage.db import Database
 from tests.models import FAMILIES, save_tiny_model
+
+HUNG_TEST_S = 600  # the slowest test takes ~2 minutes on 2 cores
+_real_stderr = []  # the stderr from before pytest captures it, for faulthandler's dumps
+
+
+def pytest_configure(config):
+    """A hung test ends the run at once with every thread's stack, instead of at CI's time limit with
+    nothing to go on; a SIGTERM from outside (a CI timeout) dumps them too. faulthandler, not a Python
+    thread: it dumps even while a thread holds the GIL."""
+    _real_stderr.append(os.fdopen(os.dup(2), "w"))
+    faulthandler.register(signal.SIGTERM, file=_real_stderr[0], all_threads=True, chain=True)
+
+
+@pytest.fixture(autouse=True)
+def _exit_if_hung():
+    faulthandler.dump_traceback_later(HUNG_TEST_S, exit=True, file=_real_stderr[0])
+    yield
+    faulthandler.cancel_dump_traceback_later()
 
 
 @pytest.fixture(scope="session")
