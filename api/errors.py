@@ -60,9 +60,21 @@ def error_response(exc: ServiceError) -> web.Response:
     return json_response(error_body(exc.message, exc.type, exc.param, exc.code), status_of(exc), error_headers(exc))
 
 
+class ParamError(ValueError):
+    """A check across fields (a model validator) that one parameter fails: `param` names it in the
+    400, as a field's own check would by its path."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 def validation_error(exc: ValidationError) -> InvalidRequestError:
     """The first problem, named by its parameter path (`messages.0.role`)."""
     first = exc.errors()[0]
+    cause = first.get("ctx", {}).get("error")
+    if isinstance(cause, ParamError):
+        return InvalidRequestError(str(cause), param=cause.param)
     param = ".".join(str(part) for part in first["loc"]) or None
     message = first["msg"].removeprefix("Value error, ")
     return InvalidRequestError(f"{param}: {message}" if param else message, param=param)

@@ -12,6 +12,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, Discriminator, Field, Tag, field_validator, model_validator
 
+from api.errors import ParamError
 from api.openai.fields import (
     GENERATION_MAX_BODY_BYTES,
     MAX_CONTEXT_TOKENS,
@@ -190,11 +191,11 @@ class ResponseInputFields(Strict):
     def _check_tools(self) -> ResponseInputFields:
         names = [tool.name for tool in self.tools or []]
         if len(set(names)) != len(names):
-            raise ValueError("tools: function names must be unique")
+            raise ParamError("tools", "tools: function names must be unique")
         if isinstance(self.tool_choice, FunctionChoice) and self.tool_choice.name not in names:
-            raise ValueError(f"tool_choice names {self.tool_choice.name!r}, which is not in `tools`")
+            raise ParamError("tool_choice", f"tool_choice names {self.tool_choice.name!r}, which is not in `tools`")
         if self.tool_choice == "required" and not names:
-            raise ValueError("tool_choice `required` needs `tools`")
+            raise ParamError("tool_choice", "tool_choice `required` needs `tools`")
         return self
 
     def items(self) -> list[dict]:

@@ -13,6 +13,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
+from api.errors import ParamError
 from api.openai.fields import (
     GENERATION_MAX_BODY_BYTES,
     MAX_CHOICES,
@@ -189,7 +190,7 @@ class ChatCompletionRequest(SamplingFields, Ignored, ToolFields):
     @model_validator(mode="after")
     def _check_logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
-            raise ValueError("top_logprobs requires logprobs to be true")
+            raise ParamError("top_logprobs", "top_logprobs requires logprobs to be true")
         return self
 
     @model_validator(mode="after")
@@ -212,10 +213,11 @@ def check_template_fields(kwargs: dict[str, Any] | None, add_generation_prompt: 
                           continue_final_message: bool) -> None:
     reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(kwargs or {}))
     if reserved:
-        raise ValueError(f"chat_template_kwargs may not set {reserved[0]!r}: the server (or a top-level field) "
-                         "sets it")
+        raise ParamError("chat_template_kwargs", f"chat_template_kwargs may not set {reserved[0]!r}: the server "
+                         "(or a top-level field) sets it")
     if add_generation_prompt and continue_final_message:
-        raise ValueError("continue_final_message continues the last message, so add_generation_prompt must be false")
+        raise ParamError("continue_final_message",
+                         "continue_final_message continues the last message, so add_generation_prompt must be false")
 
 
 class CompletionRequest(SamplingFields, GuidedFields):
@@ -244,15 +246,15 @@ class CompletionRequest(SamplingFields, GuidedFields):
     def _check_choices(self) -> CompletionRequest:
         n = self.n or 1
         if self.best_of is not None and self.best_of != n:
-            raise ValueError(f"best_of ({self.best_of}) must equal n ({n}) or be left out: galley returns every "
-                             "choice it generates, it does not rank them")
+            raise ParamError("best_of", f"best_of ({self.best_of}) must equal n ({n}) or be left out: galley "
+                             "returns every choice it generates, it does not rank them")
         num_prompts = len(self.prompt) if isinstance(self.prompt, list) and isinstance(self.prompt[0], (str, list)) \
             else 1
         if num_prompts * n > MAX_CHOICES:
-            raise ValueError(f"{num_prompts} prompts with n={n} make {num_prompts * n} choices, over the limit of "
+            raise ParamError("n", f"{num_prompts} prompts with n={n} make {num_prompts * n} choices, over the limit of "
                              f"{MAX_CHOICES} per request")
         if self.echo and self.logprobs is not None:
-            raise ValueError("echo with logprobs is not supported (the prompt's logprobs are not computed)")
+            raise ParamError("echo", "echo with logprobs is not supported (the prompt's logprobs are not computed)")
         return self
 
     def prompt_input(self) -> PromptInput:

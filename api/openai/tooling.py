@@ -9,6 +9,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
 
+from api.errors import ParamError
 from api.openai.chunks import event_chunks
 from api.openai.fields import Strict
 from services.inference.structured import OutputFormat
@@ -140,11 +141,12 @@ class ToolFields(GuidedFields):
     def _check_tools(self) -> ToolFields:
         names = [tool.function.name for tool in self.tools or []]
         if len(set(names)) != len(names):
-            raise ValueError("tools: function names must be unique")
+            raise ParamError("tools", "tools: function names must be unique")
         if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
-            raise ValueError(f"tool_choice names {self.tool_choice.function.name!r}, which is not in `tools`")
+            raise ParamError("tool_choice",
+                             f"tool_choice names {self.tool_choice.function.name!r}, which is not in `tools`")
         if self.tool_choice == "required" and not names:
-            raise ValueError("tool_choice `required` needs `tools`")
+            raise ParamError("tool_choice", "tool_choice `required` needs `tools`")
         return self
 
     def tool_use(self) -> ToolUse:

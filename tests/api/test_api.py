@@ -210,6 +210,33 @@ async def test_bad_input_gets_openai_shaped_error(served, body, status, needle):
     assert needle in data["error"]["message"]
 
 
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/chat/completions", {**CHAT, "top_logprobs": 0}, "top_logprobs"),
+        ("/v1/chat/completions", {**CHAT, "tools": [TOOL, TOOL]}, "tools"),
+        ("/v1/chat/completions", {**CHAT, "tool_choice": "required"}, "tool_choice"),
+        ("/v1/chat/completions", {**CHAT, "chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
+        ("/v1/chat/completions", {**CHAT, "continue_final_message": True}, "continue_final_message"),
+        ("/v1/completions", {"model": "tiny", "prompt": "x", "n": 2, "best_of": 3}, "best_of"),
+        ("/v1/completions", {"model": "tiny", "prompt": "x", "echo": True, "logprobs": 1}, "echo"),
+        ("/v1/responses", {"model": "tiny", "input": "hi", "tool_choice": "required"}, "tool_choice"),
+    ],
+)
+async def test_a_check_across_fields_names_the_field_at_fault(served, path, body, param):
+    """As OpenAI's 400s do, so a client can point at the field; not `null` because the check looks at two."""
+    server, _ = served
+    async with aiohttp.ClientSession() as session:
+        async with session.post(server.make_url(path), json=body) as resp:
+            data = await resp.json()
+    assert resp.status == 400, data
+    assert data["error"]["param"] == param and data["error"]["type"] == "invalid_request_error", data
+
+
 async def test_long_prompt_error_names_the_numbers(served):
     server, _ = served
     async with aiohttp.ClientSession() as session:

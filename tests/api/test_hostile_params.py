@@ -205,6 +205,7 @@ async def test_random_parameters_never_hurt_another_tenants_stream(stack):
     @given(path=st.sampled_from(ENDPOINTS), params=params)
     @example(path="/v1/completions", params={"top_k": 9223372036854775808})  # the repro
     @example(path="/v1/chat/completions", params={"top_k": 2**64, "temperature": 1e-46, "stop_token_ids": [-1] * 999})
+    @example(path="/v1/chat/completions", params={"top_logprobs": 0})  # a check across two fields names one
     def prop(path: str, params: dict) -> None:  # hypothesis is synchronous: it drives the loop from a thread
         asyncio.run_coroutine_threadsafe(one_example(path, params), loop).result(120)
 
