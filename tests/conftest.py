@@ -3,13 +3,14 @@ from __future__ import annotations
 import faulthandler
 import os
 import signal
+import threading
 
 import pytest
 
 from storage.db import Database
 from tests.models import FAMILIES, save_tiny_model
 
-HUNG_TEST_S = 600  # the slowest test takes ~2 minutes on 2 cores
+HUNG_TEST_S = 600  # the slowest test takes about a minute on 2 cores
 _real_stderr = []  # the stderr from before pytest captures it, for faulthandler's dumps
 
 
@@ -22,10 +23,17 @@ def pytest_configure(config):
 
 
 @pytest.fixture(autouse=True)
-def _exit_if_hung():
-    faulthandler.dump_traceback_later(HUNG_TEST_S, exit=True, file=_real_stderr[0])
+def _exit_if_hung(request):
+    stderr = _real_stderr[0]
+    # names the test first (the stacks of an async test show only the event loop), unless the GIL is stuck
+    name = threading.Timer(HUNG_TEST_S - 5, lambda: print(f"\nstill running after {HUNG_TEST_S - 5} s: "
+                                                          f"{request.node.nodeid}", file=stderr, flush=True))
+    name.daemon = True
+    name.start()
+    faulthandler.dump_traceback_later(HUNG_TEST_S, exit=True, file=stderr)
     yield
     faulthandler.cancel_dump_traceback_later()
+    name.cancel()
 
 
 @pytest.fixture(scope="session")
