@@ -153,7 +153,8 @@ class Loading:
         before the version gets any traffic (not counted in its health)."""
         if isinstance(served, ServedEncoder):
             future = served.handle.submit(["Hello"])
-            outputs = await asyncio.wait_for(asyncio.wrap_future(future), self.cfg.load_timeout_seconds)
+            async with asyncio.timeout(self.cfg.load_timeout_seconds):  # not wait_for: see metrics.observe
+                outputs = await asyncio.wrap_future(future)
             if len(outputs) != 1:
                 raise RuntimeError(f"warm-up failed: {len(outputs)} outputs for 1 input")
             return

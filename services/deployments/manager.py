@@ -237,7 +237,8 @@ class ModelManager:
             raise load_failed(ref)
         vs.num_waiters += 1
         try:
-            return await asyncio.wait_for(asyncio.shield(self.loading.task(vs)), self.cfg.load_timeout_seconds)
+            async with asyncio.timeout(self.cfg.load_timeout_seconds):  # not wait_for: see metrics.observe
+                return await asyncio.shield(self.loading.task(vs))
         except TimeoutError:
             raise ServiceUnavailableError(f"`{ref}` is still loading; retry shortly", code="model_loading",
                                           retry_after_s=5) from None

@@ -217,7 +217,8 @@ class ShadowMirror:
                        log_prompts: bool) -> None:
         run = asyncio.ensure_future(self._run(stream))
         try:
-            primary_status = await asyncio.wait_for(asyncio.shield(output.ended), MAX_PRIMARY_WAIT_S)
+            async with asyncio.timeout(MAX_PRIMARY_WAIT_S):  # not wait_for: see metrics.observe
+                primary_status = await asyncio.shield(output.ended)
         except TimeoutError:
             primary_status = "unread"
         finally:
@@ -249,7 +250,8 @@ class ShadowMirror:
                               served: list[list[float]], future: asyncio.Future, log_prompts: bool) -> None:
         model, version = primary.name, target.version
         try:
-            shadowed = [out.values for out in await asyncio.wait_for(future, self.router.queue_timeout_s)]
+            async with asyncio.timeout(self.router.queue_timeout_s):
+                shadowed = [out.values for out in await future]
         except TimeoutError:
             self.requests.labels(model, version, "dropped").inc()
             return
@@ -277,7 +279,8 @@ class ShadowMirror:
         """The copy to its end; not scheduled within the queue timeout, it is aborted."""
         result, events = ShadowRun(), aiter(stream)
         try:
-            event = await asyncio.wait_for(anext(events), self.router.queue_timeout_s)
+            async with asyncio.timeout(self.router.queue_timeout_s):  # not wait_for: see metrics.observe
+                event = await anext(events)
             while True:
                 result.text += event.text
                 result.num_tokens = event.num_output_tokens

@@ -248,7 +248,11 @@ class Metrics:
         events = aiter(stream)
         try:
             try:
-                event = await asyncio.wait_for(anext(events), first_event_timeout_s)
+                # asyncio.timeout, not wait_for: on Python 3.11 wait_for returns the event when a cancel
+                # (server shutdown) comes with it, swallowing the cancel, and the task then waited for
+                # events a stopped engine never sends (a test's teardown hung forever on it)
+                async with asyncio.timeout(first_event_timeout_s):
+                    event = await anext(events)
             except TimeoutError:
                 record.status = "timeout"
                 self.refused(model.name, "queue_timeout")
