@@ -249,8 +249,8 @@ class Metrics:
         try:
             try:
                 # asyncio.timeout, not wait_for: on Python 3.11 wait_for returns the event when a cancel
-                # (server shutdown) comes with it, swallowing the cancel, and the task then waited for
-                # events a stopped engine never sends (a test's teardown hung forever on it)
+                # (server shutdown) comes with it, swallowing the cancel (CPython gh-86296, fixed in 3.12),
+                # and the task then waited for events a stopped engine never sends (a teardown hung on it)
                 async with asyncio.timeout(first_event_timeout_s):
                     event = await anext(events)
             except TimeoutError:
