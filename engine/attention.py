@@ -38,6 +38,11 @@ class AttentionMetadata:
     sliding_window: int | None = None
     kernels: Any = None  # torch.ops.galley_cpu (engine.cpu_kernels) once built, for CPU float32; else None
 
+    @property
+    def prefill_bounds(self) -> list[int]:
+        """(start, end, start_pos) of each prefill chunk, flat: what the fused layer kernel reads."""
+        return [n for chunk in self.prefills for n in (chunk.start, chunk.end, chunk.start_pos)]
+
 
 def visible_mask(
     query_positions: torch.Tensor, num_keys: int, context_len: torch.Tensor | int, sliding_window: int | None

@@ -336,3 +336,36 @@ def test_prefill_kernel_matches_torch_path(kernels, sliding_window, head_dim, bl
         meta = build_metadata(decodes, chunks, slots, block_size, sliding_window, torch.device("cpu"), kernel)
         outs.append(paged_attention(q, k, v, k_cache.clone(), v_cache.clone(), meta, head_dim**-0.5))
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("sliding_window", [None, 5])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fused_layer_kernel_matches_per_op_path(tiny_models, kernels, family, sliding_window):
+    """One C++ op per decoder layer runs the same kernels in the same order as the per-op path: the
+    same logits and the same cache, bit for bit, on a step of decodes beside prefill chunks from
+    the start and after a cached prefix (biases: qwen2; q/k norms: qwen3)."""
+    model = load_model(str(tiny_models[family]), dtype="float32").model
+    s, block_size, num_blocks = model.shape, 4, 64
+    torch.manual_seed(0)
+    caches = [(torch.randn(num_blocks * block_size, s.num_kv_heads, s.head_dim),
+               torch.randn(num_blocks * block_size, s.num_kv_heads, s.head_dim)) for _ in range(s.num_layers)]
+    free = iter(torch.randperm(num_blocks).tolist())
+    decodes = [([next(free) for _ in range(-(-n // block_size))], n) for n in (9, 30, 1)]
+    chunks = [([next(free) for _ in range(-(-(start + n) // block_size))], start, n) for start, n in [(0, 13), (7, 9)]]
+    positions = [n - 1 for _, n in decodes] + [p for _, start, n in chunks for p in range(start, start + n)]
+    tables = [table for table, _ in decodes] + [table for table, _, n in chunks for _ in range(n)]
+    slots = [table[p // block_size] * block_size + p % block_size for table, p in zip(tables, positions)]
+    input_ids = torch.randint(0, s.vocab_size, (len(slots),))
+    logits_at = torch.tensor([0, 1, 2, 3 + 13 - 1, len(slots) - 1])
+    results = []
+    for fused in (False, True):
+        model.fused, counting = fused, CountingKernels(kernels, "decoder_layer")
+        meta = build_metadata(decodes, chunks, slots, block_size, sliding_window, torch.device("cpu"), counting)
+        cache = [(k.clone(), v.clone()) for k, v in caches]
+        with torch.inference_mode():
+            logits = model(input_ids, torch.tensor(positions), cache, meta, logits_at)
+        assert counting.calls == (s.num_layers if fused else 0)
+        results.append((logits, cache))
+    (expected, expected_cache), (got, got_cache) = results
+    assert torch.equal(got, expected)
+    assert all(torch.equal(a, b) for pair, other in zip(got_cache, expected_cache) for a, b in zip(pair, other))
