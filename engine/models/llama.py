@@ -208,18 +208,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
         self.mlp = MLP(shape)
 
-    def fusable(self, kernels: Any) -> bool:
-        """Can the C++ kernels run this layer as one op? Packed float32 linears and a SiLU MLP."""
-        attn, mlp = self.self_attn, self.mlp
-        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        return kernels is not None and mlp.silu and all(isinstance(layer, PackedLinear) for layer in linears)
-
-    def forward(self, x, residual, cos, sin, kv_cache, meta, prefill_bounds=None):
+    def forward(self, x, residual, cos, sin, kv_cache, meta):
         """x: the previous layer's output, residual: the stream before it (None at the first layer);
-        returns the same pair for this layer (the add happens in the next norm). prefill_bounds: the
-        step's `meta.prefill_bounds` when the layer runs fused (x and residual then change in place)."""
-        if prefill_bounds is not None:
-            return self.fused_forward(x, residual, cos, sin, kv_cache, meta, prefill_bounds)
+        returns the same pair for this layer (the add happens in the next norm)."""
         if residual is None:
             x, residual = self.input_layernorm(x, meta.kernels), x
         else:
@@ -228,20 +219,17 @@ class DecoderLayer(nn.Module):
         x, residual = self.post_attention_layernorm.add_forward(x, residual, meta.kernels)
         return self.mlp(x, meta.kernels), residual
 
-    def fused_forward(self, x, residual, cos, sin, kv_cache, meta, prefill_bounds):
-        """The same formulas, and kernels, as forward, in one C++ call: at one decoding sequence the
-        per-op path's Python took a fifth of the step."""
-        attn, mlp, s = self.self_attn, self.mlp, self.self_attn.shape
-        qk_norm = (attn.q_norm.weight, attn.k_norm.weight) if s.qk_norm else (None, None)
-        meta.kernels.decoder_layer(
-            x, residual, cos, sin, self.input_layernorm.weight, attn.qkv_proj.panels, attn.qkv_proj.bias, *qk_norm,
-            attn.o_proj.panels, attn.o_proj.bias, self.post_attention_layernorm.weight, mlp.gate_up_proj.panels,
-            mlp.gate_up_proj.bias, mlp.down_proj.panels, mlp.down_proj.bias, kv_cache[0], kv_cache[1],
-            meta.slot_mapping, meta.num_decodes, meta.decode_block_tables, meta.decode_context_lens, prefill_bounds,
-            [chunk.block_table for chunk in meta.prefills], s.num_heads, s.rms_norm_eps, meta.block_size, attn.scale,
-            meta.sliding_window or 0,
-        )
-        return x, residual
+    def fused_weights(self) -> tuple | None:
+        """The weights in the order the C++ `decoder_layer` op takes them; None where it cannot run
+        this layer (linears not packed for CPU float32, or an activation other than SiLU)."""
+        attn, mlp = self.self_attn, self.mlp
+        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        if not mlp.silu or not all(isinstance(layer, PackedLinear) for layer in linears):
+            return None
+        qk_norm = (attn.q_norm.weight, attn.k_norm.weight) if attn.shape.qk_norm else (None, None)
+        return (self.input_layernorm.weight, attn.qkv_proj.panels, attn.qkv_proj.bias, *qk_norm, attn.o_proj.panels,
+                attn.o_proj.bias, self.post_attention_layernorm.weight, mlp.gate_up_proj.panels, mlp.gate_up_proj.bias,
+                mlp.down_proj.panels, mlp.down_proj.bias)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -256,6 +244,7 @@ class LlamaForCausalLM(nn.Module):
         if shape.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.fused = True  # one C++ op per decoder layer where the kernels can (False: per op, to compare)
+        self._fused_weights: list[tuple] | None = None
 
     def forward(
         self,
@@ -267,11 +256,32 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:  # [num_samples, vocab_size] float32
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, x.dtype)
-        residual, bounds = None, None
-        if self.fused and all(layer.fusable(meta.kernels) for layer in self.layers):
-            # the first layer's norm adds the embeddings to a zero residual: the same stream, in place
-            residual, x, bounds = x, torch.zeros_like(x), meta.prefill_bounds
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(x, residual, cos, sin, kv_cache, meta, bounds)
+        weights = self.fused_weights() if self.fused and meta.kernels is not None else None
+        if weights is not None:
+            x, residual = self.fused_layers(x, cos, sin, kv_caches, meta, weights)
+        else:
+            residual = None
+            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+                x, residual = layer(x, residual, cos, sin, kv_cache, meta)
         x = self.norm(residual[logits_indices] + x[logits_indices], meta.kernels)
         return linear(self.lm_head, x, meta.kernels).float()
+
+    def fused_weights(self) -> list[tuple] | None:
+        """Each layer's weights for the fused op, gathered on first use (they do not change once
+        loaded); None unless the op can run every layer."""
+        if self._fused_weights is None:
+            weights = [layer.fused_weights() for layer in self.layers]
+            self._fused_weights = weights if all(w is not None for w in weights) else []
+        return self._fused_weights or None
+
+    def fused_layers(self, x, cos, sin, kv_caches, meta: AttentionMetadata, weights: list[tuple]):
+        """The layers' formulas and kernels as `DecoderLayer.forward` runs them, one C++ call per layer:
+        at one decoding sequence the per-op path's Python took a fifth of the step. The first layer's
+        norm adds the embeddings to a zero residual, which gives the same stream; both change in place."""
+        s, residual, x = self.shape, x, torch.zeros_like(x)
+        step = (meta.slot_mapping, meta.num_decodes, meta.decode_block_tables, meta.decode_context_lens,
+                meta.prefill_bounds, [chunk.block_table for chunk in meta.prefills], s.num_heads, s.rms_norm_eps,
+                meta.block_size, s.head_dim**-0.5, meta.sliding_window or 0)
+        for layer_weights, (k_cache, v_cache) in zip(weights, kv_caches, strict=True):
+            meta.kernels.decoder_layer(x, residual, cos, sin, *layer_weights, k_cache, v_cache, *step)
+        return x, residual
