@@ -5,7 +5,8 @@ outputs match `transformers`; differs in layout: fused qkv and gate/up projectio
 [num_tokens, hidden] batch with per-token positions, paged KV written in place, and the
 residual add done by the next norm (so the C++ kernels of `engine.cpu_kernels`, passed in
 the step's metadata on CPU float32, can fuse them; without them the same formulas run as
-torch ops).
+torch ops). Where the kernels can run every layer (packed linears, SiLU), each layer is one C++
+op (`fused_layers`) that calls them in the order `DecoderLayer.forward` does.
 """
 
 from __future__ import annotations
