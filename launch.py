@@ -36,6 +36,7 @@ from scheduling.fair_queue import FairQueue, FairShareConfig
 from scheduling.queue import FifoQueue
 from scheduling.router import Replica, Served, ServedModel
 from scheduling.scheduler import Scheduler, SchedulerConfig
+from services.inference.params import sampling_defaults
 from storage.registry import ModelVersion
 
 log = structlog.get_logger(__name__)
@@ -194,6 +195,7 @@ class EngineLoader:
             shared_prefix_cache=bool(spec.options.get("shared_prefix_cache", False)),
             tool_parser=spec.options.get("tool_parser"),
             reasoning_parser=spec.options.get("reasoning_parser"),
+            sampling_defaults=sampling_defaults(loaded.generation_config, spec.options.get("sampling_defaults")),
         )
 
     def new_engine(self, spec: ModelVersion, loaded: LoadedModel) -> LLMEngine:
@@ -217,8 +219,10 @@ class EngineLoader:
 
 
 def model_engine_config(cfg: EngineConfig, spec: ModelVersion) -> EngineConfig:
-    """The engine config for one model: its own `speculative` table, if it has one, replaces the
-    server-wide [speculative] (a draft model must share its target's tokenizer)."""
+    """The engine config for one model: its own `max_model_len` and `speculative` table, if it has
+    them, replace the server-wide ones (a draft model must share its target's tokenizer)."""
+    if "max_model_len" in spec.options:
+        cfg = dataclasses.replace(cfg, max_model_len=spec.options["max_model_len"])
     table = spec.options.get("speculative")
     if table is None:
         return cfg

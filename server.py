@@ -53,6 +53,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="require API keys on /v1 and /api (needed to bind beyond loopback)")
     p.add_argument("--model", action="append", default=[], metavar="PATH_OR_HF_ID|NAME=PATH",
                    help="add a generative model (repeatable)")
+    p.add_argument("--model-option", action="append", default=[], metavar="NAME.OPTION=VALUE",
+                   help="set a model's option, VALUE as JSON or a plain string (repeatable); e.g. "
+                   "smollm2.quantization=int4, smollm2.sampling_defaults='{\"temperature\": 0.7}'")
     p.add_argument("--device", help="cpu, cuda, cuda:N, or a comma list such as cuda:0,cuda:1")
     p.add_argument("--data-dir", help="where the server keeps its state (default ./data)")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
@@ -73,6 +76,7 @@ def build_config(args: argparse.Namespace) -> GalleyConfig:
                 "max_num_batched_tokens": args.max_num_batched_tokens},
         cache={"kv_cache_gib": args.kv_cache_gib},
         extra_models=args.model,
+        model_options=args.model_option,
         auth={"enabled": args.auth},
     )
 

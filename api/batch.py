@@ -20,10 +20,16 @@ from api.openai.fields import (
     MAX_CONTEXT_TOKENS,
     MAX_NAME_CHARS,
     MAX_STOP_TOKEN_IDS,
-    MAX_TOP_K,
+    MinP,
+    Penalty,
+    RepetitionPenalty,
     Stop,
     StopTokenIds,
     Strict,
+    Temperature,
+    TopK,
+    TopP,
+    sampling_field,
 )
 from api.openai.messages import ChatMessage
 from api.openai.responses import Usage
@@ -42,16 +48,15 @@ class BatchParams(Strict):
 
     max_tokens: int | None = Field(None, ge=1, le=MAX_CONTEXT_TOKENS, description="Default: 16 for prompts, the "
                                    "rest of the context for chat messages.")
-    temperature: float = Field(1.0, ge=0.0, le=2.0, description="Below 1e-5: greedy (as 0).")
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1, le=MAX_TOP_K, description="-1 or 0 disables; above the vocabulary: the "
-                              "whole vocabulary.")
-    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    temperature: Temperature | None = sampling_field("temperature")
+    top_p: TopP | None = sampling_field("top_p")
+    top_k: TopK | None = sampling_field("top_k")
+    min_p: MinP | None = sampling_field("min_p")
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
     stop: Stop = None
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)
+    frequency_penalty: Penalty | None = sampling_field("frequency_penalty")
+    presence_penalty: Penalty | None = sampling_field("presence_penalty")
+    repetition_penalty: RepetitionPenalty | None = sampling_field("repetition_penalty")
     ignore_eos: bool = False
     stop_token_ids: StopTokenIds | None = Field(None, description=f"At most {MAX_STOP_TOKEN_IDS}, each below the "
                                                 "model's vocabulary size.")

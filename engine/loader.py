@@ -9,8 +9,10 @@ at load, with the list of what is supported.
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
@@ -37,6 +39,7 @@ class LoadedModel:
     max_model_len: int
     dtype: torch.dtype
     device: torch.device
+    generation_config: dict[str, Any] = field(default_factory=dict)  # what generation_config.json sets
 
 
 def package_path(source: str) -> Path:
@@ -177,6 +180,14 @@ def eos_token_ids(path: Path, hf_config, tokenizer: PreTrainedTokenizerBase) -> 
     return frozenset(ids)
 
 
+def generation_config(path: Path) -> dict[str, Any]:
+    """The keys `generation_config.json` sets (not `GenerationConfig`'s own defaults); {} without one."""
+    try:
+        return json.loads((path / "generation_config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
 def max_token_chars(tokenizer: PreTrainedTokenizerBase) -> int:
     """The longest token's spelling: no token covers more characters of input text, so a prompt of
     more than `max_model_len * max_token_chars` characters cannot fit the context (checked before
@@ -251,4 +262,5 @@ def load_model(source: str, device: str = "cpu", dtype: str = "auto",
         max_model_len=model.shape.max_position_embeddings,
         dtype=torch_dtype,
         device=torch_device,
+        generation_config=generation_config(path),
     )

@@ -36,9 +36,12 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
             factors += [seq.params.repetition_penalty] * len(seen)
     if rows:
         index = (torch.tensor(rows, device=logits.device), torch.tensor(tokens, device=logits.device))
-        factor = torch.tensor(factors, device=logits.device, dtype=logits.dtype)
-        picked = logits[index]
-        logits[index] = torch.where(picked > 0, picked / factor, picked * factor)
+        # in float64, then clamped into the logits' range: a tiny penalty (1e-300, vLLM takes any > 0)
+        # is 0 in float32, and a logit divided by it inf; a huge one sends negatives to -inf (never drawn)
+        factor = torch.tensor(factors, device=logits.device, dtype=torch.float64)
+        picked = logits[index].double()
+        top = torch.finfo(logits.dtype).max
+        logits[index] = torch.where(picked > 0, picked / factor, picked * factor).clamp(max=top).to(logits.dtype)
     rows, tokens, amounts = [], [], []
     for row, seq in enumerate(seqs):
         p = seq.params
@@ -131,11 +134,23 @@ def filter_probs(probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
 def draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """Per row, the token where the CDF of `probs` (unnormalised; zeros are never drawn) first
     exceeds uniform x its total: a draw from the normalised row. In float32 each token's share of
-    the CDF is its probability to within ~1e-7 (one rounding of the running sum)."""
+    the CDF is its probability to within ~1e-7 (one rounding of the running sum). A row with no
+    mass to draw from (every token masked, or NaN) gets its most likely token: never an id past
+    the vocabulary, which the next step's embedding lookup would fail on."""
     cdf = probs.cumsum(dim=-1)
     total = cdf[:, -1:]
     target = torch.minimum(uniforms[:, None].to(cdf.dtype) * total, torch.nextafter(total, torch.zeros_like(total)))
-    return torch.searchsorted(cdf, target, right=True).squeeze(1)
+    tokens = torch.searchsorted(cdf, target, right=True).squeeze(1)
+    empty = ~(total.squeeze(1) > 0)  # (NaN compares false)
+    if bool(empty.any()):
+        tokens[empty] = greedy(probs[empty].nan_to_num(nan=-1.0))
+    return tokens
+
+
+def finite_scores(scores: torch.Tensor) -> torch.Tensor:
+    """Scores softmax can take: NaN is never drawn (-inf), +inf becomes the largest float (a row's
+    infinities then share its mass instead of making it all NaN)."""
+    return scores.nan_to_num_(nan=float("-inf"), posinf=torch.finfo(scores.dtype).max, neginf=float("-inf"))
 
 
 class Sampler:
@@ -162,6 +177,7 @@ class Sampler:
         tokens past the sequence's end it samples for (a speculative draft's position; 0: the
         next token), so a seeded row draws the noise of its own position."""
         offsets = offsets or [0] * len(seqs)
+        logits = logits.float()  # (a no-op for float32; bf16/fp16 logits are sampled in float32, as HF does)
         want_logprobs = any(s.params.logprobs is not None for s in seqs)
         raw_logprobs = logits.log_softmax(dim=-1) if want_logprobs else None
         biased = any(s.params.logit_bias for s in seqs)
@@ -187,7 +203,7 @@ class Sampler:
             sub_offsets = [offsets[i] for i in random_rows]
             temps = torch.tensor([s.params.temperature for s in sub_seqs], device=logits.device)
             sub = logits if len(random_rows) == len(seqs) else logits[rows]
-            probs = (sub / temps[:, None]).softmax(dim=-1)
+            probs = finite_scores(sub / temps[:, None]).softmax(dim=-1)
             if any(s.params.top_k or s.params.top_p < 1.0 or s.params.min_p > 0.0 for s in sub_seqs):
                 probs = filter_probs(probs, sub_seqs)
             tokens[rows] = draw(probs, self._uniforms(sub_seqs, sub_offsets))

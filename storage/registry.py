@@ -29,25 +29,6 @@ if TYPE_CHECKING:
 KINDS = ("generate", "embed", "classify")
 STATES = ("unloaded", "loading", "ready", "failed")
 EVENT_KINDS = ("deploy", "traffic", "rollback", "auto_rollback")
-DTYPES = ("auto", "float32", "bfloat16", "float16")
-TOOL_PARSERS = ("hermes", "llama3_json", "mistral")  # services.inference.tool_parser's formats
-REASONING_PARSERS = ("qwen3", "deepseek_r1", "none")  # services.inference.reasoning's
-QUANTIZATIONS = ("int8", "int4", "none")  # engine.quantization's methods, and off
-# option -> (accepted types, what it means); anything else is rejected
-OPTIONS: dict[str, tuple[tuple[type, ...], str]] = {
-    "dtype": ((str,), "auto | float32 | bfloat16 | float16"),
-    "device": ((str,), "one of the configured devices; default: every configured device"),
-    "pinned": ((bool,), "stays loaded: never unloaded for idleness or memory"),
-    "keep_alive": ((int, float), "seconds idle before it unloads; 0: never"),
-    "preload": ((bool,), "false: loads on its first request instead of at start"),
-    "shared_prefix_cache": ((bool,), "generative: tenants may reuse each other's cached prompt prefixes"),
-    "tool_parser": ((str,), "generative: hermes | llama3_json | mistral; default: detected from the chat template"),
-    "reasoning_parser": ((str,), "generative: qwen3 | deepseek_r1 | none; default: detected from the chat template"),
-    "quantization": ((str,), "generative: int8 | int4 weight-only linears | none (default)"),
-    "speculative": ((dict,), "generative: a [speculative] table (method, model, ...) replacing the server's"),
-    "max_batch": ((int,), "encoders: most inputs in one forward"),
-    "max_wait_ms": ((int, float), "encoders: how long a batch waits to fill"),
-}
 
 
 class VersionExistsError(Exception):
@@ -58,33 +39,10 @@ class VersionNotFoundError(LookupError):
     pass
 
 
-def validate_options(options: Mapping[str, Any]) -> dict[str, Any]:
-    """The options, checked (ValueError names the first bad one)."""
-    for name, value in options.items():
-        if name not in OPTIONS:
-            raise ValueError(f"unknown option {name!r}; known: {', '.join(OPTIONS)}")
-        types, _ = OPTIONS[name]
-        if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
-            raise ValueError(f"option {name!r} must be {' or '.join(t.__name__ for t in types)}")
-    if options.get("dtype", "auto") not in DTYPES:
-        raise ValueError(f"option 'dtype' must be one of {DTYPES}")
-    for name in ("keep_alive", "max_wait_ms"):
-        if options.get(name, 0) < 0:
-            raise ValueError(f"option {name!r} must be >= 0")
-    if options.get("max_batch", 1) < 1:
-        raise ValueError("option 'max_batch' must be >= 1")
-    if options.get("tool_parser", "hermes") not in TOOL_PARSERS:
-        raise ValueError(f"option 'tool_parser' must be one of {TOOL_PARSERS}")
-    if options.get("reasoning_parser", "none") not in REASONING_PARSERS:
-        raise ValueError(f"option 'reasoning_parser' must be one of {REASONING_PARSERS}")
-    if options.get("quantization", "none") not in QUANTIZATIONS:
-        raise ValueError(f"option 'quantization' must be one of {QUANTIZATIONS}")
-    return dict(options)
-
-
 @dataclass(frozen=True)
 class ModelVersion:
-    """Invariant: kind in KINDS, state in STATES, options valid; `error` set only when failed."""
+    """Invariant: kind in KINDS, state in STATES; `error` set only when failed. Its options were checked
+    where they came in (`services.deployments.options`)."""
 
     name: str
     version: str
@@ -103,7 +61,6 @@ class ModelVersion:
             raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
         if self.state not in STATES:
             raise ValueError(f"state must be one of {STATES}, got {self.state!r}")
-        validate_options(self.options)
 
     @property
     def ref(self) -> str:

@@ -45,7 +45,7 @@ def test_encoder_entries_become_registry_options_and_a_name_keeps_one_kind(tmp_p
     entry = '[[models]]\nname = "e"\npath = "x"\nkind = "embed"\nmax_batch = 4\nkeep_alive = 2.0\n'
     path.write_text(entry)
     (model,) = load_config(path).models
-    assert model.options == {"keep_alive": 2.0, "max_batch": 4, "max_wait_ms": 5.0}
+    assert model.options == {"keep_alive": 2.0, "max_batch": 4}
     path.write_text(entry + '[[models]]\nname = "e"\npath = "y"\nversion = "2"\n')
     with pytest.raises(ConfigError, match="one kind"):
         load_config(path)

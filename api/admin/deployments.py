@@ -14,27 +14,44 @@ import time
 from typing import Annotated, Any, Literal
 
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict, Field, RootModel
+from pydantic import BaseModel, ConfigDict, Field, RootModel, create_model
 
 from api.auth import is_admin, tenant_of
 from api.errors import json_response
-from api.openai.fields import Strict
+from api.openai.fields import Strict, bounded
 from api.routes import Route
 from api.services import services
 from api.validation import parse_body
 from services.deployments.loading import VersionState
+from services.deployments.options import OPTIONS, SPECULATIVE_KEYS, Option
+from services.inference.params import DEFAULTABLE
 
 Name = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$",
                             description="Letters, digits and `._:/-`; no `@` (it separates the version).")]
 
 
-class VersionOptions(Strict):
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] | None = None
-    device: str | None = Field(None, description="One of the configured devices; default: all of them.")
-    pinned: bool | None = Field(None, description="Stays loaded: never unloaded for idleness or memory.")
-    keep_alive: float | None = Field(None, ge=0, le=10**9, description="Seconds idle before it unloads; 0: never.")
-    max_batch: int | None = Field(None, ge=1, le=65536, description="Encoders: most inputs in one forward.")
-    max_wait_ms: float | None = Field(None, ge=0, le=1000, description="Encoders: how long a batch waits to fill.")
+SamplingDefaults = create_model(
+    "SamplingDefaults", __base__=Strict, __doc__="A model's defaults for the sampling fields a request leaves out.",
+    **{name: (bounded(bounds) | None, Field(None, description=bounds.help or None))
+       for name, bounds in DEFAULTABLE.items()})
+
+
+def option_type(option: Option) -> Any:
+    """The schema of one option of the registry's table (`services.deployments.options`)."""
+    if option.choices:
+        return Literal[option.choices]
+    if option.name == "sampling_defaults":
+        return SamplingDefaults
+    if option.name == "speculative":
+        return dict[Literal[SPECULATIVE_KEYS], Any]
+    return Annotated[option.type, Field(strict=option.type is bool, ge=option.ge, le=option.le)]
+
+
+VersionOptions = create_model(
+    "VersionOptions", __base__=Strict, __doc__="A model version's options: the same as a [[models]] entry's.",
+    **{option.name: (option_type(option) | None,
+                     Field(None, description=f"{option.help} ({' and '.join(option.kinds)} models)."))
+       for option in OPTIONS.values()})
 
 
 class ModelCreate(Strict):

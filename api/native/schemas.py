@@ -8,8 +8,9 @@ from typing import Annotated, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from api.openai.embeddings import MAX_INPUTS, CacheOptions, EmbeddingUsage, Text
-from api.openai.fields import MAX_CONTEXT_TOKENS, MAX_NAME_CHARS, MAX_TOP_K, Prompt, Strict
+from api.openai.fields import MAX_CONTEXT_TOKENS, MAX_NAME_CHARS, Prompt, Strict
 from api.openai.schemas import GalleyOptions, SamplingFields
+from services.inference.params import MAX_TOP_K
 
 # ---- /api/v1/embed ------------------------------------------------------------------------
 

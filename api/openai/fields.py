@@ -7,11 +7,12 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
+from services.inference.params import DEFAULTABLE, Bounds
+
 MAX_STOP = 4  # stop strings per request (OpenAI's limit)
 MAX_STOP_CHARS = 512  # per stop string: the detokenizer matches every stop after every token
 MAX_STOP_TOKEN_IDS = 256
 MAX_TOKEN_ID = 2**31 - 1  # no vocabulary comes near; the model's own size is checked per request
-MAX_TOP_K = 1_000_000  # beyond any vocabulary; the sampler clamps to the model's
 MAX_CONTEXT_TOKENS = 1 << 20  # bound of max_tokens: no served model has a longer context
 MAX_NAME_CHARS = 256  # model names and end-user ids
 MAX_N = 16  # choices per prompt: each is a whole generation (its own prefill and KV blocks)
@@ -19,6 +20,28 @@ MAX_PROMPTS = 64  # prompts per text completion; with n, at most MAX_CHOICES cho
 MAX_CHOICES = 128
 MAX_LOGIT_BIAS = 1024  # entries: each is added to a logit every step
 GENERATION_MAX_BODY_BYTES = 4 * 1024 * 1024  # a generation's body: a long context's prompt with room to spare
+
+
+def bounded(bounds: Bounds) -> Any:
+    """A sampling field's type with its range (`services.inference.params.SAMPLING_FIELDS`)."""
+    return Annotated[bounds.type, Field(ge=bounds.ge, gt=bounds.gt, le=bounds.le, allow_inf_nan=False)]
+
+
+def sampling_field(name: str, note: str = "") -> Any:
+    """An optional request field `name`: left out, the model's default applies (GET /v1/models/{id}
+    shows it), else the API's."""
+    bounds = DEFAULTABLE[name]
+    about = f"Default: the model's `sampling_defaults`, else {bounds.default}" + (f"; {bounds.help}" if bounds.help
+                                                                                 else "") + "."
+    return Field(None, description=f"{note} {about}".strip())
+
+
+Temperature = bounded(DEFAULTABLE["temperature"])
+TopP = bounded(DEFAULTABLE["top_p"])
+TopK = bounded(DEFAULTABLE["top_k"])
+MinP = bounded(DEFAULTABLE["min_p"])
+RepetitionPenalty = bounded(DEFAULTABLE["repetition_penalty"])
+Penalty = bounded(DEFAULTABLE["frequency_penalty"])
 
 
 def str_or_list(text: Any, items: Any) -> Any:

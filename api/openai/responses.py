@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 
 class PromptTokensDetails(BaseModel):
@@ -29,6 +29,10 @@ class ModelCard(BaseModel):
     owned_by: str = "galley"
     kind: Literal["generate", "embed", "classify"] = "generate"
     max_model_len: int | None  # context (generate) or longest input (encoders), in tokens; null until loaded
+    sampling_defaults: dict[str, float | int] | None = Field(
+        None, description="galley extension: what a request that leaves a sampling field (or max_tokens) out "
+        "gets: the model's `sampling_defaults` option over its generation_config.json over the API's defaults; "
+        "generative models, null until loaded.")
     ready: bool  # a version is loaded and can answer now; false: the first request loads it (cold)
 
 

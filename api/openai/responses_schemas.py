@@ -17,9 +17,15 @@ from api.openai.fields import (
     GENERATION_MAX_BODY_BYTES,
     MAX_CONTEXT_TOKENS,
     MAX_NAME_CHARS,
-    MAX_TOP_K,
+    MinP,
+    Penalty,
+    RepetitionPenalty,
     Stop,
     Strict,
+    Temperature,
+    TopK,
+    TopP,
+    sampling_field,
     str_or_list,
 )
 from api.openai.tooling import MAX_TOOLS, FunctionName, Schema
@@ -250,8 +256,8 @@ class InputTokens(BaseModel):
 
 class ResponseCreateRequest(ResponseInputFields):
     max_output_tokens: int | None = Field(None, ge=1, le=MAX_CONTEXT_TOKENS)
-    temperature: float | None = Field(None, ge=0.0, le=2.0, description="Default 1; below 1e-5: greedy.")
-    top_p: float | None = Field(None, gt=0.0, le=1.0, description="Default 1.")
+    temperature: Temperature | None = sampling_field("temperature")
+    top_p: TopP | None = sampling_field("top_p")
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     store: bool | None = Field(None, description="Default true: keep the response (as a conversation of the "
@@ -272,11 +278,11 @@ class ResponseCreateRequest(ResponseInputFields):
     # vLLM's sampling extensions on this endpoint (guidellm sends `stop: null` and `ignore_eos`)
     stop: Stop = None
     seed: int | None = Field(None, ge=0, le=2**63 - 1, description="vLLM extension.")
-    top_k: int | None = Field(None, ge=-1, le=MAX_TOP_K, description="vLLM extension; -1 or 0 disables.")
-    min_p: float | None = Field(None, ge=0.0, le=1.0, description="vLLM extension. Default 0.")
-    repetition_penalty: float | None = Field(None, gt=0.0, le=2.0, description="vLLM extension. Default 1.")
-    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, description="vLLM extension. Default 0.")
-    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, description="vLLM extension. Default 0.")
+    top_k: TopK | None = sampling_field("top_k", "vLLM extension.")
+    min_p: MinP | None = sampling_field("min_p", "vLLM extension.")
+    repetition_penalty: RepetitionPenalty | None = sampling_field("repetition_penalty", "vLLM extension.")
+    frequency_penalty: Penalty | None = sampling_field("frequency_penalty", "vLLM extension.")
+    presence_penalty: Penalty | None = sampling_field("presence_penalty", "vLLM extension.")
     ignore_eos: bool = Field(False, description="vLLM extension: keep generating past EOS.")
 
     def settings(self) -> dict[str, Any]:
@@ -288,8 +294,7 @@ class ResponseCreateRequest(ResponseInputFields):
             "instructions": self.instructions, "max_output_tokens": self.max_output_tokens,
             "parallel_tool_calls": self.parallel_tool_calls is not False,
             "previous_response_id": self.previous_response_id,
-            "temperature": 1.0 if self.temperature is None else self.temperature,
-            "top_p": 1.0 if self.top_p is None else self.top_p, "tool_choice": choice or "auto",
+            "tool_choice": choice or "auto",  # (temperature and top_p: as sampled, services.inference.responses)
             "tools": [tool.model_dump() for tool in self.tools or ()],
             "text": {"format": text, "verbosity": self.text.verbosity if self.text and self.text.verbosity
                      else "medium"},
@@ -299,15 +304,11 @@ class ResponseCreateRequest(ResponseInputFields):
         }
 
     def response_input(self) -> ResponseInput:
-        def given(value: Any, default: Any) -> Any:
-            return default if value is None else value
-
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         options = SamplingOptions(
-            temperature=given(self.temperature, 1.0), top_p=given(self.top_p, 1.0), top_k=self.top_k,
-            min_p=given(self.min_p, 0.0), repetition_penalty=given(self.repetition_penalty, 1.0),
-            frequency_penalty=given(self.frequency_penalty, 0.0), presence_penalty=given(self.presence_penalty, 0.0),
-            seed=self.seed, stop=stop, ignore_eos=self.ignore_eos)
+            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty, frequency_penalty=self.frequency_penalty,
+            presence_penalty=self.presence_penalty, seed=self.seed, stop=stop, ignore_eos=self.ignore_eos)
         return ResponseInput(**self.prompt_fields(), options=options, max_output_tokens=self.max_output_tokens,
                              store=self.store is not False, user=self.user, priority=self.priority,
                              settings=self.settings())

@@ -22,11 +22,17 @@ from api.openai.fields import (
     MAX_N,
     MAX_NAME_CHARS,
     MAX_STOP_TOKEN_IDS,
-    MAX_TOP_K,
+    MinP,
+    Penalty,
     Prompts,
+    RepetitionPenalty,
     Stop,
     StopTokenIds,
     Strict,
+    Temperature,
+    TopK,
+    TopP,
+    sampling_field,
 )
 from api.openai.messages import ChatMessage
 from api.openai.tooling import GuidedFields, ToolFields
@@ -73,23 +79,23 @@ class SamplingFields(Strict):
     model: str = Field(min_length=1, max_length=MAX_NAME_CHARS)
     stream: bool | None = Field(None, description="Default false.")
     stream_options: StreamOptions | None = None
-    temperature: float | None = Field(None, ge=0.0, le=2.0, description="Default 1; below 1e-5: greedy (as 0).")
-    top_p: float | None = Field(None, gt=0.0, le=1.0, description="Default 1.")
+    temperature: Temperature | None = sampling_field("temperature")
+    top_p: TopP | None = sampling_field("top_p")
     n: int | None = Field(None, ge=1, le=MAX_N, description=f"Choices per prompt (default 1, at most {MAX_N}); "
                           "more than 1 not in a conversation.")
-    max_tokens: int | None = Field(None, ge=1, le=MAX_CONTEXT_TOKENS)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_CONTEXT_TOKENS, description="Default: the model's "
+                                   "`sampling_defaults.max_tokens`, else 4096 (chat; within the context), 16 (text).")
     stop: Stop = None
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
-    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, description="Default 0.")
-    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, description="Default 0.")
+    frequency_penalty: Penalty | None = sampling_field("frequency_penalty")
+    presence_penalty: Penalty | None = sampling_field("presence_penalty")
     logit_bias: LogitBias | None = Field(None, description="Token id (a decimal string, as OpenAI's) -> a bias in "
                                          f"[-100, 100] added to its logit; at most {MAX_LOGIT_BIAS} entries, each id "
                                          "below the model's vocabulary size.")
     user: str | None = Field(None, max_length=MAX_NAME_CHARS)
-    top_k: int | None = Field(None, ge=-1, le=MAX_TOP_K, description="vLLM extension; -1 or 0 disables; "
-                              "above the vocabulary: the whole vocabulary.")
-    min_p: float | None = Field(None, ge=0.0, le=1.0, description="vLLM extension. Default 0.")
-    repetition_penalty: float | None = Field(None, gt=0.0, le=2.0, description="vLLM extension. Default 1.")
+    top_k: TopK | None = sampling_field("top_k", "vLLM extension.")
+    min_p: MinP | None = sampling_field("min_p", "vLLM extension.")
+    repetition_penalty: RepetitionPenalty | None = sampling_field("repetition_penalty", "vLLM extension.")
     ignore_eos: bool = Field(False, description="vLLM extension: keep generating past EOS.")
     min_tokens: int = Field(0, ge=0, le=MAX_CONTEXT_TOKENS, description="vLLM extension: no EOS or stop token (and "
                             "no stop string) ends the completion before this many tokens.")
@@ -116,14 +122,11 @@ class SamplingFields(Strict):
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
     def sampling_options(self) -> SamplingOptions:
-        def given(value: Any, default: Any) -> Any:
-            return default if value is None else value
-
         return SamplingOptions(
-            temperature=given(self.temperature, 1.0), top_p=given(self.top_p, 1.0), top_k=self.top_k,
-            min_p=given(self.min_p, 0.0), repetition_penalty=given(self.repetition_penalty, 1.0),
-            frequency_penalty=given(self.frequency_penalty, 0.0), presence_penalty=given(self.presence_penalty, 0.0),
-            seed=self.seed, stop=self.stop_list(), stop_token_ids=tuple(self.stop_token_ids or ()),
+            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty, frequency_penalty=self.frequency_penalty,
+            presence_penalty=self.presence_penalty, seed=self.seed, stop=self.stop_list(),
+            stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos, logit_bias=tuple((int(k), v) for k, v in (self.logit_bias or {}).items()),
             min_tokens=self.min_tokens, include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,

@@ -49,6 +49,7 @@ from services.errors import (
 )
 from services.inference.admission import Admission
 from services.inference.encoders import prediction
+from services.inference.params import SAMPLING_FIELDS, SamplingOptions, model_defaults, with_defaults
 from services.inference.prompts import encode_chat, encode_text
 from services.observability.metrics import Metrics
 from services.server_state import ServerState
@@ -118,23 +119,15 @@ class JobRun:
     streams: set[RequestStream] = field(default_factory=set)
 
 
-def sampling_params(params: dict[str, Any], max_tokens: int) -> SamplingParams:
-    """The job's stored params (api.batch.BatchParams as JSON) for one item."""
+def sampling_params(params: dict[str, Any], max_tokens: int, model: ServedModel) -> SamplingParams:
+    """The job's stored params (api.batch.BatchParams as JSON) for one item; a field left out (None)
+    takes the model's default, as on /v1."""
     stop = params.get("stop")
-    return SamplingParams(
-        max_tokens=max_tokens,
-        temperature=params["temperature"],
-        top_p=params["top_p"],
-        top_k=params["top_k"] if params.get("top_k") and params["top_k"] > 0 else None,
-        min_p=params["min_p"],
-        repetition_penalty=params["repetition_penalty"],
-        frequency_penalty=params["frequency_penalty"],
-        presence_penalty=params["presence_penalty"],
-        seed=params.get("seed"),
-        stop=(stop,) if isinstance(stop, str) else tuple(stop or ()),
-        stop_token_ids=tuple(params.get("stop_token_ids") or ()),
-        ignore_eos=params["ignore_eos"],
-    )
+    options = SamplingOptions(**{name: params.get(name) for name in SAMPLING_FIELDS}, seed=params.get("seed"),
+                              stop=(stop,) if isinstance(stop, str) else tuple(stop or ()),
+                              stop_token_ids=tuple(params.get("stop_token_ids") or ()),
+                              ignore_eos=bool(params.get("ignore_eos")))
+    return SamplingParams(max_tokens=max_tokens, **with_defaults(options, model_defaults(model)))
 
 
 def encoder_result(model: ServedEncoder, output: Any) -> ItemResult:
@@ -434,7 +427,8 @@ class BatchRunner:
         except InvalidRequestError as exc:
             raise ItemError(exc.message) from exc
         room = model.max_model_len - len(prompt_ids)
-        max_tokens = job.params.get("max_tokens") or (DEFAULT_COMPLETION_TOKENS if isinstance(value, str) else room)
+        max_tokens = job.params.get("max_tokens") or (
+            DEFAULT_COMPLETION_TOKENS if isinstance(value, str) else min(room, model_defaults(model)["max_tokens"]))
         if room <= 0 or max_tokens > room:
             raise ItemError(f"This model's maximum context length is {model.max_model_len} tokens, but this input "
                             f"needs {len(prompt_ids) + max_tokens} ({len(prompt_ids)} in the prompt and "
@@ -442,7 +436,7 @@ class BatchRunner:
         tenant = self.tenants(job.tenant)
         if tenant is not None and tenant.max_tokens is not None:
             max_tokens = min(max_tokens, tenant.max_tokens)
-        return prompt_ids, sampling_params(job.params, max_tokens)
+        return prompt_ids, sampling_params(job.params, max_tokens, model)
 
     async def _run_item(self, run: JobRun, item: BatchItem) -> ItemResult | None:
         """The item's result; None when it was aborted (cancel) or never started (cancel, drain)."""

@@ -40,7 +40,7 @@ from prometheus_client.core import GaugeMetricFamily
 from engine.types import FinishReason, TokenEvent
 from scheduling.encoders import ServedEncoder
 from scheduling.rollout import DeploymentsConfig, HealthWindow, parse_model_ref
-from scheduling.router import ModelDeployment, RequestStream, Router, Served
+from scheduling.router import ModelDeployment, RequestStream, Router, Served, ServedModel
 from services.background import BackgroundTasks
 from services.deployments.canary import Canaries
 from services.deployments.loading import (
@@ -53,6 +53,7 @@ from services.deployments.loading import (
     load_failed,
 )
 from services.deployments.offload import in_fresh_thread
+from services.deployments.options import check_options
 from services.errors import (
     ConflictError,
     InvalidRequestError,
@@ -60,6 +61,7 @@ from services.errors import (
     PermissionDeniedError,
     ServiceUnavailableError,
 )
+from services.inference.params import model_defaults
 from services.server_state import ServerState
 from services.tenancy import Caller
 from storage import registry
@@ -296,7 +298,12 @@ class ModelManager:
     async def register(self, name: str, version: str, source: str, kind: str = "generate",
                        options: dict[str, Any] | None = None) -> VersionState:
         """Add a version to the registry (the first of a name gets all its traffic); a pinned one loads."""
-        spec = ModelVersion(name, version, source, kind, options or {})
+        try:
+            options = check_options(options or {}, kind)
+        except ValueError as exc:
+            param, _, why = str(exc).partition(": ")
+            raise InvalidRequestError(f"{param}: {why}", param=param) from exc
+        spec = ModelVersion(name, version, source, kind, options)
         existing = self.kind(spec.name)
         if existing is not None and existing != spec.kind:  # routing treats all versions of a name alike
             raise ConflictError(f"`{spec.name}` is a `{existing}` model: its versions must all be `{existing}`.",
@@ -339,8 +346,10 @@ class ModelManager:
             limit = None if served is None else (
                 served.max_seq_len if isinstance(served, ServedEncoder) else served.max_model_len)
             created = served.created if served is not None else self._registered_at(name)
+            defaults = model_defaults(served) if isinstance(served, ServedModel) else None
             cards.append({"id": name, "object": "model", "created": created, "owned_by": "galley",
-                          "kind": self.kind(name), "max_model_len": limit, "ready": served is not None})
+                          "kind": self.kind(name), "max_model_len": limit, "sampling_defaults": defaults,
+                          "ready": served is not None})
         return cards
 
     def states(self) -> list[tuple[str, str, str]]:

@@ -270,7 +270,8 @@ class Responses:
         response_id = RESPONSE_PREFIX + uuid.uuid4().hex
         if ask.store:
             response_id = await self.start_conversation(caller, plan.model)
-        record = Record(response_id, int(time.time()), self.inference.router.label(plan.model), ask.settings)
+        settings = {**ask.settings, "temperature": plan.params.temperature, "top_p": plan.params.top_p}  # as sampled
+        record = Record(response_id, int(time.time()), self.inference.router.label(plan.model), settings)
         try:
             choices = self.inference.submit_n(caller, [plan])
         except BaseException:

@@ -136,6 +136,35 @@ async def test_a_top_k_past_int64_spares_the_other_tenants_stream(stack):
     assert await asyncio.wait_for(streaming, 60) == alone
 
 
+# in range, but at the edges of float32 and bfloat16 (both share float32's exponent range): subnormal,
+# tiny, huge (issue 32: a repetition_penalty of 1e-300 was 0 in float32, the logits inf, the sampled id
+# past the vocabulary, and the request a 500)
+EDGES_IN_RANGE = [
+    {"repetition_penalty": 1e-300}, {"repetition_penalty": 5e-324}, {"repetition_penalty": 2.2e-308},
+    {"repetition_penalty": 1.4e-45}, {"repetition_penalty": 1e-30}, {"repetition_penalty": 1e300},
+    {"repetition_penalty": 3.5e38}, {"repetition_penalty": 1e-300, "temperature": 1e-5},
+    {"repetition_penalty": 1e-300, "temperature": 2.0, "top_p": 5e-324},
+    {"temperature": 1e-5, "top_k": 1_000_000}, {"temperature": 1.0000001e-5, "min_p": 5e-324},
+    {"min_p": 1.0, "temperature": 2.0}, {"top_p": 1.4e-45}, {"frequency_penalty": -2.0, "presence_penalty": 2.0},
+    {"frequency_penalty": 5e-324, "presence_penalty": -5e-324},
+    {"logit_bias": {"5": 100.0, "6": 100.0, "7": -100.0}, "temperature": 1e-5},
+    {"logit_bias": {"5": 5e-324}, "repetition_penalty": 1e300},
+]
+
+
+async def test_edge_values_in_range_get_an_answer_not_a_500(stack):
+    alone = await stack.stream_text("alice", GREEDY)
+    for fields in EDGES_IN_RANGE:
+        for path in ENDPOINTS:
+            body = {"model": "tiny", "max_tokens": 8, **fields}
+            body.update({"messages": [{"role": "user", "content": PROMPT}]} if "chat" in path else {"prompt": PROMPT})
+            status, answer = await stack.post("mallory", path, body)
+            assert status == 200, (path, fields, answer)
+            tokens = answer["usage"]["completion_tokens"]
+            assert 1 <= tokens <= 8, (path, fields, answer)
+    assert await stack.stream_text("alice", GREEDY) == alone
+
+
 async def test_tiny_temperature_is_greedy_over_http(stack):
     greedy = await stack.post("alice", "/v1/completions", {**GREEDY, "galley": {"cache": False}})
     tiny = await stack.post("alice", "/v1/completions", {**GREEDY, "temperature": 1e-46, "galley": {"cache": False}})
@@ -146,7 +175,13 @@ async def test_tiny_temperature_is_greedy_over_http(stack):
 
 HUGE_INTS = [2**63, 2**63 - 1, 2**64, -(2**63) - 1, 10**30, 9223372036854775808]
 ints = st.one_of(st.integers(-3, 40), st.integers(-(2**70), 2**70), st.sampled_from(HUGE_INTS))
-floats = st.one_of(st.floats(), st.sampled_from([1e-46, 5e-324, 1e-6, 1e-5, 1e308, -0.0, 2.0, 2.0000001]))
+F32_MAX, BF16_MAX, F16_MAX = 3.4028234663852886e38, 3.3895313892515355e38, 65504.0
+EDGE_FLOATS = [  # subnormal, tiny, huge and boundary floats of float64, float32, bfloat16 and float16
+    0.0, -0.0, 5e-324, 2.2250738585072014e-308, 1e-300, 1.401298464324817e-45, 1.1754943508222875e-38, 1e-46,
+    1e-30, 9.99e-6, 1e-5, 1.0000001e-5, 1e-3, 0.5, 1.0, 1.0000001, 2.0, 2.0000001, 100.0, 100.0001, F16_MAX,
+    65520.0, BF16_MAX, F32_MAX, 3.5e38, 1e300, 1.7976931348623157e308]
+edges = st.sampled_from(EDGE_FLOATS)
+floats = st.one_of(st.floats(), edges, edges.map(lambda x: -x))
 texts = st.one_of(st.text(max_size=8), st.just("x" * 5000))
 HOSTILE_VALUES = {
     "temperature": floats | ints, "top_p": floats, "top_k": ints, "min_p": floats, "max_tokens": ints,
@@ -154,13 +189,24 @@ HOSTILE_VALUES = {
     "stop": texts | st.lists(texts, max_size=8), "stop_token_ids": st.lists(ints, max_size=400),
     "n": st.integers(-1, 20), "logprobs": ints | st.booleans(), "top_logprobs": ints, "ignore_eos": st.booleans(),
     "prompt": st.lists(ints, max_size=6), "user": texts,
+    "logit_bias": st.dictionaries(st.integers(-1, 10**6).map(str), floats, max_size=3),
 }
 ids = st.integers(0, 399)  # the tiny model's vocabulary
+
+
+def in_range(low: float, high: float, *, open_low: bool = False):
+    """Floats in [low, high] (or (low, high]): uniform, and the edge values that fall inside."""
+    inside = [x for x in EDGE_FLOATS + [-x for x in EDGE_FLOATS] if (low < x if open_low else low <= x) and x <= high]
+    return st.floats(low, high, exclude_min=open_low) | st.sampled_from(inside)
+
+
 VALID_VALUES = {  # in range, edges included, so that many examples run next to the neighbour
-    "temperature": st.floats(0, 2) | st.sampled_from([1e-46, 1e-5]), "top_p": st.floats(1e-9, 1),
-    "top_k": st.integers(-1, 10**6), "min_p": st.floats(0, 1), "max_tokens": st.integers(1, 64),
-    "seed": st.integers(0, 2**63 - 1), "frequency_penalty": st.floats(-2, 2), "presence_penalty": st.floats(-2, 2),
-    "repetition_penalty": st.floats(1e-3, 2), "stop": st.lists(st.text(min_size=1, max_size=4), max_size=4),
+    "temperature": in_range(0, 2), "top_p": in_range(0, 1, open_low=True),
+    "top_k": st.integers(-1, 10**6), "min_p": in_range(0, 1), "max_tokens": st.integers(1, 64),
+    "seed": st.integers(0, 2**63 - 1), "frequency_penalty": in_range(-2, 2), "presence_penalty": in_range(-2, 2),
+    "repetition_penalty": in_range(0, 1.7976931348623157e308, open_low=True),
+    "logit_bias": st.dictionaries(ids.map(str), in_range(-100, 100), max_size=3),
+    "stop": st.lists(st.text(min_size=1, max_size=4), max_size=4),
     "stop_token_ids": st.lists(ids, max_size=256), "n": st.integers(1, 3), "logprobs": st.integers(0, 5),
     "top_logprobs": st.integers(0, 20), "ignore_eos": st.booleans(), "prompt": st.lists(ids, min_size=1, max_size=6),
     "user": st.text(max_size=8),
@@ -206,6 +252,8 @@ async def test_random_parameters_never_hurt_another_tenants_stream(stack):
     @example(path="/v1/completions", params={"top_k": 9223372036854775808})  # the issue's repro
     @example(path="/v1/chat/completions", params={"top_k": 2**64, "temperature": 1e-46, "stop_token_ids": [-1] * 999})
     @example(path="/v1/chat/completions", params={"top_logprobs": 0})  # a check across two fields names one
+    @example(path="/v1/completions", params={"repetition_penalty": 1e-300})  # issue 32: a 500
+    @example(path="/api/v1/generate", params={"repetition_penalty": 5e-324, "temperature": 2.0})
     def prop(path: str, params: dict) -> None:  # hypothesis is synchronous: it drives the loop from a thread
         asyncio.run_coroutine_threadsafe(one_example(path, params), loop).result(120)
 

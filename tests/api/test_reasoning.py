@@ -16,9 +16,8 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from openai.types.responses import Response
 from transformers import AutoTokenizer
 
-from config import ModelSpec
+from services.deployments.options import check_options
 from services.inference.reasoning import THINK_CLOSE, THINK_OPEN, Reasoning, ReasoningParser, reasoning_for, split
-from storage.registry import validate_options
 from tests.api.test_api import client, start_server, wait_blocks_free
 from tests.api.test_openai_wire import assert_only_openai_fields, strict
 from tests.api.test_responses import event_types, raw_events
@@ -198,10 +197,9 @@ def test_where_the_answer_starts(thinking_path):
     assert starts("<|im_start|>assistant\n<think></think>", CHAT_TEMPLATE, "deepseek_r1") is False
     assert split("Paris</think>Yes", starts_inside=True, final=True) == ("Paris", "Yes")
     assert split("<think>Paris</think>Yes", starts_inside=True, final=True) == ("Paris", "Yes")
-    assert validate_options(ModelSpec("m", "p", reasoning_parser="deepseek_r1").options) == {
-        "reasoning_parser": "deepseek_r1"}
+    assert check_options({"reasoning_parser": "deepseek_r1"}) == {"reasoning_parser": "deepseek_r1"}
     with pytest.raises(ValueError, match="reasoning_parser"):
-        validate_options({"reasoning_parser": "granite"})
+        check_options({"reasoning_parser": "granite"})
 
 
 @pytest.mark.parametrize("text", ["<think>\nI think.\n</think>\n\nHello", "  <think>a</think>", "no thoughts",

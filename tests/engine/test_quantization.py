@@ -31,7 +31,8 @@ from engine.quantization import (
 )
 from engine.types import SamplingParams
 from launch import EngineConfig, EngineLoader, build_engine, start_workers, weights_bytes
-from storage.registry import ModelVersion, validate_options
+from services.deployments.options import check_options
+from storage.registry import ModelVersion
 from tests.engine.test_reference import prompts
 from tests.helpers import assert_all_blocks_free, run_to_completion
 from tests.models import FAMILIES
@@ -166,8 +167,8 @@ def test_the_option_is_validated(tmp_path):
     assert model_spec({"name": "m", "path": "x", "quantization": "int8"}, tmp_path).options["quantization"] == "int8"
     assert "quantization" not in model_spec({"name": "m", "path": "x"}, tmp_path).options
     with pytest.raises(ValueError, match="quantization"):
-        validate_options({"quantization": "fp8"})
-    assert validate_options({"quantization": "none"}) == {"quantization": "none"}
+        check_options({"quantization": "fp8"})
+    assert check_options({"quantization": "none"}) == {"quantization": "none"}
     with pytest.raises(ModelLoadError, match="int3"):
         load_model("/nonexistent", quantization="int3")
 

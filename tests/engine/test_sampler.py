@@ -203,3 +203,39 @@ def test_min_tokens_through_the_engine(tiny_models):
     held = run_to_completion(engine, [[3, 4, 5]], SamplingParams(max_tokens=6, temperature=0.0, min_tokens=3,
                                                                   logit_bias={eos: 100.0}))[0]
     assert len(held) == 4 and eos not in held[:3] and held[3] == eos
+
+
+# ---- issue 32: whatever the logits hold, the token is one of the vocabulary's ----------------------
+
+
+def test_a_subnormal_repetition_penalty_keeps_the_logits_finite():
+    """1e-300 is 0 in float32: the penalised logit was inf, the row's softmax NaN, and the drawn id
+    the vocabulary's size, which failed the next step's embedding lookup (a 500)."""
+    logits = torch.tensor([[2.0, -2.0, 1.0, 0.5]])
+    for penalty in (1e-300, 5e-324, 2.2e-308, 1e300):
+        seq = seq_with([1], repetition_penalty=penalty)
+        seq.token_ids = [0, 1]
+        out = apply_penalties(logits.clone(), [seq])
+        assert not out.isnan().any() and not out.isposinf().any(), (penalty, out)
+        assert out[0, 2:].tolist() == [1.0, 0.5]  # unseen tokens untouched
+
+
+def test_no_logits_make_the_sampler_leave_the_vocabulary():
+    vocab = 50
+    rows = {
+        "nan": torch.full((vocab,), float("nan")),
+        "+inf": torch.zeros(vocab).index_fill_(0, torch.tensor([3, 17]), float("inf")),
+        "-inf": torch.full((vocab,), float("-inf")),  # every token masked
+        "mixed": torch.randn(vocab).index_fill_(0, torch.tensor([5]), float("nan")),
+        "huge": torch.full((vocab,), torch.finfo(torch.float32).max),
+    }
+    sampler = Sampler(torch.device("cpu"), seed=0)
+    for name, row in rows.items():
+        for params in ({"temperature": 1.0}, {"temperature": 0.0}, {"temperature": 1e-5, "top_p": 0.5},
+                       {"temperature": 2.0, "top_k": 3, "min_p": 0.5}, {"repetition_penalty": 1e-300}):
+            seqs = [seq_with([1, 2], **params) for _ in range(3)]
+            tokens, _ = sampler.sample(row.repeat(3, 1), seqs)
+            assert all(0 <= t < vocab for t in tokens), (name, params, tokens)
+    tokens, _ = sampler.sample(rows["+inf"].repeat(64, 1), [seq_with([], temperature=1.0) for _ in range(64)])
+    assert set(tokens) == {3, 17}  # infinities share the row's mass
+

@@ -92,6 +92,17 @@ def test_defaults_serve_a_real_chat_model_loaded_on_its_first_request(demo_serve
     answer = sdk.chat.completions.create(model="smollm2", temperature=0, max_tokens=30,
                                          messages=[{"role": "user", "content": "What is the capital of France?"}])
     assert "Paris" in answer.choices[0].message.content
+    defaults = sdk.models.retrieve("smollm2").model_extra["sampling_defaults"]
+    assert defaults["temperature"] == 0.0 and defaults["max_tokens"] == 512
+    for _ in range(3):  # the README's snippet as written: streamed, no max_tokens, no temperature (issue 32:
+        text, finish = "", None  # sampled at 1.0, it ran 7,094 tokens, or answered in emoji)
+        for chunk in sdk.chat.completions.create(
+                model="smollm2", messages=[{"role": "user", "content": "What is the capital of France?"}],
+                stream=True, stream_options={"include_usage": True}):
+            if chunk.choices:
+                text += chunk.choices[0].delta.content or ""
+                finish = chunk.choices[0].finish_reason or finish
+        assert finish == "stop" and "Paris" in text and chunk.usage.completion_tokens < 100, (text, chunk.usage)
 
 
 def test_sigterm_drains_in_flight_streams_then_exits_zero(demo_server):

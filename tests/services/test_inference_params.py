@@ -9,7 +9,7 @@ import pytest
 from services.errors import InvalidRequestError
 from services.inference.params import SamplingOptions, sampling_params
 
-MODEL = SimpleNamespace(max_model_len=100, vocab_size=50)
+MODEL = SimpleNamespace(max_model_len=100, vocab_size=50, sampling_defaults={})
 
 
 def params(max_tokens=None, prompt_len=10, cap=None, default=None, options=None, **kw):

@@ -114,15 +114,14 @@ def test_forced_calls_from_a_tiny_random_model_validate(llama_path, fmt, choice)
 def test_a_configured_tool_parser_overrides_detection(llama_path):
     from transformers import AutoTokenizer
 
-    from config import ModelSpec
+    from services.deployments.options import check_options
     from services.inference.tools import prompt_with_tools
-    from storage.registry import validate_options
 
     tokenizer = AutoTokenizer.from_pretrained(llama_path)
     messages = [{"role": "user", "content": "hi"}]
     assert prompt_with_tools(tokenizer, messages, ToolUse(TOOLS)).format == "hermes"  # ChatML: nothing to detect
     assert prompt_with_tools(tokenizer, messages, ToolUse(TOOLS), "llama3_json").format == "llama3_json"
     assert prompt_with_tools(tokenizer, messages, ToolUse(TOOLS, "none"), "mistral").format is None
-    assert validate_options(ModelSpec("m", "p", tool_parser="mistral").options) == {"tool_parser": "mistral"}
+    assert check_options({"tool_parser": "mistral"}) == {"tool_parser": "mistral"}
     with pytest.raises(ValueError, match="tool_parser"):
-        validate_options({"tool_parser": "qwen"})
+        check_options({"tool_parser": "qwen"})

@@ -1,0 +1,91 @@
+"""A model version's options: the one definition that the config file's `[[models]]` entries, the
+`--model-option` flag, `POST /admin/api/models` (and its OpenAPI schema), the registry and
+`GET /admin/api/models` all use.
+
+An option is set per version and means the same wherever it was set. `check_options` is the only
+validation; the admin API's schema is built from the same table (`api.admin.deployments`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from services.inference.params import check_sampling_defaults
+
+KINDS = ("generate", "embed", "classify")
+GENERATE = ("generate",)
+ENCODERS = ("embed", "classify")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+TOOL_PARSERS = ("hermes", "llama3_json", "mistral")  # services.inference.tool_parser's formats
+REASONING_PARSERS = ("qwen3", "deepseek_r1", "none")  # services.inference.reasoning's
+QUANTIZATIONS = ("int8", "int4", "none")  # engine.quantization's methods, and off
+SPECULATIVE_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",  # SpeculativeConfig's
+                    "disable_by_batch_size", "max_lookup_tokens", "model", "quantization")
+
+
+@dataclass(frozen=True)
+class Option:
+    name: str
+    type: type  # bool, int, float (an int is taken too), str or dict
+    help: str
+    kinds: tuple[str, ...] = KINDS  # the model kinds it means something for
+    choices: tuple[str, ...] = ()
+    ge: float | None = None
+    le: float | None = None
+
+    def problem(self, value: Any) -> str | None:
+        """Why `value` is not one of this option's, or None."""
+        types = (int, float) if self.type is float else (self.type,)
+        if not isinstance(value, types) or (isinstance(value, bool) and self.type is not bool):
+            return f"must be {'a number' if self.type is float else self.type.__name__}"
+        if self.choices and value not in self.choices:
+            return f"must be one of {', '.join(self.choices)}"
+        if self.ge is not None and value < self.ge:
+            return f"must be >= {self.ge:g}"
+        if self.le is not None and value > self.le:
+            return f"must be <= {self.le:g}"
+        if self.name == "speculative":
+            unknown = sorted(set(value) - set(SPECULATIVE_KEYS))
+            return f"unknown key(s) {unknown}; known: {', '.join(SPECULATIVE_KEYS)}" if unknown else None
+        if self.name == "sampling_defaults":
+            return check_sampling_defaults(value)
+        return None
+
+
+OPTIONS: dict[str, Option] = {option.name: option for option in (
+    Option("dtype", str, "weights' dtype; auto: float32 on CPU, bfloat16 on CUDA", choices=DTYPES),
+    Option("device", str, "one of the configured devices; default: every configured device "
+           "(encoders: the first)"),
+    Option("pinned", bool, "stays loaded: never unloaded for idleness or memory"),
+    Option("keep_alive", float, "seconds idle before it unloads; 0: never", ge=0, le=10**9),
+    Option("preload", bool, "false: loads on its first request instead of at start"),
+    Option("max_model_len", int, "cap on prompt + output tokens; default: [engine] max_model_len, else the "
+           "model's own", GENERATE, ge=1, le=1 << 20),
+    Option("shared_prefix_cache", bool, "tenants may reuse each other's cached prompt prefixes", GENERATE),
+    Option("tool_parser", str, "default: detected from the chat template", GENERATE, choices=TOOL_PARSERS),
+    Option("reasoning_parser", str, "default: detected from the chat template", GENERATE,
+           choices=REASONING_PARSERS),
+    Option("quantization", str, "weight-only linears; none: off (default)", GENERATE, choices=QUANTIZATIONS),
+    Option("speculative", dict, "a [speculative] table (method, model, ...) replacing the server's", GENERATE),
+    Option("sampling_defaults", dict, "what a request that leaves a field out gets: temperature, top_p, top_k, "
+           "min_p, repetition_penalty, frequency_penalty, presence_penalty, max_tokens; over the model's "
+           "generation_config.json", GENERATE),
+    Option("max_batch", int, "most inputs in one forward (default 32)", ENCODERS, ge=1, le=65536),
+    Option("max_wait_ms", float, "how long a batch waits to fill (default 5)", ENCODERS, ge=0, le=1000),
+)}
+
+
+def check_options(options: Mapping[str, Any], kind: str | None = None) -> dict[str, Any]:
+    """The options, checked; ValueError names the first bad one (as `options.NAME: why`). With a
+    `kind`, an option that means nothing for it is refused too."""
+    for name, value in options.items():
+        option = OPTIONS.get(name)
+        if option is None:
+            raise ValueError(f"options.{name}: unknown option; known: {', '.join(OPTIONS)}")
+        if (problem := option.problem(value)) is not None:
+            raise ValueError(f"options.{name}: {problem}")
+        if kind is not None and kind not in option.kinds:
+            raise ValueError(f"options.{name}: only for {' and '.join(option.kinds)} models, not {kind}")
+    return dict(options)
