@@ -21,6 +21,7 @@ from api.services import services
 from api.sse import Frame, serve_sse
 from api.validation import parse_params
 from services.errors import NotFoundError
+from services.inference.deltas import AnswerReader
 from services.inference.events import prepend, stream_failed
 from services.streams.hub import LiveStream, StreamHub, StreamStatus
 
@@ -48,6 +49,7 @@ async def live_frames(hub: StreamHub, live: LiveStream, after: int, ids: bool) -
             raise stream_failed(first)
         yield None
         fmt, tokenizer, number = live.fmt, hub.tokenizer(live), 0
+        reader = AnswerReader.of(fmt)  # every event is read, skipped or not: a view depends on all the text
 
         def numbered(chunks: list[dict]) -> list[Frame]:
             nonlocal number
@@ -62,10 +64,11 @@ async def live_frames(hub: StreamHub, live: LiveStream, after: int, ids: bool) -
                     for frame in numbered([error_chunk(event)]):
                         yield frame
                     return
-                if number + num_chunks(fmt, event) <= after:
-                    number += num_chunks(fmt, event)
+                delta = reader.read(event)
+                if number + num_chunks(fmt, delta) <= after:
+                    number += num_chunks(fmt, delta)
                     continue
-                for frame in numbered(event_chunks(fmt, tokenizer, event)):
+                for frame in numbered(event_chunks(fmt, tokenizer, delta)):
                     yield frame
         if live.status != StreamStatus.CANCELLED:
             yield "[DONE]", None

@@ -7,7 +7,6 @@ choice's shape differs between chat and text completions (`Shape`).
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -16,17 +15,15 @@ from aiohttp import web
 
 from api.errors import json_response
 from api.openai.cached import replay
-from api.openai.chunks import error_chunk, event_chunks, opening_chunks, reasoning_chunk
+from api.openai.chunks import error_chunk, event_chunks, opening_chunks
 from api.openai.schemas import SamplingFields
-from api.openai.tooling import tool_event_chunks
 from api.response_cache import cache_flag
 from api.sse import Frame, serve_sse
 from api.streams import serve_live
 from services.inference.choices import Choices
+from services.inference.deltas import AnswerReader
 from services.inference.events import Answer, failure, generation_failed, usage, usage_n
 from services.inference.generation import Outcome
-from services.inference.reasoning import Reasoning, ReasoningParser
-from services.inference.tool_parser import ToolCallParser
 from services.streams.events import ChunkFormat, StreamEvent
 
 
@@ -48,7 +45,7 @@ async def respond(request: web.Request, outcome: Outcome, shape: Shape) -> web.S
     """The service's answer as JSON, or as SSE (merged choices, a cached replay, a live stream)."""
     fmt, tokenizer, headers = outcome.fmt, outcome.model.tokenizer, {"X-Request-Id": request["request_id"]}
     if outcome.choices is not None:
-        frames = choice_frames(fmt, tokenizer, outcome.choices, outcome.tool_format, outcome.reasoning)
+        frames = choice_frames(fmt, tokenizer, outcome.choices)
         return await serve_sse(request, frames, headers)
     if outcome.cached is not None:
         return await replay(request, fmt, outcome.cached)
@@ -72,16 +69,14 @@ def render(request: web.Request, shape: Shape, fmt: ChunkFormat, choices: list[d
     return json_response(body, headers=headers)
 
 
-async def choice_frames(fmt: ChunkFormat, tokenizer: Any, choices: Choices, tool_format: str | None = None,
-                        reasoning: Reasoning | None = None) -> AsyncGenerator[Frame, None]:
+async def choice_frames(fmt: ChunkFormat, tokenizer: Any, choices: Choices) -> AsyncGenerator[Frame, None]:
     """Several choices as one SSE stream: chunks in the order their tokens come, each with its
     choice's index; with `include_usage`, one usage chunk over all choices at the end. Not
     resumable (no X-Stream-Id). A failure before the first token is a plain HTTP error, after it
-    an error chunk. A thinking model's thoughts come as `reasoning` (and `reasoning_content`) deltas, as vLLM's."""
+    an error chunk. Each choice is read as one stream's would be (`AnswerReader`)."""
     n = len(choices)
     counts, offsets, usages, opened = [0] * n, [0] * n, [None] * n, False
-    parsers = [ToolCallParser(tool_format) for _ in range(n)] if tool_format else None  # tool calls in the text
-    thinkers = [ReasoningParser(reasoning) for _ in range(n)] if reasoning else None
+    readers = [AnswerReader.of(fmt, i) for i in range(n)]
     events = choices.events()
     try:
         async for index, event in events:
@@ -103,13 +98,7 @@ async def choice_frames(fmt: ChunkFormat, tokenizer: Any, choices: Choices, tool
             step = StreamEvent(counts[index], event.text, offsets[index], event.logprobs, finish,
                                has_token=bool(event.token_ids), num_prompt_tokens=event.num_prompt_tokens,
                                num_output_tokens=event.num_output_tokens)
-            chunks = []
-            if thinkers:
-                thoughts, step = split_event(thinkers[index], step)
-                chunks += [reasoning_chunk(fmt, step, thoughts)] if thoughts else []
-            chunks += tool_event_chunks(parsers[index], fmt, tokenizer, step) if parsers else \
-                event_chunks(fmt, tokenizer, step)
-            for chunk in chunks:
+            for chunk in event_chunks(fmt, tokenizer, readers[index].read(step)):
                 chunk["choices"][0]["index"] = index
                 yield chunk, None
             counts[index] += 1
@@ -121,12 +110,3 @@ async def choice_frames(fmt: ChunkFormat, tokenizer: Any, choices: Choices, tool
         yield "[DONE]", None
     finally:
         await events.aclose()
-
-
-def split_event(parser: ReasoningParser, event: StreamEvent) -> tuple[str, StreamEvent]:
-    """An event's thoughts, and the event with only its answer's text (the rest flushed at the end)."""
-    thoughts, text = parser.feed(event.text)
-    if event.finish_reason is not None:
-        more_thoughts, more_text = parser.finish()
-        thoughts, text = thoughts + more_thoughts, text + more_text
-    return thoughts, dataclasses.replace(event, text=text)

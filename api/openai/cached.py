@@ -1,5 +1,8 @@
 """/v1/completions and /v1/chat/completions answered from the response cache.
 
+The cache keeps the raw text; its thoughts and tool calls are read from it as a live stream's are,
+so a replayed answer equals the first (its calls' ids too: they derive from the stream id kept with it).
+
 A deterministic request (greedy or seeded) with no logprobs and no conversation is looked up by
 (tenant, model version, prompt token ids after the chat template, sampling parameters); a hit is
 answered without the engine, as JSON or as an SSE stream of the live chunk shapes, under a fresh
@@ -16,6 +19,7 @@ from aiohttp import web
 from api.openai.chunks import event_chunks, opening_chunks
 from api.sse import Frame, serve_sse
 from services.cache.responses import CachedCompletion
+from services.inference.deltas import AnswerReader
 from services.streams.events import ChunkFormat, StreamEvent
 
 
@@ -31,6 +35,6 @@ async def replay_frames(fmt: ChunkFormat, answer: CachedCompletion) -> AsyncGene
         yield chunk, None
     event = StreamEvent(0, answer.text, 0, finish_reason=answer.finish_reason, usage=answer.usage,
                         num_prompt_tokens=prompt, num_output_tokens=completion)
-    for chunk in event_chunks(fmt, None, event):
+    for chunk in event_chunks(fmt, None, AnswerReader.of(fmt, call_ids=answer.call_ids).read(event)):
         yield chunk, None
     yield "[DONE]", None

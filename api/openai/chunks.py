@@ -13,9 +13,10 @@ from __future__ import annotations
 from typing import Any
 
 from engine.types import TokenLogprob
+from services.inference.deltas import AnswerDelta
 from services.streams.events import ChunkFormat, StreamEvent
 
-FINISHES = ("stop", "length")  # finish reasons a client sees; a cancel or an error ends otherwise
+FINISHES = ("stop", "length", "tool_calls")  # finish reasons a client sees; a cancel or an error ends otherwise
 
 
 def token_text(tokenizer: Any, token_id: int) -> str:
@@ -67,52 +68,53 @@ def opening_chunks(fmt: ChunkFormat, index: int, num_prompt_tokens: int) -> list
     return [chunk]
 
 
-def _chunk(fmt: ChunkFormat, tokenizer: Any, event: StreamEvent, text: str, logprobs: list[TokenLogprob] | None,
-           finish: str | None) -> dict:
+def _chunk(fmt: ChunkFormat, event: StreamEvent, choice: dict) -> dict:
+    chunk = {**fmt.base, "choices": [{"index": 0, **choice}]}
+    if fmt.continuous_usage:
+        chunk["usage"] = usage_of(event.num_prompt_tokens, event.num_output_tokens)
+    return chunk
+
+
+def _content(fmt: ChunkFormat, tokenizer: Any, event: StreamEvent, text: str, finish: str | None) -> dict:
+    logprobs = event.logprobs if not finish else None
     if fmt.kind == "chat":
         lp = chat_logprobs(tokenizer, logprobs) if fmt.logprobs and logprobs else None
-        choice = {"index": 0, "delta": {"content": text} if text or not finish else {}, "logprobs": lp,
-                  "finish_reason": finish}
-    else:
-        lp = completion_logprobs(tokenizer, logprobs, event.text_offset) if fmt.logprobs and logprobs else None
-        choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}
-    chunk = {**fmt.base, "choices": [choice]}
-    if fmt.continuous_usage:
-        chunk["usage"] = usage_of(event.num_prompt_tokens, event.num_output_tokens)
-    return chunk
+        return _chunk(fmt, event, {"delta": {"content": text} if text or not finish else {}, "logprobs": lp,
+                                   "finish_reason": finish})
+    lp = completion_logprobs(tokenizer, logprobs, event.text_offset) if fmt.logprobs and logprobs else None
+    return _chunk(fmt, event, {"text": text, "logprobs": lp, "finish_reason": finish})
 
 
-def reasoning_chunk(fmt: ChunkFormat, event: StreamEvent, thoughts: str) -> dict:
-    """A chat chunk of a thinking model's thoughts: vLLM's `reasoning` delta, and `reasoning_content`
-    (vLLM's older name and DeepSeek's, which many clients read)."""
-    delta = {"reasoning": thoughts, "reasoning_content": thoughts}
-    chunk = {**fmt.base, "choices": [{"index": 0, "delta": delta, "logprobs": None,
-                                      "finish_reason": None}]}
-    if fmt.continuous_usage:
-        chunk["usage"] = usage_of(event.num_prompt_tokens, event.num_output_tokens)
-    return chunk
-
-
-def shows_token(fmt: ChunkFormat, event: StreamEvent) -> bool:
-    """An event's token gets a chunk when it has text, or (logprobs asked) whenever it is a token:
+def shows_content(fmt: ChunkFormat, delta: AnswerDelta) -> bool:
+    """A delta gets a content chunk when it has content, or (logprobs asked) whenever it is a token:
     decided from what a stored event keeps, so a replay numbers its chunks as the live stream did."""
-    return bool(event.text) or (fmt.logprobs and event.has_token)
+    return bool(delta.content) or (fmt.logprobs and delta.event.has_token)
 
 
-def num_chunks(fmt: ChunkFormat, event: StreamEvent) -> int:
-    """len(event_chunks(fmt, _, event)), without rendering them."""
-    ends = event.finish_reason in FINISHES
-    return shows_token(fmt, event) + ends + (ends and fmt.include_usage and event.usage is not None)
+def num_chunks(fmt: ChunkFormat, delta: AnswerDelta) -> int:
+    """len(event_chunks(fmt, _, delta)), without rendering them (no tokenizer work)."""
+    ends = delta.finish_reason in FINISHES
+    return (bool(delta.reasoning) + shows_content(fmt, delta) + bool(delta.tool_calls) + ends
+            + (ends and fmt.include_usage and delta.event.usage is not None))
 
 
-def event_chunks(fmt: ChunkFormat, tokenizer: Any, event: StreamEvent) -> list[dict]:
-    """The chunks one event becomes: its token (`shows_token`), then on the last event the finish
-    chunk and, when asked for, the usage chunk."""
-    chunks = []
-    if shows_token(fmt, event):
-        chunks.append(_chunk(fmt, tokenizer, event, event.text, event.logprobs, None))
-    if event.finish_reason in FINISHES:
-        chunks.append(_chunk(fmt, tokenizer, event, "", None, event.finish_reason))
+def event_chunks(fmt: ChunkFormat, tokenizer: Any, delta: AnswerDelta) -> list[dict]:
+    """The chunks one read event becomes: its thoughts (vLLM's `reasoning` delta, and `reasoning_content`,
+    vLLM's older name and DeepSeek's, which many clients read), its content (`shows_content`), its
+    tool calls' deltas (a call's id and name first, then pieces of its arguments), then on the last
+    event the finish chunk and, when asked for, the usage chunk."""
+    event, chunks = delta.event, []
+    if delta.reasoning:
+        chunks.append(_chunk(fmt, event, {"delta": {"reasoning": delta.reasoning,
+                                                    "reasoning_content": delta.reasoning},
+                                          "logprobs": None, "finish_reason": None}))
+    if shows_content(fmt, delta):
+        chunks.append(_content(fmt, tokenizer, event, delta.content, None))
+    if delta.tool_calls:
+        chunks.append(_chunk(fmt, event, {"delta": {"tool_calls": [c.to_dict() for c in delta.tool_calls]},
+                                          "logprobs": None, "finish_reason": None}))
+    if delta.finish_reason in FINISHES:
+        chunks.append(_content(fmt, tokenizer, event, "", delta.finish_reason))
         if fmt.include_usage and event.usage is not None:
             chunks.append({**fmt.base, "choices": [], "usage": event.usage})
     return chunks

@@ -4,18 +4,14 @@ into plain values for the services (`ToolUse`, `OutputFormat`); the work is in
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
 
 from api.errors import ParamError
-from api.openai.chunks import event_chunks
 from api.openai.fields import Strict
 from services.inference.structured import OutputFormat
-from services.inference.tool_parser import Delta, ToolCallParser
 from services.inference.tools import ToolUse
-from services.streams.events import ChunkFormat, StreamEvent
 
 MAX_TOOLS = 128  # OpenAI's limit
 MAX_CHOICE_STRINGS = 1024
@@ -155,24 +151,3 @@ class ToolFields(GuidedFields):
             choice = choice.function.name
         tools = tuple(tool.model_dump(exclude_none=True) for tool in self.tools or ())
         return ToolUse(tools, choice, self.parallel_tool_calls is not False)
-
-
-def tool_event_chunks(parser: ToolCallParser, fmt: ChunkFormat, tokenizer: Any, event: StreamEvent) -> list[dict]:
-    """The chunks of one choice's event with its tool calls parsed out of the text: the content
-    that is certain by now, then the calls' deltas (a call's id and name first, then pieces of
-    its arguments); once a call came, the finish reason is `tool_calls`."""
-    delta = parser.feed(event.text)
-    if event.finish_reason is not None:
-        rest = parser.finish()
-        delta = Delta(delta.content + rest.content, delta.tool_calls + rest.tool_calls)
-    chunks = event_chunks(fmt, tokenizer, dataclasses.replace(event, text=delta.content))
-    if delta.tool_calls:
-        calls = {"index": 0, "delta": {"tool_calls": [d.to_dict() for d in delta.tool_calls]}, "logprobs": None,
-                 "finish_reason": None}
-        at = next((i for i, c in enumerate(chunks) if c["choices"] and c["choices"][0]["finish_reason"]), len(chunks))
-        chunks.insert(at, {**fmt.base, "choices": [calls]})
-    for chunk in chunks if parser.num_calls else ():
-        for choice in chunk["choices"]:
-            if choice["finish_reason"] == "stop":
-                choice["finish_reason"] = "tool_calls"
-    return chunks

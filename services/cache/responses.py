@@ -25,6 +25,7 @@ import orjson
 from engine.types import SamplingParams
 from scheduling.router import Served
 from services.inference.admission import Admission
+from services.inference.deltas import call_ids_of
 from services.observability.metrics import Metrics
 from services.streams.hub import LiveStream, StreamStatus, params_to_json
 from services.tenancy import Caller
@@ -82,9 +83,10 @@ class CacheEntries:
 class CachedCompletion:
     """A finished generation as /v1/completions and /v1/chat/completions replay it."""
 
-    text: str
+    text: str  # raw: thoughts and tool calls are read from it as from the first answer's stream
     finish_reason: str
     usage: dict
+    call_ids: str = ""  # what the first answer's tool-call ids derived from (`services.inference.deltas`)
 
 
 class ResponseCache:
@@ -166,14 +168,16 @@ class ResponseCache:
         if key is not None:
             self.entries.put(key, value)
 
-    def remember_completion(self, key: str | None, text: str, finish: str | None, usage: dict | None) -> None:
+    def remember_completion(self, key: str | None, text: str, finish: str | None, usage: dict | None,
+                            call_ids: str = "") -> None:
         """Store a generation that finished normally (stop or length) with its usage."""
         if key is not None and finish in FINISHED and usage is not None:
-            self.entries.put(key, CachedCompletion(text, finish, usage))
+            self.entries.put(key, CachedCompletion(text, finish, usage, call_ids))
 
     def remember_live(self, key: str | None, live: LiveStream) -> None:
         """Store a streamed answer once its stream has finished normally."""
         if key is None or not live.done or live.status != StreamStatus.FINISHED or not live.events:
             return
         last = live.events[-1]
-        self.remember_completion(key, "".join(e.text for e in live.events), last.finish_reason, last.usage)
+        self.remember_completion(key, "".join(e.text for e in live.events), last.finish_reason, last.usage,
+                                 call_ids_of(live.fmt.id))

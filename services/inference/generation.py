@@ -20,20 +20,21 @@ from dataclasses import dataclass, field
 
 from engine.types import SamplingParams, TokenEvent
 from scheduling.router import RequestStream, Router, ServedModel
-from services.cache.responses import ResponseCache
+from services.cache.responses import CachedCompletion, ResponseCache
 from services.conversations import Conversations
 from services.deployments.manager import ModelManager
 from services.deployments.shadow import ShadowMirror
 from services.errors import InvalidRequestError
 from services.inference.admission import Admission
 from services.inference.choices import Choices
+from services.inference.deltas import AnswerReader, call_ids_of, read_answer
 from services.inference.events import Answer, collect, finish_reason, scheduled_events, stream_failed
 from services.inference.params import sampling_params
 from services.inference.prompts import decode_tokens, encode_chat, encode_prompt
-from services.inference.reasoning import Reasoning, marks_are_special, reasoning_for, with_reasoning
+from services.inference.reasoning import Reasoning, marks_are_special, reasoning_for
 from services.inference.requests import ChatInput, GenerationInput, PromptInput
 from services.inference.structured import constrain
-from services.inference.tools import chat_template_of, constrained_params, prompt_with_tools, with_tool_calls
+from services.inference.tools import chat_template_of, constrained_params, prompt_with_tools
 from services.observability.metrics import Metrics
 from services.streams.events import ChunkFormat
 from services.streams.hub import LiveStream, StreamHub
@@ -69,12 +70,10 @@ class Outcome:
     model: ServedModel  # the version that answered (its tokenizer shows logprobs)
     answers: list[Answer] | None = None  # complete: n choices collected, a cache hit, a collected answer
     choices: Choices | None = None  # n > 1 choices to stream, merged
-    cached: Answer | None = None  # a cache hit to stream
+    cached: CachedCompletion | None = None  # a cache hit to stream
     live: LiveStream | None = None  # a live, resumable stream to serve
     resumable: bool = True  # the answer names its stream (X-Stream-Id); several choices are not resumable
     n: int = 1  # choices per prompt (`answers` and `choices` hold a prompt's n choices side by side)
-    tool_format: str | None = None  # the format of tool calls in the choices' text (`answers` have them parsed)
-    reasoning: Reasoning | None = None  # the choices' text holds thoughts to split (`answers` have them split)
     served: Callable[[], None] = lambda: None  # to call once `live` was served: its answer may go to the cache
 
 
@@ -165,9 +164,12 @@ class Inference:
         id) from `request_id`."""
         ask = plans[0].ask
         echo = tuple(plan.echo for plan in plans for _ in range(ask.n)) if getattr(ask, "echo", False) else ()
+        reasoning = plans[0].reasoning
         return ChunkFormat(plans[0].kind, f"{CHUNK_ID_PREFIX[plans[0].kind]}-{request_id}", int(time.time()),
                            self.router.label(plans[0].model), ask.include_usage, ask.logprobs is not None,
-                           continuous_usage=ask.include_usage and ask.continuous_usage, echo=echo)
+                           continuous_usage=ask.include_usage and ask.continuous_usage, echo=echo,
+                           tool_format=plans[0].tool_format,
+                           reasoning_starts_inside=None if reasoning is None else reasoning.starts_inside)
 
     # ---- answering ---------------------------------------------------------------------
 
@@ -205,38 +207,39 @@ class Inference:
         """Answer a planned chat or text completion, the first of four ways that applies: n > 1
         choices (streamed merged, or collected); a response-cache hit; a collected answer; a live,
         resumable stream (streamed, or followed to its end for a conversation turn, whose answer the
-        stream stores)."""
-        if plan.ask.n > 1 or plan.tool_format or plan.reasoning:  # parsed as they come: not a resumable stream
+        stream stores). Thoughts and tool calls are read out of the text the same way in each
+        (`services.inference.deltas`): the cache and the stream keep the raw text."""
+        if plan.ask.n > 1:
             return await self.answer_choices(caller, [plan], stream=stream)
         key = self.cache.generation_key(caller, plan.model, plan.prompt_ids, plan.params, cache_asked, "openai",
                                         plan.conversation_id)
         cached = self.cache.lookup(caller, plan.model.name, key)  # None: not cacheable, or a miss
         if cached is not None:
-            hit = Answer(cached.text, [], cached.finish_reason, cached.usage)
             fmt = self.format([plan], uuid.uuid4().hex)
-            return Outcome(fmt, plan.model, cached=hit) if stream else Outcome(fmt, plan.model, answers=[hit])
+            if stream:
+                return Outcome(fmt, plan.model, cached=cached)
+            hit = Answer(cached.text, [], cached.finish_reason, cached.usage)
+            return Outcome(fmt, plan.model, answers=[read_answer(hit, AnswerReader.of(fmt, call_ids=cached.call_ids))])
         started = await self.start(caller, plan)
         if not stream and not plan.conversation_id:
             result = await self.collect(started.stream)
-            self.cache.remember_completion(key, result.text, result.finish_reason, result.usage)
-            return Outcome(started.fmt, plan.model, answers=[result])
+            self.cache.remember_completion(key, result.text, result.finish_reason, result.usage,
+                                           call_ids_of(started.fmt.id))
+            return Outcome(started.fmt, plan.model, answers=[read_answer(result, AnswerReader.of(started.fmt))])
         live = self.go_live(plan, started)
         if stream:
             return Outcome(started.fmt, plan.model, live=live, served=lambda: self.cache.remember_live(key, live))
-        return Outcome(started.fmt, plan.model, answers=[await self.collect_live(live)])
+        answer = read_answer(await self.collect_live(live), AnswerReader.of(started.fmt))
+        return Outcome(started.fmt, plan.model, answers=[answer])
 
     async def answer_choices(self, caller: Caller, plans: list[Plan], *, stream: bool) -> Outcome:
         """n choices of each planned prompt as one parent request, streamed merged or collected."""
         choices = self.submit_n(caller, plans)
-        fmt, n, tool_format = self.format(plans, uuid.uuid4().hex), plans[0].ask.n, plans[0].tool_format
-        reasoning = plans[0].reasoning
+        fmt, n = self.format(plans, uuid.uuid4().hex), plans[0].ask.n
         if stream:
-            return Outcome(fmt, plans[0].model, choices=choices, resumable=False, n=n, tool_format=tool_format,
-                           reasoning=reasoning)
-        answers = [with_tool_calls(with_reasoning(answer, reasoning), tool_format)
-                   for answer in await choices.collect()]
-        return Outcome(fmt, plans[0].model, answers=answers, resumable=False, n=n, tool_format=tool_format,
-                       reasoning=reasoning)
+            return Outcome(fmt, plans[0].model, choices=choices, resumable=False, n=n)
+        answers = [read_answer(answer, AnswerReader.of(fmt, i)) for i, answer in enumerate(await choices.collect())]
+        return Outcome(fmt, plans[0].model, answers=answers, resumable=False, n=n)
 
     # ---- submitting --------------------------------------------------------------------
 

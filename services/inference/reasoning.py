@@ -14,11 +14,9 @@ whitespace (Qwen3 writes `</think>\\n\\n`).
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from services.inference.events import Answer
 from services.inference.tool_parser import held_back
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
@@ -105,11 +103,3 @@ class ReasoningParser:
         delta = thoughts[self.sent[0]:], answer[self.sent[1]:]
         self.sent = (max(self.sent[0], len(thoughts)), max(self.sent[1], len(answer)))
         return delta
-
-
-def with_reasoning(answer: Answer, reasoning: Reasoning | None) -> Answer:
-    """A collected answer with its thoughts apart (`reasoning_content`; None when it had none)."""
-    if reasoning is None:
-        return answer
-    thoughts, text = split(answer.text, reasoning.starts_inside, final=True)
-    return dataclasses.replace(answer, text=text, reasoning_content=thoughts or None)

@@ -27,13 +27,13 @@ from scheduling.router import ServedModel
 from services.conversations import Conversations
 from services.errors import NotFoundError
 from services.inference.choices import Choices
+from services.inference.deltas import AnswerReader
 from services.inference.events import cached_tokens, failure, generation_failed, usage
 from services.inference.generation import Inference, Plan
 from services.inference.params import SamplingOptions
-from services.inference.reasoning import Reasoning, ReasoningParser
 from services.inference.requests import ChatInput
 from services.inference.structured import OutputFormat
-from services.inference.tool_parser import ToolCallDelta, ToolCallParser
+from services.inference.tool_parser import Delta
 from services.inference.tools import ToolUse
 from services.tenancy import Caller
 
@@ -91,38 +91,30 @@ class ResponseOutput:
     """A generation's text -> output items, in the order they come (thoughts, then a message, then
     calls); one item is open at a time. Invariant: the items' texts are what the changes added."""
 
-    def __init__(self, reasoning: Reasoning | None, tool_format: str | None) -> None:
-        self.thinker = ReasoningParser(reasoning) if reasoning else None
-        self.calls = ToolCallParser(tool_format) if tool_format else None
+    def __init__(self, reader: AnswerReader) -> None:
+        self.reader = reader  # thoughts and calls read as on every other delivery
         self.items: list[OutputItem] = []
         self.num_reasoning_tokens = 0
 
     def feed(self, text: str, num_tokens: int = 1) -> list[Change]:
-        thinking = self.thinker is not None and self.thinker.thinking
-        thoughts, content = self.thinker.feed(text) if self.thinker else ("", text)
-        if thinking or (self.thinker is not None and self.thinker.thinking):
+        thinking = self.reader.thinking
+        thoughts, delta = self.reader.feed(text, final=False)
+        if thinking or self.reader.thinking:
             self.num_reasoning_tokens += num_tokens
-        return self._add(thoughts, content, final=False)
+        return self._add(thoughts, delta)
 
     def finish(self) -> list[Change]:
         """The rest of the text, every item closed; an answer of no text is an empty message."""
-        thoughts, content = self.thinker.finish() if self.thinker else ("", "")
-        changes = self._add(thoughts, content, final=True)
+        changes = self._add(*self.reader.feed("", final=True))
         if not any(item.type != "reasoning" for item in self.items):
             changes += self._open("message")
         if self.items and not self.items[-1].done:
             changes.append(self._close())
         return changes
 
-    def _add(self, thoughts: str, content: str, final: bool) -> list[Change]:
-        calls: list[ToolCallDelta] = []
-        if self.calls is not None:
-            delta = self.calls.feed(content)
-            rest = self.calls.finish() if final else None
-            content = delta.content + (rest.content if rest else "")
-            calls = delta.tool_calls + (rest.tool_calls if rest else [])
-        changes = self._write("reasoning", thoughts) + self._write("message", content)
-        for call in calls:
+    def _add(self, thoughts: str, delta: Delta) -> list[Change]:
+        changes = self._write("reasoning", thoughts) + self._write("message", delta.content)
+        for call in delta.tool_calls:
             if call.id is not None:
                 changes += self._open("function_call", name=call.name, call_id=call.id)
             changes += self._append(call.arguments)
@@ -278,7 +270,8 @@ class Responses:
             if ask.store:
                 await self.conversations.discard(caller.tenant.name, conversation_id(response_id))
             raise
-        return ResponseRun(record, ResponseOutput(plan.reasoning, plan.tool_format), choices, self.conversations,
+        fmt = self.inference.format([plan], response_id)
+        return ResponseRun(record, ResponseOutput(AnswerReader.of(fmt)), choices, self.conversations,
                            caller.tenant.name, history + ask.items if ask.store else None)
 
     async def start_conversation(self, caller: Caller, model: ServedModel) -> str:

@@ -12,6 +12,7 @@ so far, and what it shows only grows, so nothing sent is ever taken back.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import uuid
@@ -201,8 +202,11 @@ class ToolCallParser:
     """Invariant: what was sent (`sent_content`, each call's name and `sent_args`) is a prefix of
     what the latest view shows."""
 
-    def __init__(self, fmt: str) -> None:
+    def __init__(self, fmt: str, call_ids: str = "") -> None:
+        """`call_ids`: what the calls' ids are derived from (a stream's id and choice), so that a
+        replay names them as the original did; empty: random ids."""
         self.view = VIEWS[fmt]
+        self.call_ids = call_ids
         self.text = ""
         self.sent_content = 0
         self.sent_calls: list[int] = []  # arguments characters sent, per call that has a name
@@ -228,12 +232,19 @@ class ToolCallParser:
                 break
             if index == len(self.sent_calls):
                 self.sent_calls.append(0)
-                self.ids.append(f"call_{uuid.uuid4().hex[:24]}")
+                self.ids.append(call_id(self.call_ids, index))
                 delta.tool_calls.append(ToolCallDelta(index, self.ids[index], call.name, call.arguments))
             elif len(call.arguments) > self.sent_calls[index]:
                 delta.tool_calls.append(ToolCallDelta(index, arguments=call.arguments[self.sent_calls[index]:]))
             self.sent_calls[index] = max(self.sent_calls[index], len(call.arguments))
         return delta
+
+
+def call_id(seed: str, index: int) -> str:
+    """A call's id: OpenAI's shape (`call_` and 24 characters), from `seed` and its index when given."""
+    if not seed:
+        return f"call_{uuid.uuid4().hex[:24]}"
+    return f"call_{hashlib.sha256(f'{seed}:{index}'.encode()).hexdigest()[:24]}"
 
 
 @dataclass

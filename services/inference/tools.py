@@ -20,9 +20,8 @@ from engine.grammar import JSON_OPTIONS
 from engine.types import GuidedSpec, SamplingParams
 from scheduling.router import ServedModel
 from services.errors import InvalidRequestError
-from services.inference.events import Answer
 from services.inference.structured import OutputFormat, constrain
-from services.inference.tool_parser import HERMES_CLOSE, HERMES_OPEN, MISTRAL_MARK, parse_all
+from services.inference.tool_parser import HERMES_CLOSE, HERMES_OPEN, MISTRAL_MARK
 
 FORMATS = ("hermes", "llama3_json", "mistral")
 MAX_PARALLEL_CALLS = 8  # a forced answer holds at most this many calls (a weak model could repeat forever)
@@ -126,17 +125,6 @@ async def constrained_params(model: ServedModel, params: SamplingParams, use: To
     if output is not None:
         return await constrain(model, params, output.spec(), output.param)
     return params
-
-
-def with_tool_calls(answer: Answer, fmt: str | None) -> Answer:
-    """A collected answer with its calls parsed out of its text (`finish_reason` tool_calls)."""
-    if fmt is None:
-        return answer
-    parsed = parse_all(fmt, answer.text)
-    if not parsed.tool_calls:
-        return answer
-    finish = "tool_calls" if answer.finish_reason == "stop" else answer.finish_reason
-    return dataclasses.replace(answer, text=parsed.content or "", tool_calls=parsed.tool_calls, finish_reason=finish)
 
 
 def hermes_messages(messages: list[dict], tools: tuple[dict, ...]) -> list[dict]:

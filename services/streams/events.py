@@ -23,6 +23,8 @@ class ChunkFormat:
     logprobs: bool = False
     continuous_usage: bool = False  # vLLM's continuous_usage_stats: every chunk carries the usage so far
     echo: tuple[str, ...] = ()  # text completions' `echo`: each choice's prompt text, sent before its output
+    tool_format: str | None = None  # tools are in play: calls are read out of the text in this format
+    reasoning_starts_inside: bool | None = None  # a thinking model (thoughts read apart): whether it starts in them
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -109,16 +109,19 @@ async def test_thoughts_come_apart_collected_and_streamed(serve, thinking_path):
     message = answer.choices[0].message
     assert (message.reasoning_content, message.content) == (THOUGHTS, ANSWER)
     assert answer.choices[0].finish_reason == "stop"
-    stream = await sdk.chat.completions.create(model="tiny", messages=ASK, temperature=0, max_tokens=40,
-                                               stream=True, stream_options={"include_usage": True})
-    chunks = [ChatCompletionChunk.model_validate_json(chunk.model_dump_json(), strict=True) async for chunk in stream]
-    for chunk in chunks:
-        only_reasoning_extra(chunk.model_copy(deep=True))
-    deltas = [chunk.choices[0].delta for chunk in chunks if chunk.choices]
-    thoughts = [d.model_extra.get("reasoning_content") for d in deltas if d.model_extra.get("reasoning_content")]
-    assert "".join(thoughts) == THOUGHTS and len(thoughts) > 1  # streamed as they come
-    assert "".join(d.content or "" for d in deltas) == ANSWER
-    assert chunks[-1].usage.completion_tokens == answer.usage.completion_tokens
+    for cache in (False, True):  # generated live, then replayed from the response cache: the same split
+        stream = await sdk.chat.completions.create(model="tiny", messages=ASK, temperature=0, max_tokens=40,
+                                                   stream=True, stream_options={"include_usage": True},
+                                                   extra_body={"galley": {"cache": cache}})
+        chunks = [ChatCompletionChunk.model_validate_json(chunk.model_dump_json(), strict=True)
+                  async for chunk in stream]
+        for chunk in chunks:
+            only_reasoning_extra(chunk.model_copy(deep=True))
+        deltas = [chunk.choices[0].delta for chunk in chunks if chunk.choices]
+        thoughts = [d.model_extra.get("reasoning_content") for d in deltas if d.model_extra.get("reasoning_content")]
+        assert "".join(thoughts) == THOUGHTS and (len(thoughts) > 1 or cache)  # live: streamed as they come
+        assert "".join(d.content or "" for d in deltas) == ANSWER
+        assert chunks[-1].usage.completion_tokens == answer.usage.completion_tokens
 
 
 async def test_the_template_switch_and_a_template_that_opens_the_thoughts(serve, thinking_path, tmp_path):

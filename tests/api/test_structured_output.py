@@ -133,20 +133,25 @@ async def test_forced_tool_calls_validate(sdk, choice):
 async def test_streamed_tool_calls_assemble_to_the_collected_call(sdk):
     kw = dict(model="tiny", messages=ASK, tools=TOOLS, tool_choice="required", temperature=0, max_tokens=1500)
     collected = (await sdk.chat.completions.create(**kw)).choices[0]
-    chunks = [chunk async for chunk in await sdk.chat.completions.create(stream=True, **kw)]
-    calls: dict[int, dict] = {}
-    for chunk in chunks:
-        ChatCompletionChunk.model_validate_json(chunk.model_dump_json(), strict=True)
-        for part in chunk.choices[0].delta.tool_calls or [] if chunk.choices else []:
-            call = calls.setdefault(part.index, {"id": part.id, "name": part.function.name, "arguments": ""})
-            call["arguments"] += part.function.arguments or ""
-    assert chunks[-1].choices[0].finish_reason == "tool_calls"
-    assert [(c["name"], c["arguments"]) for c in calls.values()] == \
-        [(c.function.name, c.function.arguments) for c in collected.message.tool_calls]
-    assert all(c["id"].startswith("call_") for c in calls.values())
+    expected = [(c.id, c.function.name, c.function.arguments) for c in collected.message.tool_calls]
     for name, arguments in arguments_of(collected.message):
         jsonschema.validate(arguments, SCHEMAS[name])
-    assert sum(bool(c.choices and c.choices[0].delta.tool_calls) for c in chunks) > len(calls)  # pieces, not one
+    for cache in (False, True):  # generated live; replayed from the response cache (the same calls, ids too)
+        stream = await sdk.chat.completions.create(stream=True, extra_body={"galley": {"cache": cache}}, **kw)
+        chunks = [chunk async for chunk in stream]
+        calls: dict[int, dict] = {}
+        for chunk in chunks:
+            ChatCompletionChunk.model_validate_json(chunk.model_dump_json(), strict=True)
+            for part in chunk.choices[0].delta.tool_calls or [] if chunk.choices else []:
+                call = calls.setdefault(part.index, {"id": part.id, "name": part.function.name, "arguments": ""})
+                call["arguments"] += part.function.arguments or ""
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+        got = [(c["id"], c["name"], c["arguments"]) for c in calls.values()]
+        if cache:
+            assert got == expected
+        else:  # a new generation: its own ids, the same calls, streamed in pieces
+            assert [g[1:] for g in got] == [e[1:] for e in expected] and all(g[0].startswith("call_") for g in got)
+            assert sum(bool(c.choices and c.choices[0].delta.tool_calls) for c in chunks) > len(calls)
 
 
 async def test_auto_none_n_and_a_history_with_calls_and_results(sdk):
