@@ -1,14 +1,14 @@
 """Perplexity of one model, float vs weight-only int8 vs int4, through our decoder's forward.
 
-Text: the last 5% of `../shared/data/tinyshakespeare.txt` (the slice the demo model's training
+Text: the last 5% of the Tiny Shakespeare corpus, `--data PATH` (the slice the demo model's training
 held out; SmolLM2 was not tuned on it, and a relative comparison needs only the same text for
 every variant). It is tokenized once and cut into non-overlapping windows of `--window` tokens;
 each window is one prefill of `engine.models.llama.LlamaForCausalLM` over a paged KV cache
 (`engine.attention.build_metadata`, the torch attention path) with logits at every position,
 and the perplexity is exp(mean next-token NLL) over all windows.
 
-    python bench/perplexity.py                                  # fp32,int8,int4 on SmolLM2-135M
-    python bench/perplexity.py --variants fp32,int8,int8-nohead,int4,int4-g64,int4-nohead --windows 32
+    python bench/perplexity.py --data PATH                      # fp32,int8,int4 on SmolLM2-135M
+    python bench/perplexity.py --data PATH --variants fp32,int8,int8-nohead,int4,int4-g64,int4-nohead --windows 32
 
 Variant names as in bench/quantization.py.
 """
@@ -31,7 +31,6 @@ from bench.quantization import SMOLLM2, parse_variant  # noqa: E402
 from engine.attention import build_metadata  # noqa: E402
 from engine.loader import LoadedModel, load_model  # noqa: E402
 
-DATA = REPO_ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
 HELD_OUT_FRACTION = 0.05  # scripts/train_demo_model.py's VAL_FRACTION
 BLOCK_SIZE = 16
 
@@ -61,7 +60,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=SMOLLM2)
     p.add_argument("--variants", default="fp32,int8,int4")
-    p.add_argument("--data", type=Path, default=DATA)
+    p.add_argument("--data", type=Path, required=True, help="tinyshakespeare.txt (not in the repo: docs/testing.md)")
     p.add_argument("--window", type=int, default=512)
     p.add_argument("--windows", type=int, default=16, help="at most this many windows")
     args = p.parse_args()

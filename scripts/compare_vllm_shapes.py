@@ -4,7 +4,7 @@ samplers); shapes are, because that is what a client's parser sees.
 
     python scripts/compare_vllm_shapes.py --galley http://127.0.0.1:8000 --vllm http://127.0.0.1:8001 --model demo
 
-Start both on the same model folder first (vLLM as ../shared/TESTING.md says, with
+Start both on the same model folder first (vLLM as docs/testing.md says, with
 --enable-prompt-tokens-details --enable-auto-tool-choice --tool-call-parser hermes to compare those
 paths too). Prints, per request, the paths only one side sends and the paths whose types differ.
 Loopback only; a few dozen small requests."""

@@ -26,7 +26,10 @@ variation is the number of steps that fit into the ``--minutes`` budget. Use
 
 Reproduce from the repository root with::
 
-    python scripts/train_demo_model.py
+    python scripts/train_demo_model.py --data /path/to/tinyshakespeare.txt
+
+The corpus is not part of the repository (it ships the trained weights only): pass its path
+with ``--data`` (or ``--corpus``), or set ``GALLEY_CORPUS``; see docs/models.md.
 
 Options: ``--data`` (corpus path), ``--out`` (output folder, default
 ``models/demo``), ``--minutes`` (training time budget, default 8), ``--steps``
@@ -37,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import random
 import time
 from dataclasses import dataclass
@@ -94,9 +98,12 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--data",
+        "--corpus",
         type=Path,
-        default=Path("../shared/data/tinyshakespeare.txt"),
-        help="training corpus; relative paths are resolved against the repo root",
+        default=os.environ.get("GALLEY_CORPUS"),
+        required="GALLEY_CORPUS" not in os.environ,
+        help="training corpus (tinyshakespeare.txt, not in the repository; default: $GALLEY_CORPUS); "
+        "relative paths are resolved against the repo root",
     )
     parser.add_argument(
         "--out",

