@@ -41,6 +41,10 @@ class ConversationMessage(BaseModel):
     completion_tokens: int | None
     stream_id: str | None = Field(description="The stream that generated it, for assistant messages.")
     created_at: str
+    tool_calls: list[dict[str, Any]] | None = Field(None, description="An assistant's calls, in OpenAI's shape.")
+    tool_call_id: str | None = Field(None, description="A `tool` message: the call it answers.")
+    name: str | None = None
+    reasoning_content: str | None = Field(None, description="A thinking model's thoughts, apart from `content`.")
 
 
 class ConversationOut(BaseModel):
@@ -73,8 +77,9 @@ def conversation_json(conversation: Conversation) -> dict[str, Any]:
 
 
 def message_json(message: Message) -> dict[str, Any]:
-    fields = dataclasses.asdict(message)
-    return ConversationMessage(**{name: fields[name] for name in ConversationMessage.model_fields}).model_dump()
+    fields = {**dataclasses.asdict(message), **(message.extra or {})}
+    return ConversationMessage(**{name: fields[name] for name in ConversationMessage.model_fields
+                                  if name in fields}).model_dump(exclude_unset=True)  # extra fields: when there
 
 
 # ---- handlers --------------------------------------------------------------------------

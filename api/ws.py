@@ -37,6 +37,7 @@ from api.quotas import count_creation
 from api.routes import Route
 from api.services import SERVICES, services
 from services.errors import InvalidRequestError, NotFoundError, RateLimitError, ServiceError
+from services.inference.deltas import AnswerReader
 from services.streams.hub import LiveStream, StreamStatus
 
 log = structlog.get_logger(__name__)
@@ -99,14 +100,16 @@ def error_message(code: str, message: str, stream_id: str | None = None) -> dict
     return out if stream_id is None else {**out, "stream_id": stream_id}
 
 
-def final_message(live: LiveStream) -> dict:
-    """`done` or `error` for a stream that has ended."""
+def final_message(live: LiveStream, reader: AnswerReader | None = None) -> dict:
+    """`done` or `error` for a stream that has ended (`tool_calls` when `reader` read a call)."""
     last = live.events[-1] if live.events else None
     if last is not None and last.error:
         return error_message(last.error_code or "internal_error", last.error, live.id)
     if live.status == StreamStatus.FAILED:
         return error_message("internal_error", "the generation failed", live.id)
     reason = last.finish_reason if last is not None else live.record.finish_reason
+    if reason == "stop" and reader is not None and reader.calls is not None and reader.calls.num_calls:
+        reason = "tool_calls"
     return {"type": "done", "stream_id": live.id, "finish_reason": FINISH_REASONS.get(reason, reason),
             "usage": last.usage if last is not None else None}
 
@@ -230,12 +233,24 @@ class ChatSocket:
             self.close_soon(WSCloseCode.GOING_AWAY, "server shutting down")
 
     async def forward(self, live: LiveStream, after: int) -> None:
+        """Each event after `after` that adds to the answer as a `token` message: its `text`, and a
+        thinking model's `reasoning` and a tool call's deltas (`tool_calls`, as OpenAI's chunks) apart.
+        Every event is read, sent or not: what it adds depends on all the text before it."""
+        reader = AnswerReader.of(live.fmt)
         try:
-            async for event in live.follow(after):
-                if event.text and not event.error:
-                    await self.send({"type": "token", "stream_id": live.id, "index": event.index,
-                                     "text": event.text})
-            await self.send(final_message(live))
+            async for event in live.follow():
+                if event.error:
+                    continue
+                delta = reader.read(event)
+                if event.index <= after or not (delta.content or delta.reasoning or delta.tool_calls):
+                    continue
+                message = {"type": "token", "stream_id": live.id, "index": event.index, "text": delta.content}
+                if delta.reasoning:
+                    message["reasoning"] = delta.reasoning
+                if delta.tool_calls:
+                    message["tool_calls"] = [call.to_dict() for call in delta.tool_calls]
+                await self.send(message)
+            await self.send(final_message(live, reader))
         except ConnectionError:
             pass  # the socket closed under us; `close` cancels the rest
 

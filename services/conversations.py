@@ -10,13 +10,16 @@ assistant's answer is stored by the stream hub, with the stream's end, in one tr
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
 from collections.abc import Sequence
+from typing import Any
 
 from scheduling.rollout import parse_model_ref
 from services.deployments.manager import ModelManager
 from services.errors import ConflictError, NotFoundError
 from services.inference.admission import Admission
+from services.inference.tools import parsed_arguments
 from services.tenancy import Caller, limits_of
 from storage.conversations import Conversation, ConversationNotFoundError, ConversationStore, Message
 
@@ -94,14 +97,14 @@ class Conversations:
         if conversation.model != name or version not in (None, conversation.model_version):
             raise ConflictError(f"conversation {conversation_id!r} is pinned to "
                                 f"{conversation.model}@{conversation.model_version}", param="model")
-        return [{"role": m.role, "content": m.content} for m in messages], conversation.model_version
+        return [template_message(m) for m in messages], conversation.model_version
 
     async def append(self, conversation_id: str, messages: Sequence[dict]) -> None:
         """Stores a turn's new messages ({"role", "content"}) in one transaction; NotFoundError when
         the conversation was deleted meanwhile."""
         try:
             await asyncio.wrap_future(self.store.add_messages(
-                conversation_id, [(m["role"], m["content"]) for m in messages]))
+                conversation_id, [(m["role"], m.get("content") or "", stored_extra(m)) for m in messages]))
         except ConversationNotFoundError as exc:
             raise not_found_in_chat(conversation_id) from exc
 
@@ -117,3 +120,32 @@ class Conversations:
         if found is None:
             raise not_found_in_chat(conversation_id)
         return found
+
+
+TEMPLATE_FIELDS = ("tool_calls", "tool_call_id", "name")  # thoughts are never sent back to the model
+
+
+def stored_extra(message: dict[str, Any]) -> dict[str, Any]:
+    """A chat message's fields beyond role and content, as stored: tool calls in OpenAI's shape
+    (arguments as JSON text, whatever the template was given)."""
+    extra = {name: message[name] for name in TEMPLATE_FIELDS if message.get(name) is not None}
+    if "tool_calls" in extra:
+        extra["tool_calls"] = [{**call, "function": {**call["function"], "arguments": as_text(
+            call["function"]["arguments"])}} for call in extra["tool_calls"]]
+    return extra
+
+
+def template_message(message: Message) -> dict[str, Any]:
+    """A stored message as chat templates read it (as `api.openai.messages.ChatMessage.for_template`:
+    a call's arguments an object when they parse as JSON)."""
+    out: dict[str, Any] = {"role": message.role, "content": message.content}
+    extra = message.extra or {}
+    out.update({name: extra[name] for name in TEMPLATE_FIELDS if name in extra})
+    if "tool_calls" in out:
+        out["tool_calls"] = [{**call, "function": {**call["function"], "arguments": parsed_arguments(
+            call["function"]["arguments"])}} for call in out["tool_calls"]]
+    return out
+
+
+def as_text(arguments: Any) -> str:
+    return arguments if isinstance(arguments, str) else json.dumps(arguments)

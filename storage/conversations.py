@@ -12,6 +12,7 @@ reaches them. Must not import anything but the standard library and sqlite_utils
 from __future__ import annotations
 
 import dataclasses
+import json
 import uuid
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
@@ -56,6 +57,7 @@ class Message:
     completion_tokens: int | None
     stream_id: str | None
     created_at: str
+    extra: dict[str, Any] | None = None  # OpenAI's other message fields: tool_calls, tool_call_id, name, reasoning
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -106,6 +108,12 @@ def add_conversation_activity(db: sqlite_utils.Database) -> None:
     db.execute("CREATE INDEX conversations_latest ON conversations(activity)")  # MAX(activity) without a scan
 
 
+def add_message_extra(db: sqlite_utils.Database) -> None:
+    """Migration: a message's other fields (an assistant's tool calls and thoughts, a tool result's
+    call id), as JSON, so that tools and reasoning work in stored conversations."""
+    db.execute("ALTER TABLE messages ADD COLUMN extra TEXT")
+
+
 NEXT_ACTIVITY = "(SELECT COALESCE(MAX(activity), 0) + 1 FROM conversations)"
 
 
@@ -114,7 +122,8 @@ def conversation_from_row(row: Mapping[str, Any]) -> Conversation:
 
 
 def message_from_row(row: Mapping[str, Any]) -> Message:
-    return Message(**row)
+    extra = row.get("extra")
+    return Message(**{**row, "extra": json.loads(extra) if extra else None})
 
 
 # ---- conversations ---------------------------------------------------------------------
@@ -178,16 +187,18 @@ def delete_conversation(db: sqlite_utils.Database, conversation_id: str, tenant:
 
 def add_message(db: sqlite_utils.Database, conversation_id: str, role: str, content: str,
                 prompt_tokens: int | None = None, completion_tokens: int | None = None,
-                stream_id: str | None = None) -> Message:
+                stream_id: str | None = None, extra: dict[str, Any] | None = None) -> Message:
     """Appends a message and bumps the conversation's updated_at; ConversationNotFoundError if there is none."""
     now = utc_now()
-    message = Message(0, conversation_id, role, content, prompt_tokens, completion_tokens, stream_id, now)
+    message = Message(0, conversation_id, role, content, prompt_tokens, completion_tokens, stream_id, now,
+                      extra or None)
     cursor = db.execute(f"UPDATE conversations SET updated_at = ?, activity = {NEXT_ACTIVITY} WHERE id = ?",
                         [now, conversation_id])
     if cursor.rowcount == 0:
         raise ConversationNotFoundError(conversation_id)
     row = dataclasses.asdict(message)
     del row["id"]
+    row["extra"] = json.dumps(message.extra) if message.extra else None
     table = db.table("messages").insert(row)
     return dataclasses.replace(message, id=table.last_rowid)
 
@@ -237,7 +248,9 @@ class ConversationStore:
     def delete(self, conversation_id: str, tenant: str) -> Future[bool]:
         return self.db.write(lambda db: delete_conversation(db, conversation_id, tenant))
 
-    def add_messages(self, conversation_id: str, messages: Sequence[tuple[str, str]]) -> Future[list[Message]]:
-        """Appends (role, content) messages in one transaction; ConversationNotFoundError if it is gone."""
+    def add_messages(self, conversation_id: str, messages: Sequence[tuple[str, str, dict[str, Any] | None]]
+                     ) -> Future[list[Message]]:
+        """Appends (role, content, extra) messages in one transaction; ConversationNotFoundError if it is gone."""
         turn = list(messages)  # a copy: the writer thread reads it later
-        return self.db.write(lambda db: [add_message(db, conversation_id, role, content) for role, content in turn])
+        return self.db.write(lambda db: [add_message(db, conversation_id, role, content, extra=extra)
+                                         for role, content, extra in turn])

@@ -43,6 +43,7 @@ MIGRATIONS: tuple[Migration, ...] = (
     batches.add_batch_job_retention,
     tenants.add_tenant_ids,
     streams.add_stream_tenant_id,
+    conversations.add_message_extra,
 )
 
 

@@ -210,6 +210,8 @@ class Answer:
 
     conversation_id: str
     prompt_tokens: int
+    content: str | None = None  # the answer read from the text (its thoughts and calls apart); None: the text
+    extra: dict[str, Any] | None = None  # its tool calls and thoughts (`storage.conversations.Message.extra`)
 
 
 class StreamStore:
@@ -238,8 +240,9 @@ class StreamStore:
             finish_stream(db, stream_id, ids, txt, status, finish_reason)
             if answer is not None:
                 try:
-                    add_message(db, answer.conversation_id, "assistant", "".join(txt),
-                                prompt_tokens=answer.prompt_tokens, completion_tokens=len(ids), stream_id=stream_id)
+                    content = "".join(txt) if answer.content is None else answer.content
+                    add_message(db, answer.conversation_id, "assistant", content, prompt_tokens=answer.prompt_tokens,
+                                completion_tokens=len(ids), stream_id=stream_id, extra=answer.extra)
                 except ConversationNotFoundError:
                     pass
 

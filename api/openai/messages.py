@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-import orjson
 from pydantic import Field
 
 from api.openai.fields import MAX_NAME_CHARS, Strict, str_or_list
+from services.inference.tools import parsed_arguments
 
 
 class TextPart(Strict):
@@ -74,10 +74,3 @@ class ChatMessage(Strict):
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
         return out
-
-
-def parsed_arguments(arguments: str) -> Any:
-    try:
-        return orjson.loads(arguments)
-    except orjson.JSONDecodeError:
-        return arguments

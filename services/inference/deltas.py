@@ -87,3 +87,15 @@ def read_answer(answer: Answer, reader: AnswerReader) -> Answer:
     text = parsed.content or "" if parsed.tool_calls else delta.content
     return dataclasses.replace(answer, text=text, tool_calls=parsed.tool_calls or None, finish_reason=finish,
                                reasoning_content=thoughts or None if reader.thinker else None)
+
+
+def answer_message(text: str, fmt: ChunkFormat) -> tuple[str, dict]:
+    """A conversation's stored answer: its content, and its tool calls and thoughts (as OpenAI's
+    message fields) read from the raw `text` of the stream shown in `fmt`."""
+    answer = read_answer(Answer(text, [], None, {}), AnswerReader.of(fmt))
+    extra: dict = {}
+    if answer.tool_calls:
+        extra["tool_calls"] = answer.tool_calls
+    if answer.reasoning_content:
+        extra["reasoning_content"] = answer.reasoning_content
+    return answer.text, extra

@@ -125,7 +125,7 @@ class Inference:
                                  cap=caller.tenant.max_tokens, prompt_param="messages")
         params = await constrained_params(model, params, ask.tools, ask.output, tools.format)
         reasoning = None
-        if not ask.conversation_id and params.guided is None:  # a grammar decides the answer from its first token
+        if params.guided is None:  # a grammar decides the answer from its first token
             reasoning = reasoning_for(model.tokenizer, chat_template_of(model.tokenizer), prompt_ids,
                                       model.reasoning_parser)
             if reasoning is not None and marks_are_special(model.tokenizer):
@@ -337,6 +337,4 @@ def check_n(ask: GenerationInput) -> None:
     if ask.n > 1 and getattr(ask, "conversation_id", None):
         raise InvalidRequestError("n > 1 cannot continue a conversation: it would not know which choice to keep",
                                   param="n")
-    if getattr(ask, "conversation_id", None) and ask.tools.active:
-        raise InvalidRequestError("tools cannot be used in a stored conversation (conversation_id)", param="tools")
 

@@ -180,3 +180,11 @@ def special_token_id(tokenizer: Any, text: str) -> int | None:
     """The id of `text` when the tokenizer has it as one special token (a grammar must name it by id)."""
     token_id = tokenizer.convert_tokens_to_ids(text)
     return token_id if isinstance(token_id, int) and token_id != tokenizer.unk_token_id else None
+
+
+def parsed_arguments(arguments: str) -> Any:
+    """A call's arguments as chat templates read them: an object when they parse as JSON."""
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return arguments

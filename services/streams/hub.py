@@ -32,6 +32,7 @@ from scheduling.rollout import parse_model_ref
 from scheduling.router import RequestStream, Router
 from services.background import BackgroundTasks
 from services.errors import SHUTTING_DOWN, ServiceUnavailableError
+from services.inference.deltas import answer_message
 from services.inference.events import scheduled_events, usage
 from services.observability.metrics import Metrics
 from services.streams.events import ChunkFormat, StreamEvent
@@ -289,7 +290,8 @@ class StreamHub:
         record = live.record
         answer = None  # a conversation deleted while the answer was generated gets none; the record still finishes
         if record.conversation_id and status == StreamStatus.FINISHED:
-            answer = Answer(record.conversation_id, len(record.prompt_token_ids))
+            content, extra = answer_message("".join(texts), live.fmt)  # as its followers were shown it
+            answer = Answer(record.conversation_id, len(record.prompt_token_ids), content, extra)
         return self.store.finish(record.id, token_ids, texts, status, finish, answer)
 
     async def find(self, stream_id: str, tenant: str) -> LiveStream | None:

@@ -11,6 +11,8 @@ import openai
 import pytest
 
 from api.services import SERVICES
+from tests.api.test_reasoning import ANSWER, THOUGHTS, thinking_path  # noqa: F401 (a fixture)
+from tests.api.test_reasoning import ASK as THINK_ASK
 from tests.api.test_streams import auth, auth_stack, read_events
 from tests.api.test_structured_output import ASK, SCHEMAS, TOOLS
 
@@ -133,3 +135,92 @@ async def test_n_choices_with_tools_each_read_their_own_calls(stack):
         assert names == [c.function.name for c in choice.message.tool_calls]
         assert arguments == "".join(c.function.arguments for c in choice.message.tool_calls)
     await sdk.close()
+
+
+# ---- tools and thoughts in stored conversations, over HTTP and /ws/chat -----------------------------
+
+
+async def new_conversation(client, key: str) -> str:
+    status, made = await client.call("POST", "/api/v1/conversations", key, json={"model": "tiny"})
+    assert status == 201, made
+    return made["id"]
+
+
+async def stored_messages(client, key: str, conversation_id: str) -> list[dict]:
+    status, found = await client.call("GET", f"/api/v1/conversations/{conversation_id}", key)
+    assert status == 200, found
+    return found["messages"]
+
+
+async def test_tools_in_a_stored_conversation_over_http(stack):
+    """A turn with tools stores the answer's calls; the next turn sends the tool's result, and the
+    conversation renders its history as a stateless request with the same messages would."""
+    _, client, _, key = stack
+    conversation_id = await new_conversation(client, key)
+    status, answer = await client.call("POST", "/v1/chat/completions", key,
+                                       json={**TOOL_BODY, "conversation_id": conversation_id})
+    assert status == 200, answer  # it was a 400: tools could not be used in a stored conversation
+    message = answer["choices"][0]["message"]
+    assert answer["choices"][0]["finish_reason"] == "tool_calls" and message["tool_calls"]
+    stored = await stored_messages(client, key, conversation_id)
+    assert [m["role"] for m in stored] == ["user", "assistant"]
+    assert stored[1]["tool_calls"] == message["tool_calls"] and stored[1]["content"] == (message["content"] or "")
+    result = {"role": "tool", "tool_call_id": message["tool_calls"][0]["id"], "content": '{"celsius": 21}'}
+    follow = {"model": "tiny", "messages": [result], "tools": TOOLS, "tool_choice": "none", "temperature": 0,
+              "max_tokens": 8, "galley": {"cache": False}}
+    status, turn = await client.call("POST", "/v1/chat/completions", key,
+                                     json={**follow, "conversation_id": conversation_id})
+    assert status == 200, turn
+    history = ASK + [{"role": "assistant", "content": message["content"], "tool_calls": message["tool_calls"]}, result]
+    status, stateless = await client.call("POST", "/v1/chat/completions", key, json={**follow, "messages": history})
+    assert turn["usage"]["prompt_tokens"] == stateless["usage"]["prompt_tokens"]
+    assert turn["choices"][0]["message"] == stateless["choices"][0]["message"]
+    stored = await stored_messages(client, key, conversation_id)
+    assert [m["role"] for m in stored] == ["user", "assistant", "tool", "assistant"]
+    assert stored[2]["tool_call_id"] == result["tool_call_id"]
+
+
+async def test_tools_in_a_stored_conversation_over_the_websocket(stack):
+    _, client, _, key = stack
+    params = {k: v for k, v in TOOL_BODY.items() if k not in ("model", "messages")}
+    async with client.session.ws_connect("/ws/chat", headers=auth(key)) as ws:
+        await ws.send_json({"type": "chat", "model": "tiny", "content": ASK[0]["content"], "params": params})
+        started = await ws.receive_json(timeout=30)
+        assert started["type"] == "start", started
+        messages = []
+        while not messages or messages[-1]["type"] not in ("done", "error"):
+            messages.append(await ws.receive_json(timeout=30))
+    assert messages[-1]["type"] == "done" and messages[-1]["finish_reason"] == "tool_calls", messages[-1]
+    calls: dict[int, dict] = {}
+    for m in messages[:-1]:
+        for part in m.get("tool_calls", []):
+            call = calls.setdefault(part["index"], {"id": part.get("id"), "name": None, "arguments": ""})
+            call["name"] = part["function"].get("name") or call["name"]
+            call["arguments"] += part["function"]["arguments"]
+    stored = await stored_messages(client, key, started["conversation_id"])
+    assert [(c["id"], c["function"]["name"], c["function"]["arguments"]) for c in stored[1]["tool_calls"]] == [
+        (c["id"], c["name"], c["arguments"]) for c in calls.values()]
+
+
+async def test_thoughts_in_a_stored_conversation_over_http_and_the_websocket(aiohttp_server, thinking_path,  # noqa: F811
+                                                                            db):
+    async with auth_stack(aiohttp_server, thinking_path, db) as (_, client, _, key):
+        conversation_id = await new_conversation(client, key)
+        body = {"model": "tiny", "messages": THINK_ASK, "temperature": 0, "max_tokens": 40,
+                "conversation_id": conversation_id}
+        status, answer = await client.call("POST", "/v1/chat/completions", key, json=body)
+        assert status == 200, answer
+        message = answer["choices"][0]["message"]
+        assert (message["reasoning_content"], message["content"]) == (THOUGHTS, ANSWER)  # split in a conversation
+        stored = await stored_messages(client, key, conversation_id)
+        assert (stored[1]["reasoning_content"], stored[1]["content"]) == (THOUGHTS, ANSWER)
+        async with client.session.ws_connect("/ws/chat", headers=auth(key)) as ws:
+            await ws.send_json({"type": "chat", "model": "tiny", "content": THINK_ASK[0]["content"],
+                                "params": {"temperature": 0, "max_tokens": 40}})
+            assert (await ws.receive_json(timeout=30))["type"] == "start"
+            messages = []
+            while not messages or messages[-1]["type"] not in ("done", "error"):
+                messages.append(await ws.receive_json(timeout=30))
+        tokens = [m for m in messages if m["type"] == "token"]
+        assert "".join(m.get("reasoning", "") for m in tokens) == THOUGHTS
+        assert "".join(m["text"] for m in tokens) == ANSWER

@@ -252,15 +252,16 @@ def test_the_store_reads_a_conversation_with_its_messages_only_for_its_tenant(db
     store = conversations.ConversationStore(db)
     write(db, lambda d: tenants.create_tenant(d, Tenant("other")))
     made = store.create("default", "tiny", "1", "t").result(timeout=10)
-    added = store.add_messages(made.id, [("user", "Hi"), ("assistant", "Hello")]).result(timeout=10)
-    assert [(m.role, m.content) for m in added] == [("user", "Hi"), ("assistant", "Hello")]
+    calls = {"tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}
+    added = store.add_messages(made.id, [("user", "Hi", None), ("assistant", "Hello", calls)]).result(timeout=10)
+    assert [(m.role, m.content, m.extra) for m in added] == [("user", "Hi", None), ("assistant", "Hello", calls)]
     found, messages = store.with_messages(made.id, tenant="default")
     assert found == store.of_tenant("default")[0] and messages == added
     assert store.with_messages(made.id, tenant="other") is None  # another tenant's: as if missing
     assert store.with_messages(made.id, tenant=None) == (found, added)  # the admin API's read: any tenant's
     assert store.across_tenants(tenant="default") == [(found, 2)]
     with pytest.raises(ConversationNotFoundError):
-        store.add_messages("conv_missing", [("user", "x")]).result(timeout=10)
+        store.add_messages("conv_missing", [("user", "x", None)]).result(timeout=10)
     assert not store.delete(made.id, "other").result(timeout=10)
     assert store.delete(made.id, "default").result(timeout=10)
     assert store.with_messages(made.id, tenant=None) is None
