@@ -27,9 +27,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as `python bench/kernels_ab.py`
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # peers.py imports its siblings by name
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench modules import each other by name
 
-from peers import ModelShape, cached_model  # noqa: E402
+from synthetic import ModelShape, cached_model  # noqa: E402
 
 from engine import cpu_kernels  # noqa: E402
 from engine.loader import load_model  # noqa: E402
