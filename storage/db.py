@@ -25,7 +25,7 @@ from typing import TypeVar
 
 import sqlite_utils
 
-from storage import batches, conversations, registry, streams, tenants
+from storage import batch_tables, conversations, registry, streams, tenants
 
 T = TypeVar("T")
 Migration = Callable[[sqlite_utils.Database], None]
@@ -36,11 +36,11 @@ MIGRATIONS: tuple[Migration, ...] = (
     conversations.create_conversation_tables,
     streams.create_stream_tables,
     registry.create_registry_tables,
-    batches.create_batch_tables,
-    batches.add_batch_job_kind,
+    batch_tables.create_batch_tables,
+    batch_tables.add_batch_job_kind,
     registry.create_shadow_table,
     conversations.add_conversation_activity,
-    batches.add_batch_job_retention,
+    batch_tables.add_batch_job_retention,
     tenants.add_tenant_ids,
     streams.add_stream_tenant_id,
     conversations.add_message_extra,

@@ -1,4 +1,7 @@
-"""The real app, the real engine on a tiny model, real clients (openai SDK, aiohttp)."""
+"""The real app, the real engine on a tiny model, real clients (openai SDK, aiohttp): what
+well-formed requests get (streams, n > 1, logprobs, stop strings and seeds, two workers, metrics,
+/openapi.json, health), and the helpers other HTTP tests import (`start_server`, `client`,
+`wait_blocks_free`, `scrape`). Wrong requests and a full server: test_api_errors.py."""
 
 from __future__ import annotations
 
@@ -42,6 +45,7 @@ async def start_server(aiohttp_server, path, devices=("cpu",), max_num_seqs=32, 
 
 @pytest.fixture
 async def served(aiohttp_server, llama_path):
+    """(server, router): this file's (and test_api_errors.py's); conftest's `served` is the server alone."""
     server, router, workers = await start_server(aiohttp_server, llama_path)
     yield server, router
     await wait_blocks_free(router)
@@ -186,101 +190,6 @@ async def test_logprobs_shapes(served):
     assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
 
 
-@pytest.mark.parametrize(
-    ("body", "status", "needle"),
-    [
-        ({"model": "tiny", "prompt": "x", "temperature": 3}, 400, "temperature"),
-        ({"model": "tiny", "prompt": "x", "top_p": 0}, 400, "top_p"),
-        ({"model": "tiny", "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
-        ({"model": "tiny", "prompt": "x", "bogus": 1}, 400, "bogus"),
-        ({"model": "tiny", "prompt": "x", "max_tokens": 10_000}, 400, "maximum context length is 512"),
-        ({"model": "tiny", "prompt": [1, 2, 99999]}, 400, "prompt"),
-        ({"model": "tiny", "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
-        ({"model": "nope", "prompt": "x"}, 404, "nope"),
-        ({"prompt": "x"}, 400, "model"),
-    ],
-)
-async def test_bad_input_gets_openai_shaped_error(served, body, status, needle):
-    server, _ = served
-    async with aiohttp.ClientSession() as session:
-        async with session.post(server.make_url("/v1/completions"), json=body) as resp:
-            data = await resp.json()
-    assert resp.status == status
-    assert set(data["error"]) == {"message", "type", "param", "code"}
-    assert needle in data["error"]["message"]
-
-
-TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
-CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
-
-
-@pytest.mark.parametrize(
-    ("path", "body", "param"),
-    [
-        ("/v1/chat/completions", {**CHAT, "top_logprobs": 0}, "top_logprobs"),
-        ("/v1/chat/completions", {**CHAT, "tools": [TOOL, TOOL]}, "tools"),
-        ("/v1/chat/completions", {**CHAT, "tool_choice": "required"}, "tool_choice"),
-        ("/v1/chat/completions", {**CHAT, "chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
-        ("/v1/chat/completions", {**CHAT, "continue_final_message": True}, "continue_final_message"),
-        ("/v1/completions", {"model": "tiny", "prompt": "x", "n": 2, "best_of": 3}, "best_of"),
-        ("/v1/completions", {"model": "tiny", "prompt": "x", "echo": True, "logprobs": 1}, "echo"),
-        ("/v1/responses", {"model": "tiny", "input": "hi", "tool_choice": "required"}, "tool_choice"),
-    ],
-)
-async def test_a_check_across_fields_names_the_field_at_fault(served, path, body, param):
-    """As OpenAI's 400s do, so a client can point at the field; not `null` because the check looks at two."""
-    server, _ = served
-    async with aiohttp.ClientSession() as session:
-        async with session.post(server.make_url(path), json=body) as resp:
-            data = await resp.json()
-    assert resp.status == 400, data
-    assert data["error"]["param"] == param and data["error"]["type"] == "invalid_request_error", data
-
-
-async def test_long_prompt_error_names_the_numbers(served):
-    server, _ = served
-    async with aiohttp.ClientSession() as session:
-        resp = await session.post(server.make_url("/v1/completions"),
-                                  json={"model": "tiny", "prompt": [3 + i % 300 for i in range(597)]})
-        error = (await resp.json())["error"]
-    assert resp.status == 400 and error["code"] == "context_length_exceeded"
-    assert "512" in error["message"] and "597" in error["message"]
-
-
-async def test_malformed_and_oversized_bodies(served):
-    server, _ = served
-    async with aiohttp.ClientSession() as session:
-        resp = await session.post(server.make_url("/v1/chat/completions"), data=b"{not json")
-        assert resp.status == 400 and "JSON" in (await resp.json())["error"]["message"]
-        resp = await session.post(server.make_url("/v1/chat/completions"), data=b"[1]")
-        assert resp.status == 400
-        resp = await session.post(server.make_url("/v1/completions"), data=b"x" * (9 * 1024 * 1024))
-        assert resp.status == 413 and "error" in await resp.json()
-        resp = await session.get(server.make_url("/v1/nothing"))
-        assert resp.status == 404 and "error" in await resp.json()
-
-
-async def test_client_disconnect_aborts_and_frees_blocks(served):
-    server, router = served
-    body = {"model": "tiny", "prompt": "go", "max_tokens": 400, "ignore_eos": True, "stream": True}
-    async with aiohttp.ClientSession() as session:
-        resp = await session.post(server.make_url("/v1/completions"), json=body)
-        seen = 0
-        async for line in resp.content:
-            seen += line.startswith(b"data: ")
-            if seen >= 5:
-                break
-        resp.close()
-    await wait_blocks_free(router)
-    assert router.num_in_flight == 0
-    # a non-streaming request whose client gives up is aborted too
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=0.3)) as session:
-        with pytest.raises(asyncio.TimeoutError):
-            await session.post(server.make_url("/v1/completions"), json={**body, "stream": False})
-    await wait_blocks_free(router)
-    assert router.num_in_flight == 0
-
-
 def scrape(text: str) -> dict[tuple[str, tuple], float]:
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -306,26 +215,6 @@ async def test_metrics_count_what_happened(served):
     assert m[("galley_inter_token_latency_seconds_count", model)] == 6
     assert m[("galley_kv_blocks_total", replica)] > 0
     assert m[("galley_engine_steps_total", replica)] >= 5
-
-
-async def test_queue_bound_answers_429_with_retry_after(aiohttp_server, llama_path):
-    server, router, workers = await start_server(aiohttp_server, llama_path, max_num_seqs=1, max_waiting=0)
-    body = {"model": "tiny", "prompt": "go", "max_tokens": 300, "ignore_eos": True, "stream": True}
-    try:
-        async with aiohttp.ClientSession() as session:
-            first = await session.post(server.make_url("/v1/completions"), json=body)
-            assert first.status == 200
-            second = await session.post(server.make_url("/v1/completions"), json=body)
-            assert second.status == 429
-            assert second.headers["Retry-After"] == "1"
-            assert (await second.json())["error"]["code"] == "queue_full"
-            first.close()
-            text = await (await session.get(server.make_url("/metrics"))).text()
-            assert scrape(text)[("galley_rejected_total", (("model", "tiny"), ("reason", "queue_full")))] == 1
-        await wait_blocks_free(router)
-    finally:
-        for worker in workers:
-            worker.stop()
 
 
 async def test_two_workers_share_the_load_and_match_hf(aiohttp_server, llama_path):
@@ -385,56 +274,6 @@ async def test_multibyte_text_streams_whole_characters(aiohttp_server, tmp_path)
         assert any("🚀" in d for d in deltas)  # the 4-byte character arrives whole, in one delta
         assert all("\ufffd" not in d for d in deltas)
         await wait_blocks_free(router)
-    finally:
-        for worker in workers:
-            worker.stop()
-
-
-async def test_overload_gives_only_200s_and_429s_and_health_stays_up(aiohttp_server, llama_path):
-    server, router, workers = await start_server(aiohttp_server, llama_path, max_num_seqs=4, max_waiting=8)
-    # long enough that no admitted request finishes before all 40 have arrived
-    body = {"model": "tiny", "prompt": "go", "max_tokens": 200, "ignore_eos": True, "temperature": 0}
-    try:
-        async with aiohttp.ClientSession() as session:
-            async def one():
-                async with session.post(server.make_url("/v1/completions"), json=body) as resp:
-                    return resp.status, resp.headers.get("Retry-After"), await resp.json()
-
-            async def health():
-                async with session.get(server.make_url("/health")) as resp:
-                    return resp.status
-
-            results, health_status = await asyncio.gather(asyncio.gather(*(one() for _ in range(40))), health())
-        statuses = sorted(status for status, _, _ in results)
-        assert set(statuses) == {200, 429}
-        assert statuses.count(200) == 12  # 4 running + 8 waiting
-        for status, retry_after, data in results:
-            if status == 429:
-                assert retry_after == "1" and data["error"]["code"] == "queue_full"
-            else:
-                assert data["usage"]["completion_tokens"] == 200 and data["choices"][0]["finish_reason"] == "length"
-        assert health_status == 200
-        await wait_blocks_free(router)
-    finally:
-        for worker in workers:
-            worker.stop()
-
-
-async def test_queue_timeout_gives_503_and_frees_the_slot(aiohttp_server, llama_path):
-    server, router, workers = await start_server(aiohttp_server, llama_path, max_num_seqs=1)
-    router.queue_timeout_s = 0.3
-    long = {"model": "tiny", "prompt": "go", "max_tokens": 500, "ignore_eos": True, "stream": True}
-    try:
-        async with aiohttp.ClientSession() as session:
-            first = await session.post(server.make_url("/v1/completions"), json=long)
-            await first.content.readline()
-            second = await session.post(server.make_url("/v1/completions"), json={**long, "stream": False})
-            data = await second.json()
-            assert second.status == 503 and data["error"]["code"] == "queue_timeout"
-            assert "queue_timeout_seconds" in data["error"]["message"]
-            first.close()
-        await wait_blocks_free(router)
-        assert router.num_in_flight == 0
     finally:
         for worker in workers:
             worker.stop()
