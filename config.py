@@ -19,7 +19,7 @@ from engine.speculative import SpeculativeConfig
 from launch import EngineConfig
 from scheduling.fair_queue import FairShareConfig
 from scheduling.rollout import DeploymentsConfig
-from services.batch.runner import BatchConfig
+from services.batch.jobs import BatchConfig
 from services.cache.responses import ResponseCacheConfig
 from services.deployments.manager import LifecycleConfig
 from services.deployments.options import check_options

@@ -36,7 +36,7 @@ from scheduling.fair_queue import FairQueue, FairShareConfig
 from scheduling.queue import FifoQueue
 from scheduling.router import Replica, Served, ServedModel
 from scheduling.scheduler import Scheduler, SchedulerConfig
-from services.inference.params import sampling_defaults
+from services.sampling import sampling_defaults
 from storage.registry import ModelVersion
 
 log = structlog.get_logger(__name__)

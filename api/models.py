@@ -7,7 +7,7 @@ from aiohttp import web
 
 from api.auth import caller_of
 from api.services import services
-from services.deployments.manager import Served
+from services.deployments import Served
 
 
 async def resolve_model(request: web.Request, ref: str, *, user: str | None = None,

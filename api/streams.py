@@ -20,10 +20,9 @@ from api.routes import Route
 from api.services import services
 from api.sse import Frame, serve_sse
 from api.validation import parse_params
+from services.answers import AnswerReader, prepend, stream_failed
 from services.errors import NotFoundError
-from services.inference.deltas import AnswerReader
-from services.inference.events import prepend, stream_failed
-from services.streams.hub import LiveStream, StreamHub, StreamStatus
+from services.streams import LiveStream, StreamHub, StreamStatus
 
 
 async def serve_live(request: web.Request, live: LiveStream, after: int = 0, *, ids: bool = False

@@ -21,7 +21,7 @@ from api.openai.schemas import TemplateKwargs, check_template_fields
 from api.routes import Route
 from api.services import services
 from api.validation import parse_body
-from services.inference.tokens import TokenizeInput, detokenize, tokenize
+from services.inference import TokenizeInput, detokenize, tokenize
 
 MAX_DETOKENIZE_IDS = 1 << 20
 

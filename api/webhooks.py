@@ -12,8 +12,7 @@ from urllib.parse import urlparse
 
 import aiohttp
 
-from services.batch.runner import BatchConfig
-from services.batch.webhooks import CallbackPolicy, CallbackUnreachable, WebhookClient
+from services.batch import BatchConfig, CallbackPolicy, CallbackUnreachable, WebhookClient
 
 
 class AiohttpTransport:

@@ -36,9 +36,9 @@ from api.openai.schemas import ChatCompletionRequest
 from api.quotas import count_creation
 from api.routes import Route
 from api.services import SERVICES, services
+from services.answers import AnswerReader
 from services.errors import InvalidRequestError, NotFoundError, RateLimitError, ServiceError
-from services.inference.deltas import AnswerReader
-from services.streams.hub import LiveStream, StreamStatus
+from services.streams import LiveStream, StreamStatus
 
 log = structlog.get_logger(__name__)
 

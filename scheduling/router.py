@@ -81,7 +81,7 @@ class ServedModel:
     shared_prefix_cache: bool = False  # tenants may reuse each other's cached prefixes (a common system prompt)
     tool_parser: str | None = None  # the tool-call format its answers are parsed in; None: from the chat template
     reasoning_parser: str | None = None  # how <think> thoughts are split: qwen3 | deepseek_r1 | none; None: detected
-    # what a request that leaves a sampling field (or max_tokens) out gets (`services.inference.params`)
+    # what a request that leaves a sampling field (or max_tokens) out gets (`services.sampling`)
     sampling_defaults: dict[str, float | int] = field(default_factory=dict)
 
     @property

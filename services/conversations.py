@@ -16,10 +16,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from scheduling.rollout import parse_model_ref
+from services.admission import Admission
+from services.answers.tool_parser import parsed_arguments
 from services.deployments.manager import ModelManager
 from services.errors import ConflictError, NotFoundError
-from services.inference.admission import Admission
-from services.inference.tools import parsed_arguments
 from services.tenancy import Caller, limits_of
 from storage.conversations import Conversation, ConversationNotFoundError, ConversationStore, Message
 

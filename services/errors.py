@@ -75,3 +75,5 @@ def rate_limited(rejection) -> RateLimitError:
 
 
 SHUTTING_DOWN = "server_shutting_down"  # the code of what the end of a drain interrupts: retry elsewhere or later
+
+DRAINING_RETRY_AFTER_S = 5  # a draining server's Retry-After: about a restart's time

@@ -19,7 +19,9 @@ import structlog
 
 from scheduling.rollout import DeploymentsConfig
 from scheduling.router import Router
-from services.batch.runner import BatchConfig, BatchRunner
+from services.admission import Admission
+from services.batch.jobs import BatchConfig
+from services.batch.runner import BatchRunner
 from services.batch.webhooks import WebhookClient
 from services.cache.responses import ResponseCache, ResponseCacheConfig
 from services.conversations import Conversations
@@ -27,7 +29,6 @@ from services.deployments.loading import LifecycleConfig, Loader
 from services.deployments.manager import ModelManager
 from services.deployments.shadow import ShadowMirror
 from services.errors import SHUTTING_DOWN
-from services.inference.admission import Admission
 from services.inference.encoders import Encoders
 from services.inference.generation import Inference
 from services.observability.alerts import DEFAULT_ALERTS, AlertManager, AlertRule, MetricsWindow

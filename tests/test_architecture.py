@@ -1,9 +1,12 @@
-"""The import direction of DESIGN.md, checked on the source:
-server.py -> api -> services -> scheduling -> torch-free engine.types; storage below services."""
+"""The import direction of docs/architecture.md, checked on the source:
+server.py -> api -> services -> scheduling -> torch-free engine.types; storage below services.
+Inside services/, areas form layers (no two import each other); api/ reaches each area through its
+façade (`services.<area>`); no source file holds more than 400 lines."""
 
 from __future__ import annotations
 
 import ast
+import subprocess
 import sys
 from pathlib import Path
 
@@ -50,6 +53,70 @@ def test_api_speaks_http_and_calls_only_services(path):
     """A handler parses, makes one service call, renders: it never reaches past the services."""
     bad = violations(path, {"storage", "scheduling", "launch", "config"})
     assert not bad, f"{path.relative_to(ROOT)} imports {sorted(bad)}"
+
+
+def imported_modules(path: Path) -> set[str]:
+    """The modules `path` imports (`from X import y` names X; `import X.Y` names X.Y)."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+    return names
+
+
+def api_reaches_past_a_facade(path: Path) -> set[str]:
+    """The services modules `path` imports below an area's façade (`services.<area>`)."""
+    return {n for n in imported_modules(path) if top(n) == "services" and len(n.split(".")) > 2}
+
+
+@pytest.mark.parametrize("path", modules("api"), ids=str)
+def test_api_reaches_services_through_their_facades(path):
+    """`from services.inference import ChatInput`, never `from services.inference.requests import ...`:
+    an area's package (its `__init__`) is what api/ may see of it."""
+    bad = api_reaches_past_a_facade(path)
+    assert not bad, f"{path.relative_to(ROOT)} imports {sorted(bad)}"
+
+
+def area_of(name: str) -> str | None:
+    """The services area a module name belongs to: `services.inference.generation` -> `inference`."""
+    parts = name.split(".")
+    return parts[1] if parts[0] == "services" and len(parts) > 1 else None
+
+
+def area_imports() -> dict[str, dict[str, set[str]]]:
+    """area -> the other areas it imports -> the files that do."""
+    found: dict[str, dict[str, set[str]]] = {}
+    for path in modules("services"):
+        relative = path.relative_to(ROOT).with_suffix("")
+        area = relative.parts[1]
+        for name in imports(path):
+            other = area_of(name)
+            if other is not None and other != area:
+                found.setdefault(area, {}).setdefault(other, set()).add(str(relative))
+    return found
+
+
+def test_services_areas_never_import_each_other_back():
+    """A primitive two areas share sits below both (services.answers, .admission, .sampling, .errors),
+    not inside the area that sits on top of them."""
+    found = area_imports()
+    cycles = [(a, b, sorted(files), sorted(found[b][a])) for a, others in found.items() for b, files in others.items()
+              if a < b and a in found.get(b, {})]
+    assert not cycles, cycles
+
+
+SOURCE_GLOBS = ("*.py", "*.js", "*.html", "*.css", "*.sh")
+KERNELS = ("engine/csrc",)  # C++ kernels: one op per file, a file may be long
+
+
+def test_no_source_file_over_400_lines():
+    tracked = subprocess.run(["git", "ls-files", *SOURCE_GLOBS], cwd=ROOT, capture_output=True, text=True,
+                             check=True).stdout.split()
+    long = {name: n for name in tracked if not name.startswith(KERNELS) and (ROOT / name).exists()
+            and (n := len((ROOT / name).read_text().splitlines())) > 400}
+    assert not long, long
 
 
 @pytest.mark.parametrize("path", modules("services"), ids=str)

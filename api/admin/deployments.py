@@ -22,9 +22,8 @@ from api.openai.fields import Strict, bounded
 from api.routes import Route
 from api.services import services
 from api.validation import parse_body
-from services.deployments.loading import VersionState
-from services.deployments.options import OPTIONS, SPECULATIVE_KEYS, Option
-from services.inference.params import DEFAULTABLE
+from services.deployments import OPTIONS, SPECULATIVE_KEYS, Option, VersionState
+from services.sampling import DEFAULTABLE
 
 Name = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$",
                             description="Letters, digits and `._:/-`; no `@` (it separates the version).")]

@@ -21,9 +21,8 @@ from api.routes import Route
 from api.services import services
 from api.sse import Frame, serve_sse
 from api.validation import parse_body
-from services.inference.events import generation_failed, prepend, usage
-from services.inference.generation import Generated, Inference
-from services.inference.requests import PromptInput
+from services.answers import generation_failed, prepend, usage
+from services.inference import Generated, Inference, PromptInput
 
 DEFAULT_MAX_TOKENS = 128
 

@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from api.openai.embeddings import MAX_INPUTS, CacheOptions, EmbeddingUsage, Text
 from api.openai.fields import MAX_CONTEXT_TOKENS, MAX_NAME_CHARS, Prompt, Strict
 from api.openai.schemas import GalleyOptions, SamplingFields
-from services.inference.params import MAX_TOP_K
+from services.sampling import MAX_TOP_K
 
 # ---- /api/v1/embed ------------------------------------------------------------------------
 

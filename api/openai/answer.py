@@ -20,11 +20,8 @@ from api.openai.schemas import SamplingFields
 from api.response_cache import cache_flag
 from api.sse import Frame, serve_sse
 from api.streams import serve_live
-from services.inference.choices import Choices
-from services.inference.deltas import AnswerReader
-from services.inference.events import Answer, failure, generation_failed, usage, usage_n
-from services.inference.generation import Outcome
-from services.streams.events import ChunkFormat, StreamEvent
+from services.answers import Answer, AnswerReader, ChunkFormat, StreamEvent, failure, generation_failed, usage, usage_n
+from services.inference import Choices, Outcome
 
 
 @dataclass(frozen=True)

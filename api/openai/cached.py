@@ -18,9 +18,8 @@ from aiohttp import web
 
 from api.openai.chunks import event_chunks, opening_chunks
 from api.sse import Frame, serve_sse
-from services.cache.responses import CachedCompletion
-from services.inference.deltas import AnswerReader
-from services.streams.events import ChunkFormat, StreamEvent
+from services.answers import AnswerReader, ChunkFormat, StreamEvent
+from services.cache import CachedCompletion
 
 
 async def replay(request: web.Request, fmt: ChunkFormat, answer: CachedCompletion) -> web.StreamResponse:

@@ -1,4 +1,4 @@
-"""OpenAI stream chunks from stream events (`services.streams.events`), for live streams and
+"""OpenAI stream chunks from stream events (`services.answers.events`), for live streams and
 replays alike: the chunk format of the original request travels with the stream, so a resumed
 or replayed stream looks exactly like the original one.
 
@@ -13,8 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from engine.types import TokenLogprob
-from services.inference.deltas import AnswerDelta
-from services.streams.events import ChunkFormat, StreamEvent
+from services.answers import AnswerDelta, ChunkFormat, StreamEvent
 
 FINISHES = ("stop", "length", "tool_calls")  # finish reasons a client sees; a cancel or an error ends otherwise
 

@@ -14,8 +14,7 @@ from api.openai.schemas import CompletionRequest
 from api.routes import Route
 from api.services import services
 from api.validation import parse_body
-from services.inference.events import Answer
-from services.streams.events import ChunkFormat
+from services.answers import Answer, ChunkFormat
 
 
 def completion_choice(fmt: ChunkFormat, tokenizer: Any, index: int, result: Answer) -> dict:

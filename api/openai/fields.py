@@ -7,7 +7,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
-from services.inference.params import DEFAULTABLE, Bounds
+from services.sampling import DEFAULTABLE, Bounds
 
 MAX_STOP = 4  # stop strings per request (OpenAI's limit)
 MAX_STOP_CHARS = 512  # per stop string: the detokenizer matches every stop after every token
@@ -23,7 +23,7 @@ GENERATION_MAX_BODY_BYTES = 4 * 1024 * 1024  # a generation's body: a long conte
 
 
 def bounded(bounds: Bounds) -> Any:
-    """A sampling field's type with its range (`services.inference.params.SAMPLING_FIELDS`)."""
+    """A sampling field's type with its range (`services.sampling.SAMPLING_FIELDS`)."""
     return Annotated[bounds.type, Field(ge=bounds.ge, gt=bounds.gt, le=bounds.le, allow_inf_nan=False)]
 
 

@@ -9,7 +9,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field
 
 from api.openai.fields import MAX_NAME_CHARS, Strict, str_or_list
-from services.inference.tools import parsed_arguments
+from services.answers import parsed_arguments
 
 
 class TextPart(Strict):

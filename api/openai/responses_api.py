@@ -28,7 +28,7 @@ from api.routes import Route
 from api.services import services
 from api.sse import Frame, serve_sse
 from api.validation import parse_body
-from services.inference.responses import Change, OutputItem, Record, ResponseRun, Responses
+from services.inference import Change, OutputItem, Record, ResponseRun, Responses
 
 
 def item_json(item: OutputItem, status: str, *, empty: bool = False) -> dict:

@@ -29,10 +29,8 @@ from api.openai.fields import (
     str_or_list,
 )
 from api.openai.tooling import MAX_TOOLS, FunctionName, Schema
-from services.inference.params import SamplingOptions
-from services.inference.responses import ResponseInput
-from services.inference.structured import OutputFormat
-from services.inference.tools import ToolUse
+from services.inference import OutputFormat, ResponseInput, ToolUse
+from services.sampling import SamplingOptions
 
 IGNORED = "Accepted and ignored: it has no meaning for a self-hosted model."
 MAX_ITEMS = 2048

@@ -36,8 +36,8 @@ from api.openai.fields import (
 )
 from api.openai.messages import ChatMessage
 from api.openai.tooling import GuidedFields, ToolFields
-from services.inference.params import SamplingOptions
-from services.inference.requests import ChatInput, PromptInput
+from services.inference import ChatInput, PromptInput
+from services.sampling import SamplingOptions
 
 IGNORED = "Accepted and ignored: it has no meaning for a self-hosted model."
 # apply_chat_template's own arguments: set by the server or by a top-level field, never by the template's variables

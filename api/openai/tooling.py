@@ -10,8 +10,7 @@ from pydantic import Field, model_validator
 
 from api.errors import ParamError
 from api.openai.fields import Strict
-from services.inference.structured import OutputFormat
-from services.inference.tools import ToolUse
+from services.inference import OutputFormat, ToolUse
 
 MAX_TOOLS = 128  # OpenAI's limit
 MAX_CHOICE_STRINGS = 1024

@@ -24,8 +24,8 @@ import orjson
 
 from engine.types import SamplingParams
 from scheduling.router import Served
-from services.inference.admission import Admission
-from services.inference.deltas import call_ids_of
+from services.admission import Admission
+from services.answers.deltas import call_ids_of
 from services.observability.metrics import Metrics
 from services.streams.hub import LiveStream, StreamStatus, params_to_json
 from services.tenancy import Caller
@@ -86,7 +86,7 @@ class CachedCompletion:
     text: str  # raw: thoughts and tool calls are read from it as from the first answer's stream
     finish_reason: str
     usage: dict
-    call_ids: str = ""  # what the first answer's tool-call ids derived from (`services.inference.deltas`)
+    call_ids: str = ""  # what the first answer's tool-call ids derived from (`services.answers.deltas`)
 
 
 class ResponseCache:

@@ -12,14 +12,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from services.inference.params import check_sampling_defaults
+from services.sampling import check_sampling_defaults
 
 KINDS = ("generate", "embed", "classify")
 GENERATE = ("generate",)
 ENCODERS = ("embed", "classify")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-TOOL_PARSERS = ("hermes", "llama3_json", "mistral")  # services.inference.tool_parser's formats
-REASONING_PARSERS = ("qwen3", "deepseek_r1", "none")  # services.inference.reasoning's
+TOOL_PARSERS = ("hermes", "llama3_json", "mistral")  # services.answers.tool_parser's formats
+REASONING_PARSERS = ("qwen3", "deepseek_r1", "none")  # services.answers.reasoning's
 QUANTIZATIONS = ("int8", "int4", "none")  # engine.quantization's methods, and off
 SPECULATIVE_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",  # SpeculativeConfig's
                     "disable_by_batch_size", "max_lookup_tokens", "model", "quantization")

@@ -39,10 +39,10 @@ from scheduling.admission import TenantLimits
 from scheduling.encoders import EncoderBusy, ServedEncoder
 from scheduling.rollout import NUM_BUCKETS, bucket
 from scheduling.router import RequestStream, Served, ServedModel
+from services.admission import Admission
 from services.background import BackgroundTasks
 from services.deployments.manager import SHADOW_PREFIX, ModelManager
 from services.errors import ConflictError, InvalidRequestError, RateLimitError, ServiceUnavailableError
-from services.inference.admission import Admission
 from services.observability.metrics import STATUS
 from services.observability.telemetry import SUCCESS
 from storage.registry import RegistryStore, Shadow

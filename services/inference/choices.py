@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 
 from engine.types import TokenEvent
 from scheduling.router import RequestStream, Router
-from services.inference.events import Answer, collect, scheduled_events
+from services.answers.reading import Answer, collect, scheduled_events
 from services.observability.metrics import Metrics
 
 

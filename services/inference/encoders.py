@@ -10,10 +10,10 @@ import math
 from typing import Any
 
 from scheduling.encoders import ServedEncoder
+from services.admission import Admission
 from services.cache.responses import ResponseCache
 from services.deployments.shadow import ShadowMirror
 from services.errors import InvalidRequestError
-from services.inference.admission import Admission
 from services.observability.metrics import Metrics
 from services.tenancy import Caller
 

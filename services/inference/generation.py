@@ -6,7 +6,7 @@ conversation history, routing to a model version, prompt ids, sampling params), 
 the first way that applies: n > 1 choices as one parent request (`Choices`), a response-cache
 hit, a collected answer, or a live, resumable stream (`services.streams.hub`). The handler
 renders the `Outcome`. Every submit goes through `Admission` and the shadow mirror; every read
-through the one first-event timeout (`services.inference.events`). The WebSocket starts its
+through the one first-event timeout (`services.answers.reading`). The WebSocket starts its
 chats with `start_chat`.
 """
 
@@ -20,23 +20,23 @@ from dataclasses import dataclass, field
 
 from engine.types import SamplingParams, TokenEvent
 from scheduling.router import RequestStream, Router, ServedModel
+from services.admission import Admission
+from services.answers.deltas import AnswerReader, call_ids_of, read_answer
+from services.answers.events import ChunkFormat
+from services.answers.reading import Answer, collect, finish_reason, scheduled_events, stream_failed
+from services.answers.reasoning import Reasoning, marks_are_special, reasoning_for
 from services.cache.responses import CachedCompletion, ResponseCache
 from services.conversations import Conversations
 from services.deployments.manager import ModelManager
 from services.deployments.shadow import ShadowMirror
 from services.errors import InvalidRequestError
-from services.inference.admission import Admission
 from services.inference.choices import Choices
-from services.inference.deltas import AnswerReader, call_ids_of, read_answer
-from services.inference.events import Answer, collect, finish_reason, scheduled_events, stream_failed
-from services.inference.params import sampling_params
 from services.inference.prompts import decode_tokens, encode_chat, encode_prompt
-from services.inference.reasoning import Reasoning, marks_are_special, reasoning_for
 from services.inference.requests import ChatInput, GenerationInput, PromptInput
 from services.inference.structured import constrain
 from services.inference.tools import chat_template_of, constrained_params, prompt_with_tools
 from services.observability.metrics import Metrics
-from services.streams.events import ChunkFormat
+from services.sampling import sampling_params
 from services.streams.hub import LiveStream, StreamHub
 from services.tenancy import Caller
 
@@ -208,7 +208,7 @@ class Inference:
         choices (streamed merged, or collected); a response-cache hit; a collected answer; a live,
         resumable stream (streamed, or followed to its end for a conversation turn, whose answer the
         stream stores). Thoughts and tool calls are read out of the text the same way in each
-        (`services.inference.deltas`): the cache and the stream keep the raw text."""
+        (`services.answers.deltas`): the cache and the stream keep the raw text."""
         if plan.ask.n > 1:
             return await self.answer_choices(caller, [plan], stream=stream)
         key = self.cache.generation_key(caller, plan.model, plan.prompt_ids, plan.params, cache_asked, "openai",

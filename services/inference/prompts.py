@@ -19,6 +19,7 @@ from jinja2 import TemplateError
 
 from scheduling.router import ServedModel
 from services.errors import InvalidRequestError
+from services.sampling import check_token_ids
 
 INLINE_CHARS = 8192  # shorter texts are tokenized on the loop: under a millisecond, less than a thread hop
 _POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="galley-tokenize")
@@ -36,12 +37,6 @@ def check_prompt_chars(model: ServedModel, num_chars: int, param: str) -> None:
             f"This model's maximum context length is {model.max_model_len} tokens; a prompt of {num_chars} "
             f"characters cannot fit it (at most {max_prompt_chars(model)} characters)",
             param=param, code="context_length_exceeded")
-
-
-def check_token_ids(model: ServedModel, token_ids: list[int], param: str) -> None:
-    if token_ids and not 0 <= min(token_ids) <= max(token_ids) < model.vocab_size:
-        raise InvalidRequestError(f"{param}: token ids must be in [0, {model.vocab_size}): this model has "
-                                  f"{model.vocab_size} token embeddings", param=param)
 
 
 async def off_loop(num_chars: int, work: Callable[[], T]) -> T:

@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.inference.params import SamplingOptions
 from services.inference.structured import OutputFormat
 from services.inference.tools import ToolUse
+from services.sampling import SamplingOptions
 
 
 @dataclass(frozen=True)

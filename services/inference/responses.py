@@ -24,17 +24,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from scheduling.router import ServedModel
+from services.answers.deltas import AnswerReader
+from services.answers.reading import cached_tokens, failure, generation_failed, usage
+from services.answers.tool_parser import Delta
 from services.conversations import Conversations
 from services.errors import NotFoundError
 from services.inference.choices import Choices
-from services.inference.deltas import AnswerReader
-from services.inference.events import cached_tokens, failure, generation_failed, usage
 from services.inference.generation import Inference, Plan
-from services.inference.params import SamplingOptions
 from services.inference.requests import ChatInput
 from services.inference.structured import OutputFormat
-from services.inference.tool_parser import Delta
 from services.inference.tools import ToolUse
+from services.sampling import SamplingOptions
 from services.tenancy import Caller
 
 ITEM_KEY = "galley_response_item"

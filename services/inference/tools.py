@@ -19,9 +19,9 @@ from typing import Any
 from engine.grammar import JSON_OPTIONS
 from engine.types import GuidedSpec, SamplingParams
 from scheduling.router import ServedModel
+from services.answers.tool_parser import HERMES_CLOSE, HERMES_OPEN, MISTRAL_MARK
 from services.errors import InvalidRequestError
 from services.inference.structured import OutputFormat, constrain
-from services.inference.tool_parser import HERMES_CLOSE, HERMES_OPEN, MISTRAL_MARK
 
 FORMATS = ("hermes", "llama3_json", "mistral")
 MAX_PARALLEL_CALLS = 8  # a forced answer holds at most this many calls (a weak model could repeat forever)
@@ -180,11 +180,3 @@ def special_token_id(tokenizer: Any, text: str) -> int | None:
     """The id of `text` when the tokenizer has it as one special token (a grammar must name it by id)."""
     token_id = tokenizer.convert_tokens_to_ids(text)
     return token_id if isinstance(token_id, int) and token_id != tokenizer.unk_token_id else None
-
-
-def parsed_arguments(arguments: str) -> Any:
-    """A call's arguments as chat templates read them: an object when they parse as JSON."""
-    try:
-        return json.loads(arguments)
-    except ValueError:
-        return arguments

@@ -30,12 +30,12 @@ import structlog
 from engine.types import FinishReason, GenerationRequest, Priority, SamplingParams, TokenEvent
 from scheduling.rollout import parse_model_ref
 from scheduling.router import RequestStream, Router
+from services.answers.deltas import answer_message
+from services.answers.events import ChunkFormat, StreamEvent
+from services.answers.reading import scheduled_events, usage
 from services.background import BackgroundTasks
 from services.errors import SHUTTING_DOWN, ServiceUnavailableError
-from services.inference.deltas import answer_message
-from services.inference.events import scheduled_events, usage
 from services.observability.metrics import Metrics
-from services.streams.events import ChunkFormat, StreamEvent
 from services.tenancy import Auth, Tenant, limits_of
 from storage.streams import Answer, StreamRecord, StreamStatus, StreamStore
 

@@ -1,5 +1,5 @@
 """One answer path (issue 33, scope 1): tool calls, thoughts and structured output are read out of
-the text in one place (`services.inference.deltas`), so the answers that carry them are resumable
+the text in one place (`services.answers.deltas`), so the answers that carry them are resumable
 (Last-Event-ID, and from SQLite once they leave memory), cached and replayed like any other, and
 n > 1 choices read each choice the same way. Real app, real engine, real SQLite, real clients."""
 

@@ -16,8 +16,8 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from openai.types.responses import Response
 from transformers import AutoTokenizer
 
+from services.answers.reasoning import THINK_CLOSE, THINK_OPEN, Reasoning, ReasoningParser, reasoning_for, split
 from services.deployments.options import check_options
-from services.inference.reasoning import THINK_CLOSE, THINK_OPEN, Reasoning, ReasoningParser, reasoning_for, split
 from tests.api.test_api import client, start_server, wait_blocks_free
 from tests.api.test_openai_wire import assert_only_openai_fields, strict
 from tests.api.test_responses import event_types, raw_events

@@ -193,7 +193,7 @@ def test_a_real_model_answers_valid_json_and_forced_calls():
     tools: Hermes syntax) in one batch, every answer valid."""
     from engine.loader import load_model
     from launch import EngineConfig, build_engine
-    from services.inference.tool_parser import parse_all
+    from services.answers.tool_parser import parse_all
     from services.inference.tools import ToolUse, forced_grammar
 
     loaded = load_model(SMOLLM2)

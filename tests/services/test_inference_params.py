@@ -1,4 +1,4 @@
-"""services.inference.params without a server: a request's sampling options -> SamplingParams."""
+"""services.sampling without a server: a request's sampling options -> SamplingParams."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 from services.errors import InvalidRequestError
-from services.inference.params import SamplingOptions, sampling_params
+from services.sampling import SamplingOptions, sampling_params
 
 MODEL = SimpleNamespace(max_model_len=100, vocab_size=50, sampling_defaults={})
 

@@ -11,7 +11,7 @@ import jsonschema
 import pytest
 
 from engine.types import SamplingParams
-from services.inference.tool_parser import ToolCallParser, assemble, parse_all
+from services.answers.tool_parser import ToolCallParser, assemble, parse_all
 from services.inference.tools import ToolUse, detect_format, forced_grammar, hermes_messages
 from tests.engine.test_guided import run_requests, text_of
 

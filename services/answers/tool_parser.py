@@ -17,6 +17,7 @@ import json
 import re
 import uuid
 from dataclasses import dataclass, field
+from typing import Any
 
 # a call object that names its function first: what streaming argument fragments needs
 CALL_PREFIX = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*')
@@ -269,3 +270,11 @@ def assemble(deltas: list[Delta]) -> ParsedAnswer:
                 calls.append({"id": part.id, "type": "function", "function": {"name": part.name, "arguments": ""}})
             calls[part.index]["function"]["arguments"] += part.arguments
     return ParsedAnswer(content if content or not calls else None, calls)
+
+
+def parsed_arguments(arguments: str) -> Any:
+    """A call's arguments as chat templates read them: an object when they parse as JSON."""
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return arguments

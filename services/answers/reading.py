@@ -15,10 +15,9 @@ import structlog
 
 from engine.types import TokenEvent, TokenLogprob
 from scheduling.router import RequestStream, Router
-from services.deployments.manager import DRAINING_RETRY_AFTER_S
-from services.errors import SHUTTING_DOWN, ServiceError, ServiceUnavailableError
+from services.answers.events import StreamEvent
+from services.errors import DRAINING_RETRY_AFTER_S, SHUTTING_DOWN, ServiceError, ServiceUnavailableError
 from services.observability.metrics import Metrics
-from services.streams.events import StreamEvent
 
 log = structlog.get_logger(__name__)
 

@@ -2,8 +2,8 @@
 generated text once, here, whatever the delivery (JSON, live SSE, a resumed or replayed stream, a
 cached answer, n > 1 choices, the Responses API, the WebSocket).
 
-Each view is a pure function of the text so far (`services.inference.reasoning`,
-`services.inference.tool_parser`), and a call's id is a function of its stream's id, its choice and
+Each view is a pure function of the text so far (`services.answers.reasoning`,
+`services.answers.tool_parser`), and a call's id is a function of its stream's id, its choice and
 its position, so a stream resumed after a disconnect or a restart, or replayed from the response
 cache, shows exactly the deltas the uninterrupted one showed.
 """
@@ -13,10 +13,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from services.inference.events import Answer
-from services.inference.reasoning import Reasoning, ReasoningParser
-from services.inference.tool_parser import Delta, ToolCallDelta, ToolCallParser, assemble
-from services.streams.events import ChunkFormat, StreamEvent
+from services.answers.events import ChunkFormat, StreamEvent
+from services.answers.reading import Answer
+from services.answers.reasoning import Reasoning, ReasoningParser
+from services.answers.tool_parser import Delta, ToolCallDelta, ToolCallParser, assemble
 
 
 def call_ids_of(stream_id: str, choice: int = 0) -> str:

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from services.inference.tool_parser import held_back
+from services.answers.tool_parser import held_back
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 PROMPT_TAIL_TOKENS = 8  # enough of a prompt's end to see whether it leaves `<think>` open

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from engine.types import SamplingParams
 from scheduling.router import ServedModel
 from services.errors import InvalidRequestError
-from services.inference.prompts import check_token_ids
 
 
 @dataclass(frozen=True)
@@ -154,3 +153,9 @@ def sampling_defaults(generation_config: dict[str, object], own: dict[str, float
              if key in SAMPLING_FIELDS or key == "max_new_tokens"}
     found = {key: value for key, value in found.items() if DEFAULTABLE[key].problem(value) is None}
     return {**found, **(own or {})}
+
+
+def check_token_ids(model: ServedModel, token_ids: list[int], param: str) -> None:
+    if token_ids and not 0 <= min(token_ids) <= max(token_ids) < model.vocab_size:
+        raise InvalidRequestError(f"{param}: token ids must be in [0, {model.vocab_size}): this model has "
+                                  f"{model.vocab_size} token embeddings", param=param)
