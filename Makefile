@@ -23,5 +23,5 @@ lint:
 bench: install
 	$(PYTHON) bench/throughput.py
 
-train-demo: install
-	$(PYTHON) scripts/train_demo_model.py
+train-demo: install  # CORPUS=path/to/tinyshakespeare.txt (not in the repository)
+	$(PYTHON) scripts/train_demo_model.py --data "$(CORPUS)"

@@ -4,7 +4,7 @@ The document is the contract the handlers keep (a schemathesis run in tests/api/
 holds them to it): bodies, query strings and headers are the models `api.validation` parses them
 with, path parameters come from the route's template, each operation lists the statuses it can
 answer and the key it needs under this server's auth setting (see `api.auth.auth_middleware`).
-WebSocket routes are left out: OpenAPI cannot describe a conversation over a socket (README has it).
+WebSocket routes are left out: OpenAPI cannot describe a conversation over a socket (docs/api.md has it).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """WebSocket chat at `GET /ws/chat`: JSON messages over one socket, any number of streams.
 
 The client sends `chat`, `resume` and `cancel` messages; the server answers with `start`,
-`token`, `done` and `error` (the protocol is in the README, "WebSocket chat"). A chat goes
+`token`, `done` and `error` (the protocol is in docs/api.md, "WebSocket chat"). A chat goes
 through the same inference service (`Inference.start_chat`) as `POST /v1/chat/completions`
 (tenant checks, limits, priority, history, storage, resumable stream), and every chat is a
 conversation: one is created when the client names none, so its stream goes on when the
@@ -315,5 +315,5 @@ def setup(app: web.Application) -> None:
 
 ROUTES = [
     Route("GET", "/ws/chat", ws_chat,
-          "WebSocket chat: upgrade, then JSON messages chat/resume/cancel -> start/token/done/error (see README)"),
+          "WebSocket chat: upgrade, then JSON messages chat/resume/cancel -> start/token/done/error (see docs/api.md)"),
 ]

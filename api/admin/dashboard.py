@@ -4,7 +4,7 @@ api/admin/profiling.py).
 
 Also wires the observability parts into the app (`setup`): the request-record sinks (log
 line, recent-requests ring, spans), the alert loop and the profiler. The page itself only
-calls JSON endpoints; each is useful on its own (see the README). The admin key is checked by
+calls JSON endpoints; each is useful on its own (see docs/operations.md). The admin key is checked by
 api/auth.py for every `/admin/api/` path; `/admin` and its static files are public (they hold
 no data; the page asks for the key).
 """

@@ -4,7 +4,7 @@ The same pydantic models validate incoming JSON and generate `/openapi.json`, so
 cannot drift from what the handlers accept. Field names, ranges and nullability follow OpenAI
 (`null` means the default wherever OpenAI allows it); vLLM's extensions are marked as such;
 OpenAI fields that mean nothing for a self-hosted model are accepted and ignored (`Ignored`,
-listed in the README). Any other field is a 400 naming it.
+listed in docs/api.md). Any other field is a 400 naming it.
 """
 
 from __future__ import annotations
