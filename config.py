@@ -20,7 +20,7 @@ from launch import EngineConfig
 from scheduling.fair_queue import FairShareConfig
 from scheduling.rollout import DeploymentsConfig
 from services.batch.jobs import BatchConfig
-from services.cache.responses import ResponseCacheConfig
+from services.cache.response_cache import ResponseCacheConfig
 from services.deployments.manager import LifecycleConfig
 from services.deployments.options import check_options
 from services.observability.alerts import DEFAULT_ALERTS, AlertRule

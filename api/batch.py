@@ -32,7 +32,7 @@ from api.openai.fields import (
     sampling_field,
 )
 from api.openai.messages import ChatMessage
-from api.openai.responses import Usage
+from api.openai.objects import Usage
 from api.routes import Route
 from api.services import services
 from api.validation import parse_body

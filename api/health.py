@@ -5,7 +5,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from api.errors import json_response
-from api.openai.responses import Health
+from api.openai.objects import Health
 from api.routes import Route
 from api.services import services
 

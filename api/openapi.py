@@ -16,7 +16,7 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from api.auth import ADMIN_PATH, DEPLOYMENTS_PATH, TENANT_PATHS, WS_PATH
-from api.openai.responses import ErrorResponse
+from api.openai.objects import ErrorResponse
 from api.routes import Route
 
 REF = "#/components/schemas/{model}"

@@ -1,4 +1,4 @@
-"""The HTTP side of the response cache (`services.cache.responses`): `Cache-Control: no-cache`
+"""The HTTP side of the response cache (`services.cache.response_cache`): `Cache-Control: no-cache`
 opts a request out like `"galley": {"cache": false}`. (Whether the answer came from the cache is
 the `X-Cache` header, from the caller's notes: `api.auth.add_notes_headers`.)"""
 

@@ -16,7 +16,7 @@ from api.auth import caller_of
 from api.errors import json_response
 from api.openai.fields import GENERATION_MAX_BODY_BYTES, MAX_NAME_CHARS, Strict, TokenId
 from api.openai.messages import ChatMessage
-from api.openai.responses import DetokenizeResponse, TokenizeResponse
+from api.openai.objects import DetokenizeResponse, TokenizeResponse
 from api.openai.schemas import TemplateKwargs, check_template_fields
 from api.routes import Route
 from api.services import services

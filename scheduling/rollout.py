@@ -58,7 +58,7 @@ def p99(latencies: list[float]) -> float:
 
 
 @dataclass
-class Outcome:
+class HealthSample:
     at_s: float
     ok: bool
     latency_s: float
@@ -68,11 +68,11 @@ class HealthWindow:
     """Finished requests of one model version within the trailing window. Invariant: in time order."""
 
     def __init__(self) -> None:
-        self.outcomes: deque[Outcome] = deque()
+        self.outcomes: deque[HealthSample] = deque()
         self.num_errors = 0  # kept with the outcomes: the error rate costs nothing to read
 
     def record(self, at_s: float, ok: bool, latency_s: float) -> None:
-        self.outcomes.append(Outcome(at_s, ok, latency_s))
+        self.outcomes.append(HealthSample(at_s, ok, latency_s))
         self.num_errors += not ok
 
     def trim(self, now_s: float, window_s: float) -> None:

@@ -5,9 +5,9 @@ Lives on the event loop: `submit` picks the least loaded replica and hands the r
 its device worker; `dispatch` (called on the loop via `call_soon_threadsafe` with each
 step's events) feeds every request's `RequestStream`; `submit_encoder` hands inputs to an
 embed/classify version. A model name's versions are all of one kind, generative
-(`ServedModel`) or encoder (`ServedEncoder`). Admission is bounded: past
+(`ServedModel`) or encoder (`ServedEncoder`). TenantLimiter is bounded: past
 `max_num_seqs` running plus `max_waiting` queued per replica, `submit` refuses at once,
-after the tenant's own limits (`scheduling.admission`) have let the request through.
+after the tenant's own limits (`scheduling.limiter`) have let the request through.
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ import structlog
 from engine.prefix_hash import prefix_hashes
 from engine.types import EngineStats, FinishReason, GenerationRequest, TokenEvent
 from scheduling import affinity, encoders
-from scheduling.admission import Admission, TenantLimits, Ticket
 from scheduling.affinity import PrefixIndex
 from scheduling.encoders import OnEncoderFinish, ServedEncoder
+from scheduling.limiter import TenantLimiter, TenantLimits, Ticket
 from scheduling.rollout import parse_model_ref, pick_version
 
 log = structlog.get_logger(__name__)
@@ -191,7 +191,7 @@ def seed_sampling(request: GenerationRequest) -> None:
 class Router:
     deployments: dict[str, ModelDeployment] = field(default_factory=dict)
     streams: dict[str, RequestStream] = field(default_factory=dict)
-    admission: Admission = field(default_factory=Admission)
+    admission: TenantLimiter = field(default_factory=TenantLimiter)
     queue_timeout_s: float = 600.0  # a request not scheduled by then gets 503
     # called with each finished request (canary health, idle clocks), and each finished encoder submit
     finish_listeners: list[Callable[[RequestStream, TokenEvent], None]] = field(default_factory=list)
@@ -241,7 +241,7 @@ class Router:
                limits: TenantLimits | None = None) -> RequestStream:
         """Admit (tenant limits, then the model's queue bound) and hand to the least loaded replica.
 
-        Raises `ModelUnavailable`, `scheduling.admission.Rejected` or `QueueFull`, having changed nothing.
+        Raises `ModelUnavailable`, `scheduling.limiter.Rejected` or `QueueFull`, having changed nothing.
         A draining version is refused: its engines are about to be detached, so a request handed to
         them would never be answered.
         """

@@ -14,8 +14,8 @@ from typing import Any
 import structlog
 
 from engine.types import GenerationRequest, Priority, SamplingParams
-from scheduling.admission import Rejected, TenantLimits
 from scheduling.encoders import EncoderBusy, ServedEncoder
+from scheduling.limiter import Rejected, TenantLimits
 from scheduling.router import ModelUnavailable, QueueFull, RequestStream, Router, ServedModel
 from services.errors import QueueFullError, ServiceError, ServiceUnavailableError, rate_limited
 from services.observability.metrics import Metrics

@@ -70,7 +70,7 @@ class NotImplementedFeatureError(ServiceError):
 
 
 def rate_limited(rejection) -> RateLimitError:
-    """A tenant limit's refusal (`scheduling.admission.Rejected`) as a rate-limit error with its wait."""
+    """A tenant limit's refusal (`scheduling.limiter.Rejected`) as a rate-limit error with its wait."""
     return RateLimitError(str(rejection), code=rejection.reason, retry_after_s=rejection.retry_after_s)
 
 

@@ -18,7 +18,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from scheduling.admission import TenantLimits
+from scheduling.limiter import TenantLimits
 from services.errors import (
     AuthenticationError,
     ConflictError,

@@ -23,7 +23,7 @@ from services.admission import Admission
 from services.batch.jobs import BatchConfig
 from services.batch.runner import BatchRunner
 from services.batch.webhooks import WebhookClient
-from services.cache.responses import ResponseCache, ResponseCacheConfig
+from services.cache.response_cache import ResponseCache, ResponseCacheConfig
 from services.conversations import Conversations
 from services.deployments.loading import LifecycleConfig, Loader
 from services.deployments.manager import ModelManager

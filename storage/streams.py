@@ -204,7 +204,7 @@ def delete_streams_finished_before(db: sqlite_utils.Database, iso_time: str) -> 
 
 
 @dataclass(frozen=True)
-class Answer:
+class StoredAnswer:
     """The assistant message a conversation's stream stores with its end, in the same transaction:
     its text is the stream's, its completion tokens the stream's tokens."""
 
@@ -231,7 +231,7 @@ class StreamStore:
         return self.db.write(lambda db: checkpoint_stream(db, stream_id, ids, txt))
 
     def finish(self, stream_id: str, token_ids: list[int], texts: list[str], status: str,
-               finish_reason: str | None, answer: Answer | None = None) -> Future[None]:
+               finish_reason: str | None, answer: StoredAnswer | None = None) -> Future[None]:
         """The stream's final state, and with `answer` the conversation's assistant message (a
         conversation deleted meanwhile gets none; the stream still finishes)."""
         ids, txt = list(token_ids), list(texts)

@@ -6,6 +6,7 @@ façade (`services.<area>`); no source file holds more than 400 lines."""
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -169,3 +170,36 @@ def test_a_violation_is_caught(tmp_path):
     bad.write_text("import aiohttp\ndef f():\n    from storage import db\n    from engine.worker import X\n")
     assert violations(bad, {"aiohttp"}) == {"aiohttp", "engine.worker", "engine.worker.X"}
     assert violations(bad, {"storage"}) >= {"storage", "storage.db"}
+
+
+SOURCE_PACKAGES = ("api", "services", "scheduling", "storage", "engine")
+
+
+def source_modules() -> list[Path]:
+    return [p for package in SOURCE_PACKAGES for p in modules(package)] + [
+        ROOT / name for name in ("server.py", "launch.py", "config.py")]
+
+
+def test_no_two_classes_share_a_name():
+    """One word per concept (the glossary in docs/architecture.md): two classes of one name are one
+    concept written twice, or two concepts under one word."""
+    seen: dict[str, list[str]] = {}
+    for path in source_modules():
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.ClassDef):
+                seen.setdefault(node.name, []).append(str(path.relative_to(ROOT)))
+    shared = {name: paths for name, paths in seen.items() if len(paths) > 1}
+    assert not shared, shared
+
+
+def test_modules_share_a_name_only_as_the_glossary_says():
+    """A module name used twice is one idea in two layers (or two front doors), listed in the glossary."""
+    names: dict[str, list[str]] = {}
+    for path in source_modules():
+        if path.name != "__init__.py":
+            names.setdefault(path.name, []).append(str(path.relative_to(ROOT)))
+    repeated = {name for name, paths in names.items() if len(paths) > 1}
+    glossary = (ROOT / "docs" / "architecture.md").read_text()
+    listed = set(re.findall(r"`([a-z_]+\.py)`", glossary.split("MODULES NAMED ALIKE:")[1].split("(the test")[0]))
+    assert repeated == listed, {"not in the glossary": sorted(repeated - listed),
+                                "no longer repeated": sorted(listed - repeated)}

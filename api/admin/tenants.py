@@ -10,9 +10,10 @@ import dataclasses
 from typing import Annotated, Any, Literal
 
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
 from api.errors import json_response
+from api.openai.fields import Strict
 from api.routes import Route
 from api.services import services
 from api.validation import parse_body
@@ -29,11 +30,7 @@ ModelName = Annotated[str, Field(min_length=1)]
 # ---- schemas ---------------------------------------------------------------------------
 
 
-class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class TenantLimits(Strict):
+class LimitFields(Strict):
     allowed_models: list[ModelName] | None = Field(None, description="Models it may use; null: every model.")
     max_concurrent: Limit = Field(None, description="Most requests in flight at once; null: no limit.")
     requests_per_minute: Limit = None
@@ -41,7 +38,7 @@ class TenantLimits(Strict):
     max_tokens: Limit = Field(None, description="Cap on the completion tokens of one request.")
 
 
-class TenantCreate(TenantLimits):
+class TenantCreate(LimitFields):
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$",
                       description="1-64 letters, digits, `.`, `_`, `-`; starts with a letter or digit; "
                                   "names starting with `galley-` are reserved (400).")
@@ -49,7 +46,7 @@ class TenantCreate(TenantLimits):
     max_priority: Priority = Field("high", description="The highest priority its requests may use.")
 
 
-class TenantPatch(TenantLimits):
+class TenantPatch(LimitFields):
     """The fields to change: absent fields stay as they are; a limit set to null is removed.
     `weight` and `max_priority` may be left out but never be null (the `None` default means absent)."""
 

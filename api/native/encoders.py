@@ -14,7 +14,6 @@ from aiohttp import web
 
 from api.auth import caller_of
 from api.errors import json_response
-from api.models import model_label, resolve_model
 from api.native.generate import named_model
 from api.native.schemas import (
     EmbedRequest,
@@ -28,6 +27,7 @@ from api.response_cache import cache_flag
 from api.routes import Route
 from api.services import services
 from api.validation import parse_body
+from api.versions import model_label, resolve_model
 
 
 async def embed(request: web.Request) -> web.Response:

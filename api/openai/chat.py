@@ -13,7 +13,7 @@ from aiohttp import web
 from api.auth import caller_of
 from api.openai.answer import Shape, how, respond
 from api.openai.chunks import chat_logprobs
-from api.openai.responses import ChatCompletion, ChatCompletionChunk
+from api.openai.objects import ChatCompletion, ChatCompletionChunk
 from api.openai.schemas import ChatCompletionRequest
 from api.routes import Route
 from api.services import services

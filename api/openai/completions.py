@@ -9,7 +9,7 @@ from aiohttp import web
 from api.auth import caller_of
 from api.openai.answer import Shape, how, respond
 from api.openai.chunks import completion_logprobs
-from api.openai.responses import Completion
+from api.openai.objects import Completion
 from api.openai.schemas import CompletionRequest
 from api.routes import Route
 from api.services import services

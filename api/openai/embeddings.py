@@ -16,12 +16,12 @@ from pydantic import BaseModel, Discriminator, Field, Tag
 
 from api.auth import caller_of
 from api.errors import json_response
-from api.models import model_label, resolve_model
 from api.openai.fields import MAX_NAME_CHARS, Strict, TokenId
 from api.response_cache import cache_flag
 from api.routes import Route
 from api.services import services
 from api.validation import parse_body
+from api.versions import model_label, resolve_model
 
 MAX_INPUTS = 2048
 Text = Annotated[str, Field(min_length=1)]

@@ -6,7 +6,7 @@ from aiohttp import web
 
 from api.auth import tenant_of
 from api.errors import json_response
-from api.openai.responses import ModelCard, ModelList
+from api.openai.objects import ModelCard, ModelList
 from api.routes import Route
 from api.services import services
 from services.errors import ModelNotFoundError

@@ -1,6 +1,6 @@
 """POST /v1/responses, GET and DELETE /v1/responses/{response_id}: OpenAI's Responses API.
 
-A handler parses, makes one call to `services.inference.responses`, and renders the run: a
+A handler parses, makes one call to `services.inference.responses_api`, and renders the run: a
 `Response` object, or its stream of events (`event:` and `data:` lines, as OpenAI sends them, each
 numbered by `sequence_number`): `response.created`, `response.in_progress`, per output item
 `output_item.added`, `content_part.added`, text (or thoughts, or call arguments) deltas and their

@@ -1,5 +1,5 @@
 """`POST /v1/responses` (OpenAI's Responses API): its request body, parsed into plain values for
-`services.inference.responses`, and the shape of its answer for `/openapi.json`.
+`services.inference.responses_api`, and the shape of its answer for `/openapi.json`.
 
 What a self-hosted model cannot do is a 400 naming the field: built-in tools (`web_search`,
 `file_search`, ...), `background`, `include` values that need them, image, file and audio input,
@@ -128,15 +128,15 @@ class FunctionChoice(Strict):
     name: FunctionName
 
 
-class TextFormat(Strict):
+class ResponseTextFormat(Strict):
     type: Literal["text"]
 
 
-class JsonObjectFormat(Strict):
+class ResponseJsonObject(Strict):
     type: Literal["json_object"]
 
 
-class JsonSchemaFormat(Strict):
+class ResponseJsonSchema(Strict):
     type: Literal["json_schema"]
     name: FunctionName
     schema_: Schema = Field(alias="schema")
@@ -145,7 +145,8 @@ class JsonSchemaFormat(Strict):
 
 
 class TextConfig(Strict):
-    format: Annotated[TextFormat | JsonObjectFormat | JsonSchemaFormat, Field(discriminator="type")] | None = None
+    format: Annotated[ResponseTextFormat | ResponseJsonObject | ResponseJsonSchema,
+                      Field(discriminator="type")] | None = None
     verbosity: Literal["low", "medium", "high"] | None = Field(None, description=IGNORED)
 
 
@@ -157,7 +158,7 @@ class ReasoningConfig(Strict):
     generate_summary: Literal["auto", "concise", "detailed"] | None = Field(None, description=IGNORED)
 
 
-class StreamOptions(Strict):
+class ResponseStreamOptions(Strict):
     include_obfuscation: bool | None = Field(None, description=IGNORED)
 
 
@@ -218,9 +219,9 @@ class ResponseInputFields(Strict):
 
     def output_format(self) -> OutputFormat | None:
         fmt = self.text.format if self.text else None
-        if isinstance(fmt, JsonObjectFormat):
+        if isinstance(fmt, ResponseJsonObject):
             return OutputFormat("json_object", param="text.format")
-        if isinstance(fmt, JsonSchemaFormat):
+        if isinstance(fmt, ResponseJsonSchema):
             return OutputFormat("json_schema", fmt.schema_, param="text.format")
         return None
 
@@ -257,7 +258,7 @@ class ResponseCreateRequest(ResponseInputFields):
     temperature: Temperature | None = sampling_field("temperature")
     top_p: TopP | None = sampling_field("top_p")
     stream: bool | None = None
-    stream_options: StreamOptions | None = None
+    stream_options: ResponseStreamOptions | None = None
     store: bool | None = Field(None, description="Default true: keep the response (as a conversation of the "
                                "tenant) so that `previous_response_id` and GET can find it.")
     background: Literal[False] | None = Field(None, description="Only false: responses run in the foreground.")
@@ -292,7 +293,7 @@ class ResponseCreateRequest(ResponseInputFields):
             "instructions": self.instructions, "max_output_tokens": self.max_output_tokens,
             "parallel_tool_calls": self.parallel_tool_calls is not False,
             "previous_response_id": self.previous_response_id,
-            "tool_choice": choice or "auto",  # (temperature and top_p: as sampled, services.inference.responses)
+            "tool_choice": choice or "auto",  # (temperature and top_p: as sampled, services.inference.responses_api)
             "tools": [tool.model_dump() for tool in self.tools or ()],
             "text": {"format": text, "verbosity": self.text.verbosity if self.text and self.text.verbosity
                      else "medium"},

@@ -1,4 +1,4 @@
-"""Request bodies of the OpenAI-compatible API, defined once (responses: `api.openai.responses`).
+"""Request bodies of the OpenAI-compatible API, defined once (responses: `api.openai.objects`).
 
 The same pydantic models validate incoming JSON and generate `/openapi.json`, so the spec
 cannot drift from what the handlers accept. Field names, ranges and nullability follow OpenAI

@@ -1,5 +1,5 @@
 """The response cache (the API's façade onto it)."""
 
-from services.cache.responses import CachedCompletion
+from services.cache.response_cache import CachedCompletion
 
 __all__ = ["CachedCompletion"]

@@ -13,7 +13,7 @@ registry, routing, warm-up, drain, health and memory budget.
 router's deployments.
 
 `route` is the one lookup every endpoint makes for a caller (tenant checks, kind, routing, a
-cold version loading); the HTTP side (api/models.py) wraps it and adds the `X-Model-Version`
+cold version loading); the HTTP side (api/versions.py) wraps it and adds the `X-Model-Version`
 header.
 
 A model has several types along its way, each for one stage:

@@ -35,8 +35,8 @@ from prometheus_client import CollectorRegistry, Counter
 
 from engine.types import GenerationRequest, TokenEvent
 from scheduling import encoders
-from scheduling.admission import TenantLimits
 from scheduling.encoders import EncoderBusy, ServedEncoder
+from scheduling.limiter import TenantLimits
 from scheduling.rollout import NUM_BUCKETS, bucket
 from scheduling.router import RequestStream, Served, ServedModel
 from services.admission import Admission

@@ -4,7 +4,7 @@ Responses API, tokenize), the API's façade onto them."""
 from services.inference.choices import Choices
 from services.inference.generation import Generated, Inference, Outcome
 from services.inference.requests import ChatInput, PromptInput
-from services.inference.responses import Change, OutputItem, Record, ResponseInput, ResponseRun, Responses
+from services.inference.responses_api import Change, OutputItem, Record, ResponseInput, ResponseRun, Responses
 from services.inference.structured import OutputFormat
 from services.inference.tokens import TokenizeInput, detokenize, tokenize
 from services.inference.tools import ToolUse

@@ -11,7 +11,7 @@ from typing import Any
 
 from scheduling.encoders import ServedEncoder
 from services.admission import Admission
-from services.cache.responses import ResponseCache
+from services.cache.response_cache import ResponseCache
 from services.deployments.shadow import ShadowMirror
 from services.errors import InvalidRequestError
 from services.observability.metrics import Metrics

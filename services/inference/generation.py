@@ -25,7 +25,7 @@ from services.answers.deltas import AnswerReader, call_ids_of, read_answer
 from services.answers.events import ChunkFormat
 from services.answers.reading import Answer, collect, finish_reason, scheduled_events, stream_failed
 from services.answers.reasoning import Reasoning, marks_are_special, reasoning_for
-from services.cache.responses import CachedCompletion, ResponseCache
+from services.cache.response_cache import CachedCompletion, ResponseCache
 from services.conversations import Conversations
 from services.deployments.manager import ModelManager
 from services.deployments.shadow import ShadowMirror
@@ -110,7 +110,7 @@ class Inference:
 
     async def plan_chat(self, caller: Caller, ask: ChatInput, pinned_version: str | None = None) -> Plan:
         """Check, route and apply the chat template (after the conversation's history); `pinned_version`:
-        the version a continued chat ran on (a stored response's, `services.inference.responses`)."""
+        the version a continued chat ran on (a stored response's, `services.inference.responses_api`)."""
         check_n(ask)
         caller.check_priority(ask.priority)
         history, pinned = [], pinned_version

@@ -37,7 +37,7 @@ from services.background import BackgroundTasks
 from services.errors import SHUTTING_DOWN, ServiceUnavailableError
 from services.observability.metrics import Metrics
 from services.tenancy import Auth, Tenant, limits_of
-from storage.streams import Answer, StreamRecord, StreamStatus, StreamStore
+from storage.streams import StoredAnswer, StreamRecord, StreamStatus, StreamStore
 
 log = structlog.get_logger(__name__)
 
@@ -291,7 +291,7 @@ class StreamHub:
         answer = None  # a conversation deleted while the answer was generated gets none; the record still finishes
         if record.conversation_id and status == StreamStatus.FINISHED:
             content, extra = answer_message("".join(texts), live.fmt)  # as its followers were shown it
-            answer = Answer(record.conversation_id, len(record.prompt_token_ids), content, extra)
+            answer = StoredAnswer(record.conversation_id, len(record.prompt_token_ids), content, extra)
         return self.store.finish(record.id, token_ids, texts, status, finish, answer)
 
     async def find(self, stream_id: str, tenant: str) -> LiveStream | None:

@@ -14,7 +14,7 @@ import pytest
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from transformers import AutoTokenizer
 
-from api.openai import responses
+from api.openai import objects
 from scheduling.router import Router
 from tests.engine.test_reference import hf_greedy, prompts
 from tests.helpers import make_app, metric, start_tiny_engines
@@ -94,7 +94,7 @@ async def test_sixteen_concurrent_streams_match_hf(served, llama_path):
             extra_body={"ignore_eos": True},
         ):
             # openai's Completion type has no null finish_reason, which streamed chunks carry
-            responses.Completion.model_validate(chunk.model_dump())
+            objects.Completion.model_validate(chunk.model_dump())
             assert chunk.object == "text_completion"
             text += chunk.choices[0].text
         return text

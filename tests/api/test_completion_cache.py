@@ -126,7 +126,7 @@ async def test_another_tenant_never_gets_a_cached_answer(stack):
 
 
 async def test_shared_across_tenants_lets_one_tenants_answer_serve_another(aiohttp_server, llama_path, db):
-    from services.cache.responses import ResponseCacheConfig
+    from services.cache.response_cache import ResponseCacheConfig
 
     async with auth_stack(aiohttp_server, llama_path, db) as (server, client, app, key):
         app[SERVICES].cache.config = ResponseCacheConfig(shared_across_tenants=True)  # as [response_cache] sets it

@@ -12,7 +12,7 @@ import time
 import aiohttp
 import pytest
 
-from scheduling.admission import Admission, Rejected, TenantLimits
+from scheduling.limiter import Rejected, TenantLimiter, TenantLimits
 from scheduling.rollout import pick_version
 from storage.registry import ModelVersion
 from tests.api.test_auth import ADMIN, assert_error
@@ -157,7 +157,7 @@ async def test_model_permissions_changed_under_an_open_socket_apply_to_its_next_
 
 def test_bucket_capacity_changes_in_place():
     now = [0.0]
-    admission = Admission(clock=lambda: now[0])
+    admission = TenantLimiter(clock=lambda: now[0])
     for _ in range(2):
         admission.release(admission.admit(TenantLimits("t", requests_per_minute=2), 0), 0)
     for rpm in (3, 1, 60, None, 2):  # raised, lowered, raised, removed (no limit), back

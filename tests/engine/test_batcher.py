@@ -10,7 +10,7 @@ import pytest
 
 from engine.batcher import DynamicBatcher, Pending
 from engine.worker import DeviceWorker, EncoderClient
-from services.cache.responses import CacheEntries, ResponseCacheConfig, cache_key
+from services.cache.response_cache import CacheEntries, ResponseCacheConfig, cache_key
 
 
 class Recorder:

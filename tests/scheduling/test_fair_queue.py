@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from engine.types import GenerationRequest, Priority, SamplingParams, Sequence
-from scheduling.admission import Admission, Rejected, TenantLimits
 from scheduling.fair_queue import FairQueue, FairShareConfig
+from scheduling.limiter import Rejected, TenantLimiter, TenantLimits
 from scheduling.limits import TokenBucket
 
 
@@ -103,7 +103,7 @@ def test_token_bucket_refills_with_the_clock_and_settles_debt():
 
 def test_admission_limits_and_release():
     clock = Clock()
-    admission = Admission(clock=clock)
+    admission = TenantLimiter(clock=clock)
     limits = TenantLimits("A", max_concurrent=2, requests_per_minute=3, tokens_per_minute=100)
     first = admission.admit(limits, 40)
     admission.admit(limits, 40)

@@ -9,7 +9,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter
 
 from engine.types import SamplingParams
-from services.cache.responses import CachedCompletion, ResponseCache, ResponseCacheConfig
+from services.cache.response_cache import CachedCompletion, ResponseCache, ResponseCacheConfig
 from services.errors import RateLimitError
 from services.tenancy import Caller
 from storage.tenants import Tenant

@@ -9,7 +9,7 @@ import pytest
 from storage import conversations
 from storage.batches import BatchStore, CallbackStatus, ItemResult, ItemStatus, JobStatus
 from storage.registry import Deployment, ModelVersion, RegistryStore, Shadow, VersionExistsError
-from storage.streams import Answer, StreamRecord, StreamStatus, StreamStore
+from storage.streams import StoredAnswer, StreamRecord, StreamStatus, StreamStore
 
 
 def done(future):
@@ -30,7 +30,7 @@ def test_a_stream_finishes_with_its_conversations_answer_in_one_write(db):
     assert store.get("strm_a") == stored and store.with_status(StreamStatus.RUNNING) == [stored]
     done(store.checkpoint("strm_a", [7], ["He"]))
     assert store.get("strm_a").texts == ["He"]
-    done(store.finish("strm_a", [7, 8], ["He", "llo"], StreamStatus.FINISHED, "stop", Answer(conversation.id, 3)))
+    done(store.finish("strm_a", [7, 8], ["He", "llo"], StreamStatus.FINISHED, "stop", StoredAnswer(conversation.id, 3)))
     final = store.get("strm_a")
     assert (final.status, final.token_ids, final.finish_reason) == ("finished", [7, 8], "stop")
     [answer] = db.read(lambda d: conversations.list_messages(d, conversation.id))
@@ -43,7 +43,7 @@ def test_a_stream_finishes_with_its_conversations_answer_in_one_write(db):
 def test_a_stream_whose_conversation_is_gone_still_finishes(db):
     store = StreamStore(db)
     done(store.insert(record("strm_b", "conv_gone")))
-    done(store.finish("strm_b", [7], ["x"], StreamStatus.CANCELLED, None, Answer("conv_gone", 3)))
+    done(store.finish("strm_b", [7], ["x"], StreamStatus.CANCELLED, None, StoredAnswer("conv_gone", 3)))
     assert store.get("strm_b").status == "cancelled"
 
 

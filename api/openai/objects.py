@@ -61,7 +61,7 @@ class CalledFunction(BaseModel):
     arguments: str  # JSON text, as the model wrote it
 
 
-class ToolCall(BaseModel):
+class ToolCallOut(BaseModel):
     id: str
     type: Literal["function"] = "function"
     function: CalledFunction
@@ -70,7 +70,7 @@ class ToolCall(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None  # null when the answer is only tool calls
-    tool_calls: list[ToolCall] | None = None
+    tool_calls: list[ToolCallOut] | None = None
     refusal: None = None
     annotations: list[dict] = []
     reasoning: str | None = None  # vLLM's field: a thinking model's thoughts (absent for other models)
@@ -98,7 +98,7 @@ class FunctionDelta(BaseModel):
     arguments: str  # the next piece of the arguments' JSON text
 
 
-class ToolCallDelta(BaseModel):
+class ToolCallDeltaOut(BaseModel):
     index: int
     id: str | None = None  # on a call's first delta
     type: Literal["function"] | None = None
@@ -108,7 +108,7 @@ class ToolCallDelta(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
-    tool_calls: list[ToolCallDelta] | None = None
+    tool_calls: list[ToolCallDeltaOut] | None = None
     reasoning: str | None = None  # vLLM's field: a piece of a thinking model's thoughts
     reasoning_content: str | None = None  # the same, by vLLM's old (and DeepSeek's) name
 

@@ -64,7 +64,7 @@ class TenantState:
 
 @dataclass
 class Ticket:
-    """An admitted request's claim; hand it back with `Admission.release`."""
+    """An admitted request's claim; hand it back with `TenantLimiter.release`."""
 
     tenant: str
     estimated_tokens: int
@@ -72,7 +72,7 @@ class Ticket:
 
 
 @dataclass
-class Admission:
+class TenantLimiter:
     """Limits are passed in on every call (read from the tenant directory at admission time);
     the state they are checked against lives here, one `TenantState` per tenant name."""
 
