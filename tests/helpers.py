@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
+import inspect
 import itertools
 import json
 import shutil
+import time
+from collections.abc import Callable
+from typing import Any
 
 from engine.engine import LLMEngine
 from engine.kv_cache import KVCacheManager
@@ -134,3 +139,18 @@ def long_context_copy(source, out, chat_template: str | None = None):
         (out / "tokenizer_config.json").write_text(json.dumps({**tokenizer_config, "chat_template": chat_template}))
         (out / "chat_template.jinja").unlink(missing_ok=True)
     return out
+
+
+async def wait_until(check: Callable[[], Any], *, timeout_s: float = 30.0, what: str = "the condition",
+                     every_s: float = 0.02) -> Any:
+    """Poll `check()` (a function, or one returning an awaitable) until it gives something truthy, and
+    return that; fail the test naming `what` once `timeout_s` has passed. The suite's one waiting loop."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = check()
+        if inspect.isawaitable(value):
+            value = await value
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out after {timeout_s:g}s waiting for {what}"
+        await asyncio.sleep(every_s)

@@ -17,24 +17,16 @@ from transformers import AutoTokenizer
 from api.openai import objects
 from scheduling.router import Router
 from tests.engine.test_reference import hf_greedy, prompts
-from tests.helpers import make_app, metric, start_tiny_engines
+from tests.helpers import make_app, metric, start_tiny_engines, wait_until
 
 
 async def wait_blocks_free(router: Router, timeout_s: float = 5.0) -> None:
     """Every KV block of every replica is back in its pool (polled: the worker frees them)."""
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while True:
-        leaked = [
-            (r.device, kv.num_blocks - kv.num_free_blocks)
-            for m in router.served_models()
-            for r in m.replicas
-            if (kv := r.worker.engines[r.engine_id].scheduler.kv).num_free_blocks != kv.num_blocks
-        ]
-        if not leaked:
-            return
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"KV blocks not returned: {leaked}")
-        await asyncio.sleep(0.02)
+    def leaked() -> list[tuple[str, int]]:
+        return [(r.device, kv.num_blocks - kv.num_free_blocks) for m in router.served_models() for r in m.replicas
+                if (kv := r.worker.engines[r.engine_id].scheduler.kv).num_free_blocks != kv.num_blocks]
+
+    await wait_until(lambda: not leaked(), timeout_s=timeout_s, what="every KV block back in its pool")
 
 
 async def start_server(aiohttp_server, path, devices=("cpu",), max_num_seqs=32, max_waiting=64, **engine_kw):

@@ -18,7 +18,7 @@ from tests.api.test_api import wait_blocks_free
 from tests.api.test_auth import ADMIN, Client
 from tests.api.test_encoders import router_with, start_test_encoders
 from tests.encoder_models import save_tiny_classifier
-from tests.helpers import make_app, metric, start_models
+from tests.helpers import make_app, metric, start_models, wait_until
 
 PROMPTS = [f"Item {i}: the quick brown fox" if i % 3 else f"To be, or not {i}" for i in range(50)]
 GREEDY = {"temperature": 0, "max_tokens": 8, "ignore_eos": True}
@@ -57,14 +57,12 @@ async def make_stack(aiohttp_server, llama_path, db):
 
 async def wait_for(client: Client, key: str, batch_id: str, statuses=("completed", "failed", "cancelled"),
                    timeout_s: float = 120.0, until=None) -> dict:
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while True:
+    async def reached() -> dict | None:
         status, job = await client.call("GET", f"/api/v1/batch/{batch_id}", key)
         assert status == 200, job
-        if job["status"] in statuses and (until is None or until(job)):
-            return job
-        assert asyncio.get_running_loop().time() < deadline, f"batch still {job}"
-        await asyncio.sleep(0.05)
+        return job if job["status"] in statuses and (until is None or until(job)) else None
+
+    return await wait_until(reached, timeout_s=timeout_s, what=f"batch {batch_id} to reach {statuses}")
 
 
 async def greedy_completion(client: Client, key: str, prompt: str, params: dict = GREEDY) -> dict:

@@ -5,12 +5,10 @@ real SQLite, real HTTP clients."""
 
 from __future__ import annotations
 
-import asyncio
-import time
-
 from services.batch.runner import BatchConfig
 from tests.api import test_batch
 from tests.api.test_batch import GREEDY, wait_for
+from tests.helpers import wait_until
 
 make_stack = test_batch.make_stack  # the fixture: (client, router, a tenant key) for a BatchConfig
 LONG = {"temperature": 0, "max_tokens": 450, "ignore_eos": True}
@@ -81,10 +79,10 @@ async def test_finished_jobs_expire_with_their_inputs_and_free_the_stored_bytes(
     assert 1 <= int(retry_after) <= 2  # when the finished job expires
     assert (await post(client, key, "/api/v1/batch", job(["a" * 300])))[0] == 200  # still under the cap
 
-    deadline = time.monotonic() + 30
-    while (await client.call("GET", f"/api/v1/batch/{batch_id}", key))[0] != 404:
-        assert time.monotonic() < deadline, "the finished job did not expire"
-        await asyncio.sleep(0.05)
+    async def expired() -> bool:
+        return (await client.call("GET", f"/api/v1/batch/{batch_id}", key))[0] == 404
+
+    await wait_until(expired, what="the finished job to expire")
     assert (await client.call("GET", f"/api/v1/batch/{batch_id}/results", key))[0] == 404
     rows = db.read(lambda conn: conn.execute("SELECT count(*) FROM batch_items WHERE job_id = ?",
                                              [batch_id]).fetchone()[0])

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 
 import aiohttp
 import pytest
@@ -24,7 +23,7 @@ from tests.api import test_batch, test_deployments
 from tests.api.test_api import wait_blocks_free
 from tests.api.test_auth import ADMIN, Client
 from tests.api.test_deployments import Stack
-from tests.helpers import make_app, start_tiny_engines
+from tests.helpers import make_app, start_tiny_engines, wait_until
 
 make_batch_stack = test_batch.make_stack  # fixture: (client, router, key) for a BatchConfig
 versions = test_deployments.versions  # fixture: tiny model folders by seed
@@ -53,11 +52,7 @@ async def lifecycle_stack(aiohttp_server, db, versions):
 
 
 async def poll(check, timeout_s: float = 60.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout_s
-    while not (result := await check()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.02)
-    return result
+    return await wait_until(check, timeout_s=timeout_s, what=what)
 
 
 async def test_an_item_waiting_out_a_refusal_follows_its_model_through_an_unload(lifecycle_stack):

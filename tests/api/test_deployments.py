@@ -27,7 +27,7 @@ from storage.tenants import hash_key
 from tests.api.test_api import wait_blocks_free
 from tests.api.test_auth import ADMIN, Client, assert_error
 from tests.faults import FaultyLoader
-from tests.helpers import make_app
+from tests.helpers import make_app, wait_until
 from tests.models import save_tiny_model
 
 DEPLOYMENTS = "/api/v1/deployments"
@@ -72,10 +72,8 @@ class Stack:
             return resp.status, version, {"text": text, "finish": finish, "errors": errors, "models": models}
 
     async def wait_state(self, ref: str, state: str, timeout_s: float = 30.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while self.manager.versions[ref].state != state:
-            assert time.monotonic() < deadline, f"{ref} is {self.manager.versions[ref].state}, not {state}"
-            await asyncio.sleep(0.02)
+        await wait_until(lambda: self.manager.versions[ref].state == state, timeout_s=timeout_s,
+                         what=f"{ref} to be {state}")
         # the state's SQLite write is queued on the writer thread: let it land before the test reads the file
         await asyncio.wrap_future(self.manager.store.db.write(lambda db: None))
 

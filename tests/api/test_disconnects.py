@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from dataclasses import dataclass
 
 import aiohttp
@@ -23,7 +22,7 @@ from storage.tenants import hash_key
 from tests.api.test_api import wait_blocks_free
 from tests.api.test_auth import ADMIN, Client
 from tests.api.test_streams import read_events
-from tests.helpers import make_app, metric, start_tiny_engines
+from tests.helpers import make_app, metric, start_tiny_engines, wait_until
 
 LONG = {"max_tokens": 400, "temperature": 0, "ignore_eos": True, "stream": True}
 MESSAGES = [{"role": "user", "content": "Tell me a story"}]
@@ -67,13 +66,9 @@ def logs(caplog):
 
 async def request_logged(logs: Logs, path: str, timeout_s: float = 30.0) -> dict:
     """The access-log entry of the (one) request to `path`, once its handler has ended."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        found = [e for e in logs.entries if e["event"] == "request" and e.get("path") == path]
-        if found:
-            return found[-1]
-        assert time.monotonic() < deadline, f"no request log for {path}"
-        await asyncio.sleep(0.02)
+    found = await wait_until(lambda: [e for e in logs.entries if e["event"] == "request" and e.get("path") == path],
+                             timeout_s=timeout_s, what=f"the request log of {path}")
+    return found[-1]
 
 
 async def cancelled(client, model: str = "tiny") -> float:
@@ -103,10 +98,10 @@ async def test_leaving_mid_stream_is_a_quiet_cancel(stack, logs, path, body):
     assert entry["status"] == 499, entry
     assert logs.errors() == []
     expected = before + body.get("n", 1)
-    deadline = time.monotonic() + 30
-    while await cancelled(client) < expected:
-        assert time.monotonic() < deadline, "the generation was not counted as cancelled"
-        await asyncio.sleep(0.05)
+    async def counted() -> bool:
+        return await cancelled(client) >= expected
+
+    await wait_until(counted, what="the generation to be counted as cancelled")
 
 
 async def test_leaving_a_resumed_stream_is_quiet_and_the_conversation_goes_on(stack, logs):
@@ -143,8 +138,6 @@ async def test_a_websocket_dropped_mid_stream_ends_quietly(stack, logs):
     entry = await request_logged(logs, "/ws/chat")
     assert entry["status"] in (101, 499), entry
     assert logs.errors() == []
-    deadline = time.monotonic() + 30
-    while any(not live.done for live in app[SERVICES].streams.live.values()):
-        assert time.monotonic() < deadline, "the stream was not cancelled"
-        await asyncio.sleep(0.05)
+    await wait_until(lambda: all(live.done for live in app[SERVICES].streams.live.values()),
+                     what="the stream to be cancelled")
     await ws.close()

@@ -23,7 +23,7 @@ from services.observability.telemetry import ObservabilityConfig, TracingConfig
 from storage.tenants import hash_key
 from tests.api.test_api import scrape, wait_blocks_free
 from tests.api.test_auth import ADMIN
-from tests.helpers import make_app, start_models
+from tests.helpers import make_app, start_models, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPT = list(range(5, 15))  # 10 prompt tokens
@@ -178,11 +178,11 @@ async def test_alerts_fire_and_resolve_from_live_metrics(aiohttp_server, llama_p
         return await get_json(session, server.make_url("/admin/api/alerts"))
 
     async def until(session, predicate, timeout_s=10.0):
-        deadline = asyncio.get_running_loop().time() + timeout_s
-        while not predicate(data := await alerts(session)):
-            assert asyncio.get_running_loop().time() < deadline, data
-            await asyncio.sleep(0.05)
-        return data
+        async def met():
+            data = await alerts(session)
+            return data if predicate(data) else None
+
+        return await wait_until(met, timeout_s=timeout_s, what="the alerts to change")
 
     try:
         async with aiohttp.ClientSession() as session:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import time
 
 from structlog.testing import capture_logs
 
@@ -14,6 +13,7 @@ from storage.registry import ModelVersion
 from tests.api import test_deployments
 from tests.api.test_auth import ADMIN, assert_error
 from tests.api.test_deployments import DEPLOYMENTS, Stack, not_a_model, register
+from tests.helpers import wait_until
 
 make_stack, versions = test_deployments.make_stack, test_deployments.versions  # fixtures shared with rollouts
 UNCACHED = {"galley": {"cache": False}}  # greedy answers would come from the response cache, never mirrored
@@ -28,10 +28,8 @@ async def set_shadow(stack: Stack, body: dict) -> dict:
 
 
 async def wait_count(stack: Stack, outcome: str, version: str, count: int, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while stack.metric("galley_shadow_requests_total", outcome=outcome, version=version) < count:
-        assert time.monotonic() < deadline, f"{outcome} shadows of {version}: fewer than {count}"
-        await asyncio.sleep(0.02)
+    await wait_until(lambda: stack.metric("galley_shadow_requests_total", outcome=outcome, version=version) >= count,
+                     timeout_s=timeout_s, what=f"{count} {outcome} shadows of {version}")
 
 
 def shadow_lines(logs: list[dict]) -> list[dict]:
@@ -76,8 +74,12 @@ async def test_shadow_copies_are_compared_logged_and_counted_never_returned(make
     before = stack.metric("galley_shadow_requests_total")
     for i in range(3):
         assert (await stack.complete("tiny", user=f"z{i}", **UNCACHED))[:2] == (200, "tiny@1")
-    await asyncio.sleep(0.2)
-    assert stack.metric("galley_shadow_requests_total") == before
+    # a marker instead of a sleep: copies are counted in the order their requests came, so once the
+    # marker's copy is counted, any copy of the three above would have been too
+    await set_shadow(stack, {"version": "3", "percent": 100})
+    assert (await stack.complete("tiny", user="marker", **UNCACHED))[:2] == (200, "tiny@1")
+    await wait_count(stack, "match", "3", 3)
+    assert stack.metric("galley_shadow_requests_total") == before + 1
 
 
 async def test_a_shadow_version_that_cannot_run_drops_its_copies(make_stack, versions, tmp_path):
@@ -102,10 +104,7 @@ async def test_shadow_percent_selects_a_share_of_requests(make_stack, versions):
             assert (await stack.complete("tiny", user=f"p{i}", max_tokens=1, **UNCACHED))[:2] == (200, "tiny@1")
 
     await asyncio.gather(*(one(i) for i in range(200)))
-    deadline = time.monotonic() + 30
-    while stack.manager.router.num_in_flight:
-        assert time.monotonic() < deadline
-        await asyncio.sleep(0.02)
+    await wait_until(lambda: not stack.manager.router.num_in_flight, what="the copies to finish")
     mirrored = stack.metric("galley_shadow_requests_total", version="2")
     assert 35 <= mirrored <= 85, mirrored  # 30% of 200, within about 4 standard deviations
 

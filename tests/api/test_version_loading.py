@@ -6,13 +6,13 @@ loads an unloaded version again (a conversation pinned to it, a batch job's next
 from __future__ import annotations
 
 import asyncio
-import time
 
 from services.deployments.manager import LifecycleConfig
 from storage.registry import ModelVersion
 from tests.api import test_deployments
 from tests.api.test_auth import ADMIN, assert_error
 from tests.api.test_deployments import DEPLOYMENTS, KV_GIB, not_a_model, register
+from tests.helpers import wait_until
 
 make_stack, versions = test_deployments.make_stack, test_deployments.versions  # fixtures shared with rollouts
 
@@ -108,14 +108,17 @@ async def test_a_batch_job_outlives_its_model_being_unloaded(make_stack, version
         async with stack.client.session.get(f"/api/v1/batch/{batch_id}", headers=headers) as resp:
             return await resp.json()
 
-    deadline = time.monotonic() + 60
-    while (await summary())["progress"]["completed"] < 4:
-        assert time.monotonic() < deadline
-        await asyncio.sleep(0.02)
+    async def completed(n: int) -> bool:
+        return (await summary())["progress"]["completed"] >= n
+
+    await wait_until(lambda: completed(4), timeout_s=60, what="4 items done")
     assert (await stack.client.admin("POST", "/models/tiny/versions/1/unload"))[0] == 202
-    while (done := await summary())["status"] not in ("completed", "failed"):
-        assert time.monotonic() < deadline, done
-        await asyncio.sleep(0.05)
+
+    async def ended() -> dict | None:
+        done = await summary()
+        return done if done["status"] in ("completed", "failed") else None
+
+    done = await wait_until(ended, timeout_s=60, what="the job to end")
     assert done["status"] == "completed" and done["progress"]["completed"] == 24, done
     assert stack.metric("galley_model_unloads_total", model="tiny", reason="admin") == 1
     assert stack.metric("galley_model_load_seconds_count", model="tiny") == 2  # loaded again for the job

@@ -20,10 +20,12 @@ class Recorder:
         self.batches: list[list[int]] = []
         self.gate = threading.Event()
         self.gate.set()
+        self.entered = threading.Event()  # a batch has started: the worker is inside run_batch
         self.fail_on: int | None = None
         self.threads: set[str] = set()
 
     def __call__(self, items: list[int]) -> list[int]:
+        self.entered.set()
         self.gate.wait(5)
         self.threads.add(threading.current_thread().name)
         self.batches.append(list(items))
@@ -50,7 +52,7 @@ def test_low_inputs_fill_the_room_interactive_requests_leave(recorder):
     recorder.gate.clear()  # hold the first batch so that the rest queue behind it
     batcher = make(recorder, max_batch=4, max_wait_ms=0)
     first = batcher.submit([0])
-    time.sleep(0.05)
+    assert recorder.entered.wait(5)  # the first batch is held in run_batch: the next ones queue behind it
     low = [batcher.submit(items, low=True) for items in ([100, 101], [102, 103, 104])]  # batch job items, first
     interactive = [batcher.submit([i]) for i in (1, 2)]
     recorder.gate.set()
@@ -63,7 +65,7 @@ def test_requests_waiting_together_share_one_forward(recorder):
     recorder.gate.clear()  # hold the first batch so that the next three queue behind it
     batcher = make(recorder, max_batch=8, max_wait_ms=0)
     first = batcher.submit([1])
-    time.sleep(0.05)
+    assert recorder.entered.wait(5)  # the first batch is held in run_batch: the next ones queue behind it
     rest = [batcher.submit([10 + i, 20 + i]) for i in range(3)]
     recorder.gate.set()
     assert first.result(5) == [2]
@@ -105,7 +107,7 @@ def test_a_failed_batch_fails_only_its_requests(recorder):
     recorder.fail_on = 7
     batcher = make(recorder, max_batch=2, max_wait_ms=0)
     held = batcher.submit([1])
-    time.sleep(0.05)
+    assert recorder.entered.wait(5)  # the first batch is held in run_batch: the next ones queue behind it
     bad, good = batcher.submit([7, 8]), batcher.submit([3])
     recorder.gate.set()
     assert held.result(5) == [2]
@@ -120,7 +122,7 @@ def test_cancelled_requests_are_skipped_and_stop_fails_the_rest(recorder):
     recorder.gate.clear()
     batcher = make(recorder, max_batch=1, max_wait_ms=0)
     running = batcher.submit([1])
-    time.sleep(0.05)
+    assert recorder.entered.wait(5)  # the first batch is held in run_batch: the next ones queue behind it
     cancelled = batcher.submit([2])
     assert cancelled.cancel()
     recorder.gate.set()

@@ -19,7 +19,7 @@ import pytest
 from engine.model_runner import CacheConfig
 from launch import EngineConfig
 from scheduling.router import Router
-from tests.helpers import make_app, metric, start_models
+from tests.helpers import make_app, metric, start_models, wait_until
 
 SECRET = "/srv/secret/path"  # must never reach a client
 
@@ -77,13 +77,11 @@ async def ready(session: aiohttp.ClientSession) -> tuple[int, dict]:
 
 
 async def wait_ready(session: aiohttp.ClientSession, status: int, timeout_s: float = 20.0) -> dict:
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while True:
+    async def answered() -> dict | None:
         got, body = await ready(session)
-        if got == status:
-            return body
-        assert asyncio.get_running_loop().time() < deadline, f"/ready stayed {got} {body}"
-        await asyncio.sleep(0.05)
+        return body if got == status else None
+
+    return await wait_until(answered, timeout_s=timeout_s, what=f"/ready to answer {status}")
 
 
 async def test_a_failure_in_the_worker_loop_fails_that_engines_requests_and_the_worker_lives_on(stack):

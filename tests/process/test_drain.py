@@ -13,7 +13,7 @@ import time
 import aiohttp
 import pytest
 
-from tests.helpers import metric
+from tests.helpers import metric, wait_until
 from tests.process.test_server_process import ServerProcess
 
 DRAIN_S = 4.0
@@ -56,10 +56,7 @@ async def ws_message(ws: aiohttp.ClientWebSocketResponse, timeout_s: float = 60.
 
 
 async def wait_for(check, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not await check():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.1)
+    await wait_until(check, timeout_s=timeout_s, every_s=0.1)
 
 
 @pytest.fixture
