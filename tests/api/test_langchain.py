@@ -109,3 +109,27 @@ async def test_completions_one_prompt_and_a_list(served):
     assert together.llm_output["token_usage"]["completion_tokens"] <= 18
     streamed = "".join([chunk async for chunk in llm.astream(prompts[0])])
     assert streamed == alone[0]
+
+
+async def test_a_tool_round_trip_in_a_stored_conversation_and_a_replayed_call(served):
+    """The one answer path through LangChain: a forced call inside a stored conversation (the history
+    is the server's: each turn sends only its new messages), and the same call answered again from the
+    response cache, ids and all."""
+    import aiohttp
+
+    async with aiohttp.ClientSession() as session:
+        async with session.post(served.make_url("/api/v1/conversations"), json={"model": "tiny"}) as resp:
+            conversation_id = (await resp.json())["id"]
+    in_conversation = chat_model(served, max_tokens=300, extra_body={"conversation_id": conversation_id})
+    called = await in_conversation.bind_tools([get_weather], tool_choice="get_weather",
+                                              parallel_tool_calls=False).ainvoke([HumanMessage(ASK)])
+    [call] = called.tool_calls
+    WeatherArgs.model_validate(call["args"])
+    result = ToolMessage(await get_weather.ainvoke(call["args"]), tool_call_id=call["id"])
+    answer = await in_conversation.bind_tools([get_weather], tool_choice="none").ainvoke([result])
+    assert answer.content and not answer.tool_calls
+
+    forced = chat_model(served, max_tokens=300).bind_tools([get_weather], tool_choice="get_weather",
+                                                           parallel_tool_calls=False)
+    first, again = await forced.ainvoke(ASK), await forced.ainvoke(ASK)  # the second: a cache hit
+    assert again.tool_calls == first.tool_calls and again.tool_calls[0]["id"].startswith("call_")
