@@ -52,6 +52,7 @@ class EngineConfig:
     seed: int = 0
     worker_stall_seconds: float = 60.0  # a device worker busy this long on one round of steps: /ready says 503
     cpu_kernels: bool = True  # CPU float32: C++ decode attention, norms, rotary (built in the background, cached)
+    adapt_threads: bool = True  # CPU: one thread while another busy process holds a core (engine/cpu_share.py)
     policy: str = "fair"  # fair (priority classes + per-tenant fair share) | fifo
     fair_share: FairShareConfig = FairShareConfig()
     cache: CacheConfig = CacheConfig()
@@ -237,7 +238,8 @@ def replica_progress(on_progress: ProgressCallback, index: int, num_replicas: in
 
 
 def start_workers(cfg: EngineConfig, emit: Emit) -> list[DeviceWorker]:
-    workers = [DeviceWorker(f"{device}#{i}", emit, cfg.worker_stall_seconds) for i, device in enumerate(cfg.devices)]
+    workers = [DeviceWorker(f"{device}#{i}", emit, cfg.worker_stall_seconds, cfg.adapt_threads)
+               for i, device in enumerate(cfg.devices)]
     for worker in workers:
         worker.start()
     return workers

@@ -50,9 +50,11 @@ from peers_report import draw_chart, render
 from servers import (
     DEFAULT_VLLM_PYTHON,
     GALLEY,
+    NEIGHBOURS,
     REPO_ROOT,
     VLLM,
     System,
+    neighbour,
     start_galley,
     start_vllm,
     stop_system,
@@ -101,6 +103,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--systems", default=f"{GALLEY},{VLLM}", help="which servers to run")
     p.add_argument("--start-timeout-s", type=float, default=900, help="vLLM compiles on first start")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--neighbour", default="none", choices=list(NEIGHBOURS),
+                   help="one busy process beside the servers while they are measured (nice 0 or nice 19)")
     p.add_argument("--json", type=Path, default=None, help="default bench/results/peers-<time>.json")
     p.add_argument("--chart", type=Path, default=None, help="PNG chart; default: the JSON path with .png")
     args = p.parse_args(argv)
@@ -156,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
         interrupted = False
         try:
             systems = [starters[n]() for n in names]
-            idle = asyncio.run(measure(args, systems, workloads, shape.vocab_size, runs))
+            with neighbour(args.neighbour):
+                idle = asyncio.run(measure(args, systems, workloads, shape.vocab_size, runs))
         except (KeyboardInterrupt, SystemExit):
             log(f"interrupted: reporting the {len(runs)} runs done")
             interrupted = True

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import signal
 import socket
@@ -170,3 +171,23 @@ def stop_system(system: System) -> None:
             os.kill(pid, signal.SIGTERM)
         except ProcessLookupError:
             pass
+
+
+NEIGHBOURS = {"none": None, "nice0": 0, "nice19": 19}  # --neighbour: one busy process at this niceness
+
+
+@contextlib.contextmanager
+def neighbour(kind: str):
+    """One other process spinning on a core for the duration (`nice 0` or `nice 19`), as a shared
+    machine has them (a build, a browser, a test run); stopped by its PID at the end."""
+    niceness = NEIGHBOURS[kind]
+    if niceness is None:
+        yield
+        return
+    spinner = subprocess.Popen(["nice", "-n", str(niceness), sys.executable, "-c", "while True: pass"])
+    log(f"neighbour: pid {spinner.pid} spinning at nice {niceness}")
+    try:
+        yield
+    finally:
+        spinner.kill()
+        spinner.wait()

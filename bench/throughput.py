@@ -34,6 +34,7 @@ import torch
 import transformers
 from client import common_prefix_len, log, percentile_ms
 from hf_baselines import mode_hf_continuous, mode_hf_sequential, mode_hf_static_batch, mode_roofline
+from servers import NEIGHBOURS, neighbour
 from synthetic import ModelShape, save_model
 from throughput_modes import (
     ALL_MODES,
@@ -147,6 +148,8 @@ def write_json(path: Path, results: list[ModeResult], ctx: BenchContext) -> None
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="8 requests, 32/32 tokens, 4 layers (unless set)")
+    p.add_argument("--neighbour", default="none", choices=list(NEIGHBOURS),
+                   help="one busy process beside every mode while it is measured (nice 0 or nice 19)")
     p.add_argument("--hidden-size", type=int, default=576)
     p.add_argument("--layers", type=int, default=None, help="default 30 (4 with --quick)")
     p.add_argument("--heads", type=int, default=9)
@@ -220,7 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="galley-bench-") as tmp:
         ctx = make_context(args, Path(tmp) / "model")
         save_model(ctx.shape, ctx.model_dir, args.seed)
-        results = run_all(ctx, modes)
+        with neighbour(args.neighbour):
+            results = run_all(ctx, modes)
     report = render(results, ctx)
     if args.json:
         write_json(args.json, results, ctx)

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import structlog
 
 from engine.batcher import BatcherStats, DynamicBatcher, Pending
+from engine.cpu_share import CpuShare
 from engine.engine import LLMEngine
 from engine.profiler import StepProfiler
 from engine.types import GENERATION_FAILED, EngineStats, FinishReason, GenerationRequest, TokenEvent
@@ -94,7 +95,7 @@ Command = _Attach | _Detach | _AttachEncoder | _DetachEncoder | _Profile
 
 
 class DeviceWorker:
-    def __init__(self, device: str, emit: Emit, stall_after_s: float = 60.0) -> None:
+    def __init__(self, device: str, emit: Emit, stall_after_s: float = 60.0, adapt_threads: bool = True) -> None:
         self.device = device
         self.emit = emit
         self.stall_after_s = stall_after_s  # a round of steps longer than this: not responsive (/ready 503)
@@ -104,6 +105,8 @@ class DeviceWorker:
         self._encode_credit_s = 0.0  # see _run_encoders
         self.burst_sizes: dict[int, int] = {}  # requests an idle worker gathered in one burst -> bursts (metrics)
         self.profiler = StepProfiler(device)
+        # one thread while another busy process holds a core (engine/cpu_share.py)
+        self.cpu_share = CpuShare() if adapt_threads and device.startswith("cpu") else None
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=f"galley-worker-{device}", daemon=True)
 
@@ -175,6 +178,8 @@ class DeviceWorker:
                 stepped_s = self._step_engines()
                 self._run_encoders(stepped_s)
                 self.profiler.tick()
+                if self.cpu_share is not None:
+                    self.cpu_share.tick()
             except Exception:  # a bug outside the guarded parts: log it and go on with the next round
                 log.exception("worker loop failed; continuing", device=self.device)
 
