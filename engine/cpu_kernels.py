@@ -181,3 +181,11 @@ class CpuKernels:
 
 
 CPU_KERNELS = CpuKernels()
+
+
+if __name__ == "__main__":  # `make install`: build now, so the first requests after a start run on the kernels
+    started = time.monotonic()
+    if CPU_KERNELS.wait():
+        print(f"galley: CPU kernels ready ({time.monotonic() - started:.0f} s)")
+    else:
+        print("galley: the CPU kernels could not be built (no C++ compiler?): the torch ops serve, slower")
