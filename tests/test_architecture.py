@@ -17,15 +17,17 @@ ROOT = Path(__file__).resolve().parents[1]
 TORCH_FREE_ENGINE = {"engine.types", "engine.kv_cache", "engine.block_pool", "engine.prefix_hash", "engine.grammar"}
 
 
-def imports(path: Path) -> set[str]:
-    """Every module a file imports, at any depth (function-local imports count too)."""
+def imports(path: Path, with_names: bool = True) -> set[str]:
+    """Every module a file imports, at any depth (function-local imports count too); `with_names`:
+    and each name imported from one (`from api import x` -> `api.x`, which may be a module)."""
     names: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             names.add(node.module)
-            names.update(f"{node.module}.{alias.name}" for alias in node.names)  # `from api import x`
+            if with_names:
+                names.update(f"{node.module}.{alias.name}" for alias in node.names)
     return names
 
 
@@ -56,20 +58,9 @@ def test_api_speaks_http_and_calls_only_services(path):
     assert not bad, f"{path.relative_to(ROOT)} imports {sorted(bad)}"
 
 
-def imported_modules(path: Path) -> set[str]:
-    """The modules `path` imports (`from X import y` names X; `import X.Y` names X.Y)."""
-    names: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            names.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.add(node.module)
-    return names
-
-
 def api_reaches_past_a_facade(path: Path) -> set[str]:
     """The services modules `path` imports below an area's façade (`services.<area>`)."""
-    return {n for n in imported_modules(path) if top(n) == "services" and len(n.split(".")) > 2}
+    return {n for n in imports(path, with_names=False) if top(n) == "services" and len(n.split(".")) > 2}
 
 
 @pytest.mark.parametrize("path", modules("api"), ids=str)
