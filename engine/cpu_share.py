@@ -22,7 +22,10 @@ from dataclasses import dataclass
 import torch
 
 CHECK_INTERVAL_S = 1.0
-BUSY_NEIGHBOUR_CORES = 0.5  # others' normal-priority use at or above this: one thread
+# others' normal-priority use at or above this: one thread. Half a core: beside our two busy threads a
+# spinning process gets only about 2/3 of one (three runnable threads of equal weight on two cores);
+# at 0.8 the switch came late or not at all (97 tok/s beside it instead of 121)
+BUSY_NEIGHBOUR_CORES = 0.5
 QUIET_NEIGHBOUR_CORES = 0.25  # below this for two checks in a row: all threads again
 
 
