@@ -108,8 +108,8 @@ def final_message(live: LiveStream, reader: AnswerReader | None = None) -> dict:
     if live.status == StreamStatus.FAILED:
         return error_message("internal_error", "the generation failed", live.id)
     reason = last.finish_reason if last is not None else live.record.finish_reason
-    if reason == "stop" and reader is not None and reader.calls is not None and reader.calls.num_calls:
-        reason = "tool_calls"
+    if reader is not None:
+        reason = reader.finish_reason(reason)
     return {"type": "done", "stream_id": live.id, "finish_reason": FINISH_REASONS.get(reason, reason),
             "usage": last.usage if last is not None else None}
 

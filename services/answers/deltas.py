@@ -71,10 +71,11 @@ class AnswerReader:
     def read(self, event: StreamEvent) -> AnswerDelta:
         """One token event of the choice, read (the last one, with a finish reason, flushes the rest)."""
         thoughts, delta = self.feed(event.text, final=event.finish_reason is not None)
-        finish = event.finish_reason
-        if finish == "stop" and self.calls is not None and self.calls.num_calls:
-            finish = "tool_calls"
-        return AnswerDelta(event, delta.content, thoughts, delta.tool_calls, finish)
+        return AnswerDelta(event, delta.content, thoughts, delta.tool_calls, self.finish_reason(event.finish_reason))
+
+    def finish_reason(self, reason: str | None) -> str | None:
+        """`reason` as the client sees it: `tool_calls` for an answer that stopped after making a call."""
+        return "tool_calls" if reason == "stop" and self.calls is not None and self.calls.num_calls else reason
 
 
 def read_answer(answer: Answer, reader: AnswerReader) -> Answer:
