@@ -178,7 +178,8 @@ class EngineLoader:
             for i, (worker, device) in enumerate(pairs):
                 report = None if on_progress is None else partial(replica_progress, on_progress, i, len(pairs))
                 loaded = load_model(spec.source, device=device, dtype=dtype,
-                                    quantization=spec.options.get("quantization"), on_progress=report)
+                                    quantization=spec.options.get("quantization"), on_progress=report,
+                                    backend=spec.options.get("backend", "auto"))
                 engine = self.new_engine(spec, loaded)
                 self.measured_bytes[spec.ref] = engine_bytes(engine)
                 worker.attach(spec.ref, engine).result()
@@ -197,6 +198,7 @@ class EngineLoader:
             tool_parser=spec.options.get("tool_parser"),
             reasoning_parser=spec.options.get("reasoning_parser"),
             sampling_defaults=sampling_defaults(loaded.generation_config, spec.options.get("sampling_defaults")),
+            architecture=loaded.architecture, backend=loaded.backend,
         )
 
     def new_engine(self, spec: ModelVersion, loaded: LoadedModel) -> LLMEngine:

@@ -10,7 +10,7 @@ built once per step and shared by all layers.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -37,11 +37,41 @@ class AttentionMetadata:
     prefills: list[PrefillChunk]
     sliding_window: int | None = None
     kernels: Any = None  # torch.ops.galley_cpu (engine.cpu_kernels) once built, for CPU float32; else None
+    _windows: dict[int | None, AttentionMetadata] = field(default_factory=dict, repr=False)
 
     @property
     def prefill_bounds(self) -> list[int]:
         """(start, end, start_pos) of each prefill chunk, flat: what the fused layer kernel reads."""
         return [n for chunk in self.prefills for n in (chunk.start, chunk.end, chunk.start_pos)]
+
+    def windowed(self, sliding_window: int | None) -> AttentionMetadata:
+        """This step's metadata for layers with another sliding window (models whose layers mix
+        windows): the kernels take the window as an argument; the torch path's masks are built once
+        per step and window."""
+        if sliding_window == self.sliding_window:
+            return self
+        if sliding_window not in self._windows:
+            self._windows[sliding_window] = self._rebuilt(sliding_window)
+        return self._windows[sliding_window]
+
+    def _rebuilt(self, window: int | None) -> AttentionMetadata:
+        if self.kernels is not None:
+            return replace(self, sliding_window=window, _windows={})
+        decode_mask = None
+        if self.num_decodes:
+            width = self.decode_block_tables.shape[1] * self.block_size
+            lens = self.decode_context_lens
+            decode_mask = visible_mask(lens - 1, width, lens[:, None], window)[:, None, None, :]
+        prefills = []
+        for chunk in self.prefills:
+            n, context_len = chunk.end - chunk.start, chunk.start_pos + chunk.end - chunk.start
+            positions = torch.arange(chunk.start_pos, context_len, device=self.slot_mapping.device)
+            if chunk.block_table is not None:
+                mask = visible_mask(positions, len(chunk.block_table) * self.block_size, context_len, window)
+            else:  # the chunk is its whole sequence: keys are its own tokens
+                mask = visible_mask(positions, n, n, window)
+            prefills.append(replace(chunk, mask=mask[None, None]))
+        return replace(self, decode_mask=decode_mask, prefills=prefills, sliding_window=window, _windows={})
 
 
 def visible_mask(

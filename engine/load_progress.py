@@ -21,7 +21,8 @@ PHASES: dict[str, tuple[float, float]] = {
     "reading metadata": (0.0, 0.05),
     "reading weights": (0.05, 0.85),
     "quantizing": (0.85, 0.92),
-    "building kernels": (0.92, 0.97),
+    "building kernels": (0.92, 0.95),
+    "checking attention": (0.95, 0.97),  # the generic backend's check against the model's own attention
     "loading tokenizer": (0.97, 1.0),
     "loaded": (1.0, 1.0),
 }

@@ -1,9 +1,11 @@
-"""Loads an HF model folder (or hub id), or a GGUF file (`engine.gguf`), into our decoder:
-config, tokenizer and weights.
+"""Loads an HF model folder (or hub id), or a GGUF file (`engine.gguf`), into a decoder the runner
+steps: config, tokenizer and weights.
 
-Reads safetensors (sharded or not) or PyTorch `.bin` checkpoints and fuses q/k/v and
-gate/up into the layout of `engine.models.llama`. Unsupported architectures fail here,
-at load, with the list of what is supported.
+Two backends. Native (`engine.models.llama`, the families of `SUPPORTED_ARCHITECTURES`): reads
+safetensors (sharded or not) or PyTorch `.bin` checkpoints and fuses q/k/v and gate/up into its
+layout, for the fused CPU kernels. Generic (`engine.models.generic`): any other `*ForCausalLM`
+that transformers builds, with its own modelling code over our paged attention. Whatever either
+cannot serve fails here, at load, with a message that names it.
 """
 
 from __future__ import annotations
@@ -19,11 +21,19 @@ from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PreTrained
 
 from engine.gguf import GGUF_BLOCK, find_gguf, hf_folder_for, is_gguf_file, read_weights
 from engine.load_progress import LoadProgress, ProgressCallback
+from engine.models.generic import (
+    ATTENTION,
+    GenericCausalLM,
+    UnsupportedModel,
+    check_against_reference,
+    flatten_linears,
+)
 from engine.models.llama import SUPPORTED_ARCHITECTURES, LlamaForCausalLM
-from engine.packed_linear import can_pack, pack_linears
-from engine.quantization import Int4Groups, QuantizationSpec, cat_rows, quantize_model
+from engine.packed_linear import PackedLinear, can_pack, pack_linears
+from engine.quantization import Int4Groups, Int4Linear, Int8Linear, QuantizationSpec, cat_rows, quantize_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+BACKENDS = ("auto", "native", "generic")  # auto: native where the family has it, else generic
 
 
 class ModelLoadError(RuntimeError):
@@ -33,13 +43,15 @@ class ModelLoadError(RuntimeError):
 @dataclass
 class LoadedModel:
     path: Path
-    model: LlamaForCausalLM
+    model: LlamaForCausalLM | GenericCausalLM
     tokenizer: PreTrainedTokenizerBase
     eos_token_ids: frozenset[int]
     max_model_len: int
     dtype: torch.dtype
     device: torch.device
     generation_config: dict[str, Any] = field(default_factory=dict)  # what generation_config.json sets
+    architecture: str = ""  # config.json's, e.g. LlamaForCausalLM
+    backend: str = "native"  # native | generic
 
 
 def package_path(source: str) -> Path:
@@ -197,12 +209,13 @@ def max_token_chars(tokenizer: PreTrainedTokenizerBase) -> int:
 
 def load_model(source: str, device: str = "cpu", dtype: str = "auto",
                quantization: str | QuantizationSpec | None = None,
-               on_progress: ProgressCallback | None = None) -> LoadedModel:
+               on_progress: ProgressCallback | None = None, backend: str = "auto") -> LoadedModel:
     """A Hugging Face folder or hub id, or a GGUF file (or a folder holding one: weights
     de-quantized to `dtype`, config and tokenizer from its metadata). `quantization` int8 | int4:
     the linears weight-only quantized (`engine.quantization`; GGUF 4-bit blocks kept as they are
     for int4 groups of 32); the rest stays in `dtype`. `on_progress(phase, fraction)` is called
-    from this thread as the load moves (`engine.load_progress`), last with ("loaded", 1.0)."""
+    from this thread as the load moves (`engine.load_progress`), last with ("loaded", 1.0).
+    `backend`: one of BACKENDS."""
     try:
         spec = QuantizationSpec.parse(quantization)
     except ValueError as exc:
@@ -212,14 +225,17 @@ def load_model(source: str, device: str = "cpu", dtype: str = "auto",
     gguf_file = find_gguf(resolve_model_path(source))
     path = hf_folder_for(gguf_file) if gguf_file else resolve_model_path(source)
     hf_config = AutoConfig.from_pretrained(path)
-    archs = getattr(hf_config, "architectures", None) or []
-    if not archs or archs[0] not in SUPPORTED_ARCHITECTURES:
-        raise ModelLoadError(
-            f"architecture {archs[0] if archs else 'unknown'} of {source!r} is not supported; "
-            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
+    arch = (getattr(hf_config, "architectures", None) or ["unknown"])[0]
+    if backend not in BACKENDS:
+        raise ModelLoadError(f"backend {backend!r} is not one of {', '.join(BACKENDS)}")
+    if backend == "native" and arch not in SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(f"architecture {arch} of {source!r} has no native backend; native: "
+                             f"{', '.join(SUPPORTED_ARCHITECTURES)} (backend generic serves others)")
     torch_device = torch.device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
+    if backend == "generic" or arch not in SUPPORTED_ARCHITECTURES:
+        model = load_generic(source, path, gguf_file, arch, spec, torch_device, torch_dtype, progress)
+        return finish_load(path, model, hf_config, torch_dtype, torch_device, progress, arch, "generic")
     with torch.device("meta"):
         model = LlamaForCausalLM(hf_config)
     int4_blocks = spec is not None and spec.gguf_blocks and spec.group_size == GGUF_BLOCK
@@ -251,6 +267,11 @@ def load_model(source: str, device: str = "cpu", dtype: str = "auto",
         progress.enter("building kernels")
         pack_linears(model)
     model.eval()
+    return finish_load(path, model, hf_config, torch_dtype, torch_device, progress, arch, "native")
+
+
+def finish_load(path: Path, model: LlamaForCausalLM | GenericCausalLM, hf_config, dtype: torch.dtype,
+                device: torch.device, progress: LoadProgress, architecture: str, backend: str) -> LoadedModel:
     progress.enter("loading tokenizer")
     tokenizer = AutoTokenizer.from_pretrained(path)
     progress.enter("loaded")
@@ -260,7 +281,42 @@ def load_model(source: str, device: str = "cpu", dtype: str = "auto",
         tokenizer=tokenizer,
         eos_token_ids=eos_token_ids(path, hf_config, tokenizer),
         max_model_len=model.shape.max_position_embeddings,
-        dtype=torch_dtype,
-        device=torch_device,
+        dtype=dtype,
+        device=device,
         generation_config=generation_config(path),
+        architecture=architecture,
+        backend=backend,
     )
+
+
+def load_generic(source: str, path: Path, gguf_file: Path | None, arch: str, spec: QuantizationSpec | None,
+                 device: torch.device, dtype: torch.dtype, progress: LoadProgress) -> GenericCausalLM:
+    """The model's own transformers class with our paged attention plugged in (`engine.models.generic`);
+    GGUF files through transformers' own GGUF conversion."""
+    from transformers import AutoModelForCausalLM
+
+    if not arch.endswith("ForCausalLM"):
+        raise ModelLoadError(f"architecture {arch} of {source!r} is not a causal language model (*ForCausalLM); "
+                             f"native: {', '.join(SUPPORTED_ARCHITECTURES)}, generic: any *ForCausalLM")
+    progress.enter("reading weights")
+    where = (gguf_file.parent, {"gguf_file": gguf_file.name}) if gguf_file else (path, {})
+    try:
+        hf = AutoModelForCausalLM.from_pretrained(where[0], dtype=dtype, attn_implementation=ATTENTION, **where[1])
+        model = GenericCausalLM(hf.to(device).eval())
+    except (UnsupportedModel, RuntimeError) as exc:
+        raise ModelLoadError(f"{source!r} cannot be served: {exc}") from exc
+    except (ValueError, OSError, KeyError, ImportError) as exc:
+        raise ModelLoadError(f"transformers could not build {arch} from {source!r}: {exc}") from exc
+    if spec is not None:
+        progress.enter("quantizing")
+        quantize_model(hf, spec, device=device)
+    if can_pack(device, dtype):
+        progress.enter("building kernels")
+        pack_linears(hf)
+    flatten_linears(hf, (PackedLinear, Int8Linear, Int4Linear), model.step_kernels)
+    progress.enter("checking attention")
+    try:
+        check_against_reference(model, device, dtype)
+    except (UnsupportedModel, RuntimeError) as exc:
+        raise ModelLoadError(f"{source!r} cannot be served: {exc}") from exc
+    return model

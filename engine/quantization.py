@@ -35,7 +35,8 @@ INT4_GROUP_SIZES = (32, 64, 128, 256)
 DEFAULT_INT4_GROUP_SIZE = 32  # GGUF's block size (Q4_0/Q4_1/Q4_K repack exactly); SmolLM2's K = 576 takes 32 or 64
 COMPUTE_DTYPE = torch.bfloat16
 # the decoder's projections; lm_head is opted in separately (it is the model's largest matrix)
-PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj",  # ours, fused
+               "q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # the generic backend's (transformers')
 
 
 @dataclass(frozen=True)

@@ -83,6 +83,8 @@ class ServedModel:
     reasoning_parser: str | None = None  # how <think> thoughts are split: qwen3 | deepseek_r1 | none; None: detected
     # what a request that leaves a sampling field (or max_tokens) out gets (`services.sampling`)
     sampling_defaults: dict[str, float | int] = field(default_factory=dict)
+    architecture: str = ""  # config.json's, e.g. Qwen3ForCausalLM
+    backend: str = "native"  # how the engine runs it: native (our fused decoder) | generic (transformers' code)
 
     @property
     def ref(self) -> str:

@@ -9,7 +9,7 @@ import aiohttp.web_app
 import pytest
 
 from storage.db import Database
-from tests.models import FAMILIES, save_tiny_model
+from tests.models import FAMILIES, GENERIC_FAMILIES, save_generic_model, save_tiny_model
 
 HUNG_TEST_S = 600  # the slowest test takes about a minute on 2 cores
 _real_stderr = []  # the stderr from before pytest captures it, for faulthandler's dumps
@@ -53,6 +53,13 @@ def _release_apps():
 def tiny_models(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("models")
     return {family: save_tiny_model(family, root / family) for family in FAMILIES}
+
+
+@pytest.fixture(scope="session")
+def generic_models(tmp_path_factory) -> dict:
+    """Tiny random models of the families only the generic backend serves (tests.models.GENERIC_FAMILIES)."""
+    root = tmp_path_factory.mktemp("generic")
+    return {family: save_generic_model(family, root / family) for family in GENERIC_FAMILIES}
 
 
 @pytest.fixture(scope="session")

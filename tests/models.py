@@ -77,6 +77,35 @@ def model_for(family: str, vocab_size: int, **overrides):
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "llama3-rope")
 
+# Families only the generic backend serves (engine.models.generic): the config class and its overrides.
+# gemma3 mixes sliding-window (of 8 tokens) and full layers; qwen3moe and mixtral are mixtures of experts.
+GENERIC_FAMILIES: dict[str, tuple[str, dict]] = {
+    "gemma3": ("Gemma3TextConfig", dict(head_dim=16, sliding_window=8,
+                                        layer_types=["sliding_attention", "full_attention"])),
+    "phi3": ("Phi3Config", dict(pad_token_id=0)),
+    "qwen3moe": ("Qwen3MoeConfig", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16)),
+    "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2)),
+    "olmo2": ("Olmo2Config", {}),
+    "granite": ("GraniteConfig", {}),
+    "gpt_neox": ("GPTNeoXConfig", {}),
+    "gemma2": ("Gemma2Config", dict(head_dim=16)),  # attention logit soft-capping: refused at load
+}
+
+
+def save_generic_model(family: str, out: Path, seed: int = 0) -> Path:
+    """A tiny random model of a family that only the generic backend serves, saved as an HF folder."""
+    import transformers
+
+    config_class, overrides = GENERIC_FAMILIES[family]
+    torch.manual_seed(seed)
+    tokenizer = build_tokenizer()
+    config = getattr(transformers, config_class)(**dict(COMMON, vocab_size=len(tokenizer), **overrides))
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    model.generation_config.eos_token_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
 
 def save_tiny_model(family: str, out: Path, seed: int = 0) -> Path:
     torch.manual_seed(seed)

@@ -33,6 +33,11 @@ class ModelCard(BaseModel):
         None, description="galley extension: what a request that leaves a sampling field (or max_tokens) out "
         "gets: the model's `sampling_defaults` option over its generation_config.json over the API's defaults; "
         "generative models, null until loaded.")
+    architecture: str | None = Field(None, description="galley extension: the loaded version's architecture "
+                                     "(config.json's, e.g. Qwen3ForCausalLM); generative models, null until loaded.")
+    backend: Literal["native", "generic"] | None = Field(
+        None, description="galley extension: native (galley's fused decoder) or generic (the model's own "
+        "transformers code over galley's paged KV cache); generative models, null until loaded.")
     ready: bool  # a version is loaded and can answer now; false: the first request loads it (cold)
 
 

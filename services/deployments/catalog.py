@@ -40,10 +40,12 @@ def model_cards(router: Router, versions: dict[str, VersionState]) -> list[dict[
         limit = None if served is None else (
             served.max_seq_len if isinstance(served, ServedEncoder) else served.max_model_len)
         created = served.created if served is not None else registered_at(versions, name)
-        defaults = model_defaults(served) if isinstance(served, ServedModel) else None
+        generative = isinstance(served, ServedModel)
+        defaults = model_defaults(served) if generative else None
         cards.append({"id": name, "object": "model", "created": created, "owned_by": "galley",
                       "kind": kind_of(router, versions, name), "max_model_len": limit, "sampling_defaults": defaults,
-                      "ready": served is not None})
+                      "architecture": served.architecture if generative else None,
+                      "backend": served.backend if generative else None, "ready": served is not None})
     return cards
 
 

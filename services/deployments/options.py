@@ -20,6 +20,7 @@ ENCODERS = ("embed", "classify")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 TOOL_PARSERS = ("hermes", "llama3_json", "mistral")  # services.answers.tool_parser's formats
 REASONING_PARSERS = ("qwen3", "deepseek_r1", "none")  # services.answers.reasoning's
+BACKENDS = ("auto", "native", "generic")  # engine.loader's: auto is native where the family has it
 QUANTIZATIONS = ("int8", "int4", "none")  # engine.quantization's methods, and off
 SPECULATIVE_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",  # SpeculativeConfig's
                     "disable_by_batch_size", "max_lookup_tokens", "model", "quantization")
@@ -67,6 +68,9 @@ OPTIONS: dict[str, Option] = {option.name: option for option in (
     Option("tool_parser", str, "default: detected from the chat template", GENERATE, choices=TOOL_PARSERS),
     Option("reasoning_parser", str, "default: detected from the chat template", GENERATE,
            choices=REASONING_PARSERS),
+    Option("backend", str, "native: our fused decoder (Llama, Mistral, Qwen2, Qwen3); generic: the model's own "
+           "transformers code over the paged cache (any *ForCausalLM); auto (default): native where it can",
+           GENERATE, choices=BACKENDS),
     Option("quantization", str, "weight-only linears; none: off (default)", GENERATE, choices=QUANTIZATIONS),
     Option("speculative", dict, "a [speculative] table (method, model, ...) replacing the server's", GENERATE),
     Option("sampling_defaults", dict, "what a request that leaves a field out gets: temperature, top_p, top_k, "

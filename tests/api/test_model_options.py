@@ -20,7 +20,7 @@ from tests.api.test_deployments import make_stack, register, versions  # noqa: F
 EXAMPLES = {  # one valid value of every option; a new option must add one here
     "dtype": "float32", "device": "cpu", "pinned": False, "keep_alive": 30.0, "preload": False,
     "max_model_len": 64, "shared_prefix_cache": True, "tool_parser": "hermes", "reasoning_parser": "none",
-    "quantization": "int8", "speculative": {"method": "ngram", "num_speculative_tokens": 3},
+    "backend": "generic", "quantization": "int8", "speculative": {"method": "ngram", "num_speculative_tokens": 3},
     "sampling_defaults": {"temperature": 0.0, "max_tokens": 5}, "max_batch": 8, "max_wait_ms": 2.0,
 }
 KIND_OF = {name: option.kinds[0] for name, option in OPTIONS.items()}

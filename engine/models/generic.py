@@ -1,0 +1,221 @@
+"""Any Hugging Face decoder (`*ForCausalLM`) over galley's paged KV cache: the generic backend.
+
+The model runs its own modelling code from `transformers`; only attention is ours. We register
+`engine.attention.paged_attention` as an attention implementation (transformers'
+`AttentionInterface`, as vLLM's Transformers backend does) and feed the model the runner's packed
+step as one sequence: `input_ids` [1, num_tokens], `position_ids` [1, num_tokens] (rotary
+embeddings come out right per token), and the step's KV caches and metadata as an attention
+keyword that the model's layers pass through to our function. A custom implementation gets no
+mask from transformers (`masking_utils` skips it), so nothing of size num_tokens² is built; our
+metadata knows which tokens see which. `logits_to_keep` takes the indices of the tokens that
+sample, so the LM head runs on those rows only.
+
+Never served wrong: a feature our attention does not compute (logit soft-capping, attention
+sinks, a layer that is not attention) raises `UnsupportedModel`, and `check_against_reference`
+runs a short prompt through the paged path (a prefill, a chunk over a cached prefix, a decode)
+and through the model's own SDPA attention at load: a model whose logits differ is refused there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import AttentionInterface, PreTrainedModel
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from engine.attention import AttentionMetadata, build_metadata, paged_attention
+
+ATTENTION = "galley_paged"  # the attn_implementation name the model is loaded with
+PROBE = "galley_probe"  # SDPA that records each layer's key and value shapes
+ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
+UNSUPPORTED_ATTENTION_KWARGS = {"softcap": "attention logit soft-capping", "s_aux": "attention sinks",
+                                "sinks": "attention sinks"}
+
+
+class UnsupportedModel(ValueError):
+    """A feature of the model that the paged attention does not compute; the message names it."""
+
+
+@dataclass(frozen=True)
+class GenericShape:
+    """What the runner and the engine read of a model (the names of `DecoderShape`'s fields)."""
+
+    vocab_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    sliding_window: int | None = None  # per layer, from each attention call
+
+
+def probe_shape(hf_model: PreTrainedModel) -> GenericShape:
+    """The KV cache's shape as the model's attention layers see it, from one token through them
+    (configs name their head counts in too many ways to read them reliably)."""
+    seen: dict[int, tuple[int, ...]] = {}
+    hf_model.set_attn_implementation(PROBE)
+    try:
+        with torch.inference_mode():
+            hf_model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=hf_model.device), use_cache=False,
+                     galley_probe=seen)
+    finally:
+        hf_model.set_attn_implementation(ATTENTION)
+    name, config = type(hf_model).__name__, hf_model.config.get_text_config()
+    shapes = set(seen.values())
+    if not seen or sorted(seen) != list(range(len(seen))):
+        raise UnsupportedModel(f"{name}'s attention layers do not number themselves 0..n-1 (layer_idx)")
+    if len(shapes) != 1:
+        raise UnsupportedModel(f"{name}'s layers cache keys and values of different shapes: {sorted(shapes)}")
+    [(num_kv_heads, key_dim, value_dim)] = shapes
+    if key_dim != value_dim:
+        raise UnsupportedModel(f"{name} has keys of {key_dim} and values of {value_dim} features per head")
+    return GenericShape(
+        vocab_size=config.vocab_size,
+        num_layers=len(seen),
+        num_kv_heads=num_kv_heads,
+        head_dim=key_dim,
+        max_position_embeddings=getattr(config, "max_position_embeddings", None) or 2048,
+    )
+
+
+def probe_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    attention_mask: Any, galley_probe: dict | None = None, **kwargs) -> tuple[torch.Tensor, Any]:
+    if galley_probe is None or getattr(module, "layer_idx", None) is None:
+        raise UnsupportedModel(f"{type(module).__name__} does not pass attention keywords through, or has no "
+                               "layer_idx")
+    galley_probe[module.layer_idx] = (key.shape[1], key.shape[-1], value.shape[-1])
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+@dataclass
+class Step:
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    meta: AttentionMetadata
+
+
+def paged_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                            attention_mask: Any, scaling: float | None = None, dropout: float = 0.0,
+                            galley_step: Step | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' attention signature: query [1, heads, tokens, head_dim], key/value [1, kv_heads,
+    tokens, head_dim] (rotary applied); returns [1, tokens, heads, head_dim]."""
+    for name, feature in UNSUPPORTED_ATTENTION_KWARGS.items():
+        if kwargs.get(name) is not None or (name == "sinks" and getattr(module, "sinks", None) is not None):
+            raise UnsupportedModel(f"{feature} ({type(module).__name__}) is not supported by the paged attention")
+    if galley_step is None:
+        raise UnsupportedModel(f"{type(module).__name__} does not pass attention keywords through to its "
+                               "attention function")
+    layer = getattr(module, "layer_idx", None)
+    if layer is None:
+        raise UnsupportedModel(f"{type(module).__name__} has no layer_idx, so its KV cache cannot be found")
+    window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
+    k_cache, v_cache = galley_step.kv_caches[layer]
+    q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    out = paged_attention(q, k, v, k_cache, v_cache, galley_step.meta.windowed(window), scale)
+    return out[None], None
+
+
+AttentionInterface.register(ATTENTION, paged_attention_forward)
+AttentionInterface.register(PROBE, probe_attention)
+
+
+class FlatLinear(nn.Module):
+    """A 2-D linear of ours (packed panels, int8, int4) called with transformers' [batch, tokens,
+    features] activations; it gets the step's C++ kernels from `step_kernels` where it takes them."""
+
+    def __init__(self, inner: nn.Module, step_kernels: dict[str, Any]) -> None:
+        super().__init__()
+        self.inner = inner
+        self.step_kernels = step_kernels
+        self.takes_kernels = "kernels" in inner.forward.__code__.co_varnames
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        out = self.inner(flat, self.step_kernels.get("ops")) if self.takes_kernels else self.inner(flat)
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def flatten_linears(model: nn.Module, replaced: tuple[type, ...], step_kernels: dict[str, Any]) -> None:
+    for name, module in [(n, m) for n, m in model.named_modules() if isinstance(m, replaced)]:
+        model.set_submodule(name, FlatLinear(module, step_kernels))
+
+
+class GenericCausalLM(nn.Module):
+    """The runner's model interface (`shape`, forward over a packed step) around a transformers model."""
+
+    def __init__(self, hf_model: PreTrainedModel) -> None:
+        super().__init__()
+        check_supported(hf_model)
+        self.hf = hf_model
+        self.shape = probe_shape(hf_model)
+        self.step_kernels: dict[str, Any] = {}  # FlatLinear reads the step's kernels here
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        positions: torch.Tensor,  # [num_tokens]
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+        logits_indices: torch.Tensor,  # [num_samples]
+    ) -> torch.Tensor:  # [num_samples, vocab_size] float32
+        self.step_kernels["ops"] = meta.kernels
+        out = self.hf(input_ids=input_ids[None], position_ids=positions[None], use_cache=False,
+                      logits_to_keep=logits_indices, galley_step=Step(kv_caches, meta))
+        return out.logits[0].float()
+
+
+def check_supported(hf_model: PreTrainedModel) -> None:
+    """UnsupportedModel naming what the paged attention cannot serve, seen from the config and class."""
+    config = hf_model.config.get_text_config()
+    name = type(hf_model).__name__
+    if getattr(hf_model.config, "is_encoder_decoder", False):
+        raise UnsupportedModel(f"{name} is an encoder-decoder model")
+    if not type(hf_model)._supports_attention_backend:
+        raise UnsupportedModel(f"{name}'s modelling code does not take a pluggable attention implementation")
+    kinds = set(getattr(config, "layer_types", None) or ()) - ATTENTION_LAYER_TYPES
+    if kinds:
+        raise UnsupportedModel(f"{name} has layers of kind {', '.join(sorted(kinds))}; only full and sliding-window "
+                               "attention layers are supported")
+    for attr, feature in (("attn_logit_softcapping", "attention logit soft-capping"),
+                          ("attention_chunk_size", "chunked attention")):
+        if getattr(config, attr, None):
+            raise UnsupportedModel(f"{name} uses {feature} ({attr}={getattr(config, attr)}), which the paged "
+                                   "attention does not compute")
+
+
+@torch.inference_mode()
+def check_against_reference(model: GenericCausalLM, device: torch.device, dtype: torch.dtype,
+                            block_size: int = 16, num_tokens: int = 24) -> None:
+    """UnsupportedModel unless a short prompt gives the same logits through the paged path (a
+    prefill, a chunk over the cached prefix, a decode) as through the model's own SDPA attention."""
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, model.shape.vocab_size, (num_tokens,), generator=gen).to(device)
+    hf = model.hf
+    hf.set_attn_implementation("sdpa")
+    try:
+        reference = hf(input_ids=ids[None], use_cache=False).logits[0].float()
+    finally:
+        hf.set_attn_implementation(ATTENTION)
+    s = model.shape
+    num_blocks = -(-num_tokens // block_size)
+    caches = [(torch.zeros(num_blocks * block_size, s.num_kv_heads, s.head_dim, device=device, dtype=dtype),
+               torch.zeros(num_blocks * block_size, s.num_kv_heads, s.head_dim, device=device, dtype=dtype))
+              for _ in range(s.num_layers)]
+    table = list(range(num_blocks))
+    first, second = num_tokens // 2, num_tokens - 1  # a prefill, a chunk after it, then one decode
+    rows = []
+    for start, end in ((0, first), (first, second), (second, num_tokens)):
+        decode = end - start == 1
+        meta = build_metadata([(table, end)] if decode else [], [] if decode else [(table, start, end - start)],
+                              list(range(start, end)), block_size, None, device)
+        positions = torch.arange(start, end, device=device)
+        rows.append(model(ids[start:end], positions, caches, meta, torch.arange(end - start, device=device)))
+    paged = torch.cat(rows)
+    tolerance = 1e-3 if dtype == torch.float32 else 5e-2
+    scale = reference.abs().max().clamp(min=1.0)
+    if not torch.allclose(paged, reference, atol=tolerance * scale.item(), rtol=0):
+        worst = (paged - reference).abs().max().item()
+        raise UnsupportedModel(f"{type(hf).__name__} gives other logits through the paged attention than through its "
+                               f"own (max difference {worst:.3g}): some feature of its attention is not supported")
