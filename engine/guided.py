@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import llguidance.torch as llg_torch
 import torch
 from llguidance import LLMatcher
 
@@ -83,7 +82,7 @@ class GuidedDecoding:
         for i, row in enumerate(rows):
             seq = seqs[row]
             matcher = self.matchers[seq.request_id]
-            llg_torch.fill_next_token_bitmask(matcher, bitmask, i)
+            fill_bitmask(matcher, bitmask[i])
             if matcher.is_accepting():
                 ends = seq.params.stop_token_ids | (frozenset() if seq.params.ignore_eos else self.eos_token_ids)
                 allow(bitmask[i], ends)
@@ -101,8 +100,15 @@ class GuidedDecoding:
 
     def _buffer(self, num_rows: int) -> torch.Tensor:
         if self._bitmask is None or self._bitmask.shape[0] < num_rows:
-            self._bitmask = llg_torch.allocate_token_bitmask(max(num_rows, 8), self.compiler.vocab_size)
+            words = -(-self.compiler.vocab_size // 32)
+            self._bitmask = torch.full((max(num_rows, 8), words), -1, dtype=torch.int32)
         return self._bitmask[:num_rows]
+
+
+def fill_bitmask(matcher: LLMatcher, row: torch.Tensor) -> None:
+    """The matcher's allowed tokens into one contiguous CPU int32 row, as `llguidance.torch` does; that
+    module compiles a function with torch.compile when imported, seconds of every server start."""
+    matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
 
 
 def allow(words: torch.Tensor, token_ids: frozenset[int]) -> None:

@@ -14,23 +14,19 @@ import importlib.util
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
 
 from engine.gguf import GGUF_BLOCK, find_gguf, hf_folder_for, is_gguf_file, read_weights
 from engine.load_progress import LoadProgress, ProgressCallback
-from engine.models.generic import (
-    ATTENTION,
-    GenericCausalLM,
-    UnsupportedModel,
-    check_against_reference,
-    flatten_linears,
-)
 from engine.models.llama import SUPPORTED_ARCHITECTURES, LlamaForCausalLM
 from engine.packed_linear import PackedLinear, can_pack, pack_linears
 from engine.quantization import Int4Groups, Int4Linear, Int8Linear, QuantizationSpec, cat_rows, quantize_model
+
+if TYPE_CHECKING:
+    from engine.models.generic import GenericCausalLM
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 BACKENDS = ("auto", "native", "generic")  # auto: native where the family has it, else generic
@@ -43,7 +39,7 @@ class ModelLoadError(RuntimeError):
 @dataclass
 class LoadedModel:
     path: Path
-    model: LlamaForCausalLM | GenericCausalLM
+    model: LlamaForCausalLM | GenericCausalLM  # GenericCausalLM: engine.models.generic
     tokenizer: PreTrainedTokenizerBase
     eos_token_ids: frozenset[int]
     max_model_len: int
@@ -293,7 +289,15 @@ def load_generic(source: str, path: Path, gguf_file: Path | None, arch: str, spe
                  device: torch.device, dtype: torch.dtype, progress: LoadProgress) -> GenericCausalLM:
     """The model's own transformers class with our paged attention plugged in (`engine.models.generic`);
     GGUF files through transformers' own GGUF conversion."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # with the generic backend: seconds to import
+
+    from engine.models.generic import (
+        ATTENTION,
+        GenericCausalLM,
+        UnsupportedModel,
+        check_against_reference,
+        flatten_linears,
+    )
 
     if not arch.endswith("ForCausalLM"):
         raise ModelLoadError(f"architecture {arch} of {source!r} is not a causal language model (*ForCausalLM); "

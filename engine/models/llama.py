@@ -15,9 +15,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
-from transformers.activations import ACT2FN
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from engine.attention import AttentionMetadata, paged_attention
 from engine.packed_linear import PackedLinear, linear
@@ -28,6 +27,20 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
 )
+
+
+# The activations these families use, as transformers' ACT2FN computes them; others come from ACT2FN
+# itself. Importing transformers' modelling utilities costs seconds of every server start.
+ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "relu": F.relu, "gelu": F.gelu,
+               "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
+def activation(name: str):
+    if name in ACTIVATIONS:
+        return ACTIVATIONS[name]
+    from transformers.activations import ACT2FN
+
+    return ACT2FN[name]
 
 
 @dataclass(frozen=True)
@@ -117,6 +130,8 @@ class RotaryEmbedding(nn.Module):
             inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
             self.attention_scaling = 1.0
         elif rope_type in ("linear", "llama3"):
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
             inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config)
         else:
             raise ValueError(f"rope type {rope_type!r} is not supported (none, linear, llama3 are)")
@@ -180,7 +195,7 @@ class MLP(nn.Module):
         self.intermediate_size = shape.intermediate_size
         self.gate_up_proj = nn.Linear(shape.hidden_size, 2 * shape.intermediate_size, bias=shape.mlp_bias)
         self.down_proj = nn.Linear(shape.intermediate_size, shape.hidden_size, bias=shape.mlp_bias)
-        self.act = ACT2FN[shape.hidden_act]
+        self.act = activation(shape.hidden_act)
         self.silu = shape.hidden_act == "silu"
 
     def forward(self, x: torch.Tensor, kernels: Any = None) -> torch.Tensor:
