@@ -193,3 +193,46 @@ def paged_attention(
         )
         out[chunk.start : chunk.end] = result[0].transpose(0, 1)
     return out
+
+
+def softcapped_attention(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    v: torch.Tensor,
+    k_cache: torch.Tensor,  # [num_slots, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    softcap: float,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """Attention whose scores are soft-capped, `softcap * tanh(scores / softcap)` before the softmax
+    (Gemma 2), which neither SDPA nor the C++ kernels compute: explicit scores, one sequence at a
+    time, over the same paged cache and the same visibility rule (causal, context, sliding window)."""
+    k_cache.index_copy_(0, meta.slot_mapping, k)
+    v_cache.index_copy_(0, meta.slot_mapping, v)
+    out = torch.empty_like(q)
+    groups = q.shape[1] // k.shape[1]
+
+    def attend(rows: slice, positions: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, context_len) -> None:
+        keys, values = (t.repeat_interleave(groups, dim=0) for t in (keys, values))  # [heads, num_keys, head_dim]
+        scores = q[rows].transpose(0, 1).float() @ keys.float().transpose(1, 2) * scale  # [heads, n, num_keys]
+        scores = softcap * torch.tanh(scores / softcap)
+        visible = visible_mask(positions, keys.shape[1], context_len, meta.sliding_window)
+        weights = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+        out[rows] = (weights @ values.float()).transpose(0, 1).to(q.dtype)
+
+    for i in range(meta.num_decodes):
+        context_len = int(meta.decode_context_lens[i])
+        table = meta.decode_block_tables[i, : cdiv(context_len, meta.block_size)]
+        keys, values = (gather_blocks(c, table, meta.block_size) for c in (k_cache, v_cache))
+        attend(slice(i, i + 1), meta.decode_context_lens[i : i + 1] - 1, keys, values, context_len)
+    for chunk in meta.prefills:
+        rows = slice(chunk.start, chunk.end)
+        context_len = chunk.start_pos + chunk.end - chunk.start
+        positions = torch.arange(chunk.start_pos, context_len, device=q.device)
+        if chunk.block_table is None:  # the chunk is its whole sequence
+            keys, values = k[rows].transpose(0, 1), v[rows].transpose(0, 1)
+        else:
+            keys, values = (gather_blocks(c, chunk.block_table, meta.block_size) for c in (k_cache, v_cache))
+        attend(rows, positions, keys, values, context_len)
+    return out

@@ -321,6 +321,6 @@ def load_generic(source: str, path: Path, gguf_file: Path | None, arch: str, spe
     progress.enter("checking attention")
     try:
         check_against_reference(model, device, dtype)
-    except (UnsupportedModel, RuntimeError) as exc:
+    except (UnsupportedModel, RuntimeError, ValueError) as exc:
         raise ModelLoadError(f"{source!r} cannot be served: {exc}") from exc
     return model

@@ -88,7 +88,11 @@ GENERIC_FAMILIES: dict[str, tuple[str, dict]] = {
     "olmo2": ("Olmo2Config", {}),
     "granite": ("GraniteConfig", {}),
     "gpt_neox": ("GPTNeoXConfig", {}),
-    "gemma2": ("Gemma2Config", dict(head_dim=16)),  # attention logit soft-capping: refused at load
+    "gemma2": ("Gemma2Config", dict(head_dim=16, sliding_window=8)),  # attention logit soft-capping
+    # refused at load, each naming why
+    "gpt_oss": ("GptOssConfig", dict(num_local_experts=4, num_experts_per_tok=2, head_dim=16, sliding_window=8)),
+    "llama4": ("Llama4TextConfig", dict(head_dim=16, num_local_experts=2, intermediate_size_mlp=128,
+                                        attention_chunk_size=8)),
 }
 
 

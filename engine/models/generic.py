@@ -10,10 +10,11 @@ mask from transformers (`masking_utils` skips it), so nothing of size num_tokens
 metadata knows which tokens see which. `logits_to_keep` takes the indices of the tokens that
 sample, so the LM head runs on those rows only.
 
-Never served wrong: a feature our attention does not compute (logit soft-capping, attention
-sinks, a layer that is not attention) raises `UnsupportedModel`, and `check_against_reference`
+Logit soft-capping (Gemma 2) takes a slower exact path (`engine.attention.softcapped_attention`).
+Never served wrong: a feature our attention does not compute (attention sinks, chunked attention,
+a layer that is not attention) raises `UnsupportedModel`, and `check_against_reference`
 runs a short prompt through the paged path (a prefill, a chunk over a cached prefix, a decode)
-and through the model's own SDPA attention at load: a model whose logits differ is refused there.
+and through the model's own eager attention at load: a model whose logits differ is refused there.
 """
 
 from __future__ import annotations
@@ -24,15 +25,13 @@ from typing import Any
 import torch
 from torch import nn
 from transformers import AttentionInterface, PreTrainedModel
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from engine.attention import AttentionMetadata, build_metadata, paged_attention
+from engine.attention import AttentionMetadata, build_metadata, paged_attention, softcapped_attention
 
 ATTENTION = "galley_paged"  # the attn_implementation name the model is loaded with
-PROBE = "galley_probe"  # SDPA that records each layer's key and value shapes
+PROBE = "galley_probe"  # records each layer's key and value shapes (and attends to nothing)
 ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
-UNSUPPORTED_ATTENTION_KWARGS = {"softcap": "attention logit soft-capping", "s_aux": "attention sinks",
-                                "sinks": "attention sinks"}
+UNSUPPORTED_ATTENTION_KWARGS = {"s_aux": "attention sinks", "sinks": "attention sinks"}
 
 
 class UnsupportedModel(ValueError):
@@ -86,7 +85,7 @@ def probe_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, v
         raise UnsupportedModel(f"{type(module).__name__} does not pass attention keywords through, or has no "
                                "layer_idx")
     galley_probe[module.layer_idx] = (key.shape[1], key.shape[-1], value.shape[-1])
-    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    return torch.zeros_like(query).transpose(1, 2), None  # only the shapes matter
 
 
 @dataclass
@@ -113,7 +112,11 @@ def paged_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.T
     k_cache, v_cache = galley_step.kv_caches[layer]
     q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out = paged_attention(q, k, v, k_cache, v_cache, galley_step.meta.windowed(window), scale)
+    meta = galley_step.meta.windowed(window)
+    if kwargs.get("softcap") is not None:  # Gemma 2: explicit scores, capped
+        out = softcapped_attention(q, k, v, k_cache, v_cache, meta, scale, kwargs["softcap"])
+    else:
+        out = paged_attention(q, k, v, k_cache, v_cache, meta, scale)
     return out[None], None
 
 
@@ -178,8 +181,7 @@ def check_supported(hf_model: PreTrainedModel) -> None:
     if kinds:
         raise UnsupportedModel(f"{name} has layers of kind {', '.join(sorted(kinds))}; only full and sliding-window "
                                "attention layers are supported")
-    for attr, feature in (("attn_logit_softcapping", "attention logit soft-capping"),
-                          ("attention_chunk_size", "chunked attention")):
+    for attr, feature in (("attention_chunk_size", "chunked attention"),):
         if getattr(config, attr, None):
             raise UnsupportedModel(f"{name} uses {feature} ({attr}={getattr(config, attr)}), which the paged "
                                    "attention does not compute")
@@ -189,11 +191,12 @@ def check_supported(hf_model: PreTrainedModel) -> None:
 def check_against_reference(model: GenericCausalLM, device: torch.device, dtype: torch.dtype,
                             block_size: int = 16, num_tokens: int = 24) -> None:
     """UnsupportedModel unless a short prompt gives the same logits through the paged path (a
-    prefill, a chunk over the cached prefix, a decode) as through the model's own SDPA attention."""
+    prefill, a chunk over the cached prefix, a decode) as through the model's own eager attention
+    (the reference every transformers model has: soft-capping, sinks and all)."""
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, model.shape.vocab_size, (num_tokens,), generator=gen).to(device)
     hf = model.hf
-    hf.set_attn_implementation("sdpa")
+    hf.set_attn_implementation("eager")
     try:
         reference = hf(input_ids=ids[None], use_cache=False).logits[0].float()
     finally:

@@ -49,7 +49,7 @@ async def test_generic_models_answer_as_hf_and_say_how_they_run(make_stack, gene
     await sdk.close()
 
 
-@pytest.mark.parametrize("family, why", [("gemma2", "soft-capping")])
+@pytest.mark.parametrize("family, why", [("gpt_oss", "attention sinks")])
 async def test_a_model_the_paged_attention_cannot_compute_fails_its_load_naming_why(
         make_stack, generic_models, tiny_models, family, why):  # noqa: F811
     stack = await make_stack([ModelVersion("tiny", "1", str(tiny_models["llama"]))])

@@ -3,8 +3,9 @@ cache gives HF `generate`'s greedy tokens, batched, chunked, preempted and with 
 cannot compute is refused at load with a message that names it.
 
 Tiny random models of families galley has no native decoder for (tests.models.GENERIC_FAMILIES):
-Gemma 3 (sliding-window and full layers mixed), Phi-3, Qwen3-MoE and Mixtral (mixtures of
-experts), OLMo 2, Granite, GPT-NeoX; and a Llama forced onto the generic backend.
+Gemma 3 (sliding-window and full layers mixed), Gemma 2 (soft-capped scores), Phi-3, Qwen3-MoE and
+Mixtral (mixtures of experts), OLMo 2, Granite, GPT-NeoX; and a Qwen3 forced onto the generic
+backend. GPT-OSS (attention sinks) and Llama 4 (chunked attention) are refused.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from tests.engine.test_reference import hf_greedy, prompts
 from tests.helpers import assert_all_blocks_free, run_to_completion
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-SERVED = ["gemma3", "phi3", "qwen3moe", "mixtral", "olmo2", "granite", "gpt_neox"]
+SERVED = ["gemma3", "gemma2", "phi3", "qwen3moe", "mixtral", "olmo2", "granite", "gpt_neox"]
+REFUSED = {"gpt_oss": "attention sinks", "llama4": "chunked_attention"}
 
 
 def generic_engine(path, num_blocks: int = 256, backend: str = "auto", **engine_kw):
@@ -64,9 +66,20 @@ def test_preemption_and_prefix_hits_match_hf(generic_models, cpu_kernels):
     assert_all_blocks_free(engine.scheduler.kv)
 
 
-def test_soft_capped_attention_is_refused_at_load_naming_it(generic_models):
-    with pytest.raises(ModelLoadError, match="soft-capping"):
-        load_model(str(generic_models["gemma2"]))
+@pytest.mark.parametrize("family", REFUSED)
+def test_what_the_paged_attention_does_not_compute_is_refused_at_load_naming_it(generic_models, family):
+    with pytest.raises(ModelLoadError, match=f"cannot be served: .*{REFUSED[family]}"):
+        load_model(str(generic_models[family]))
+
+
+@pytest.mark.parametrize("cpu_kernels", [True, False], ids=["kernels", "torch"])
+def test_soft_capped_sliding_layers_match_hf_through_preemption(generic_models, cpu_kernels):
+    """Gemma 2 caps its attention scores (tanh) and alternates sliding (8 tokens) and full layers."""
+    path = generic_models["gemma2"]
+    engine = generic_engine(path, num_blocks=8, cpu_kernels=cpu_kernels, max_num_batched_tokens=16)
+    batch = prompts(6, 300, lengths=[26, 12, 20, 17, 9, 24])
+    assert run_to_completion(engine, batch, GREEDY) == [hf_greedy(path, p, 12) for p in batch]
+    assert engine.scheduler.num_preemptions > 0
 
 
 def test_a_family_without_a_native_decoder_is_refused_on_the_native_backend(generic_models):
