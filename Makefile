@@ -15,8 +15,8 @@ install:
 serve: install
 	$(PYTHON) server.py
 
-test: install
-	$(PYTHON) -m pytest -q
+test: install  # two workers: the suite waits on server processes and sockets about half the time
+	$(PYTHON) -m pytest -q -n 2
 
 lint:
 	$(PYTHON) -m ruff check . && $(PYTHON) -m ruff format --check .
