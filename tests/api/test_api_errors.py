@@ -104,12 +104,26 @@ async def test_client_disconnect_aborts_and_frees_blocks(served):
         resp.close()
     await wait_blocks_free(router)
     assert router.num_in_flight == 0
-    # a non-streaming request whose client gives up is aborted too
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=0.3)) as session:
-        with pytest.raises(asyncio.TimeoutError):
-            await session.post(server.make_url("/v1/completions"), json={**body, "stream": False})
-    await wait_blocks_free(router)
-    assert router.num_in_flight == 0
+
+
+async def test_a_client_giving_up_on_a_json_answer_aborts_it(aiohttp_server, long_context_dir):
+    """3,500 tokens take seconds even on a fast host (400 once finished inside the client's 0.3 s)."""
+    server, router, workers = await start_server(aiohttp_server, long_context_dir)
+    body = {"model": "tiny", "prompt": "go", "max_tokens": 3500, "ignore_eos": True}
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=0.3)) as session:
+            with pytest.raises(asyncio.TimeoutError):
+                await session.post(server.make_url("/v1/completions"), json=body)
+        await wait_blocks_free(router)
+        assert router.num_in_flight == 0
+        async with aiohttp.ClientSession() as session:
+            async with session.get(server.make_url("/metrics")) as resp:
+                counted = scrape(await resp.text())
+        ended = {dict(labels)["status"]: n for (name, labels), n in counted.items() if name == "galley_requests_total"}
+        assert ended == {"cancelled": 1.0}  # aborted, not run to its 3,500 tokens
+    finally:
+        for worker in workers:
+            worker.stop()
 
 
 async def test_queue_bound_answers_429_with_retry_after(aiohttp_server, llama_path):
