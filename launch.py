@@ -198,7 +198,7 @@ class EngineLoader:
             tool_parser=spec.options.get("tool_parser"),
             reasoning_parser=spec.options.get("reasoning_parser"),
             sampling_defaults=sampling_defaults(loaded.generation_config, spec.options.get("sampling_defaults")),
-            architecture=loaded.architecture, backend=loaded.backend,
+            architecture=loaded.architecture, family=loaded.family, backend=loaded.backend,
         )
 
     def new_engine(self, spec: ModelVersion, loaded: LoadedModel) -> LLMEngine:

@@ -47,6 +47,7 @@ class LoadedModel:
     device: torch.device
     generation_config: dict[str, Any] = field(default_factory=dict)  # what generation_config.json sets
     architecture: str = ""  # config.json's, e.g. LlamaForCausalLM
+    family: str = ""  # its model_type, e.g. llama, qwen3_moe, gemma3_text
     backend: str = "native"  # native | generic
 
 
@@ -281,6 +282,7 @@ def finish_load(path: Path, model: LlamaForCausalLM | GenericCausalLM, hf_config
         device=device,
         generation_config=generation_config(path),
         architecture=architecture,
+        family=getattr(hf_config, "model_type", ""),
         backend=backend,
     )
 

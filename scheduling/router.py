@@ -84,6 +84,7 @@ class ServedModel:
     # what a request that leaves a sampling field (or max_tokens) out gets (`services.sampling`)
     sampling_defaults: dict[str, float | int] = field(default_factory=dict)
     architecture: str = ""  # config.json's, e.g. Qwen3ForCausalLM
+    family: str = ""  # config.json's model_type, e.g. qwen3_moe
     backend: str = "native"  # how the engine runs it: native (our fused decoder) | generic (transformers' code)
 
     @property

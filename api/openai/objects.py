@@ -35,6 +35,8 @@ class ModelCard(BaseModel):
         "generative models, null until loaded.")
     architecture: str | None = Field(None, description="galley extension: the loaded version's architecture "
                                      "(config.json's, e.g. Qwen3ForCausalLM); generative models, null until loaded.")
+    family: str | None = Field(None, description="galley extension: the loaded version's model family "
+                               "(config.json's model_type, e.g. qwen3_moe); generative models, null until loaded.")
     backend: Literal["native", "generic"] | None = Field(
         None, description="galley extension: native (galley's fused decoder) or generic (the model's own "
         "transformers code over galley's paged KV cache); generative models, null until loaded.")

@@ -45,6 +45,7 @@ def model_cards(router: Router, versions: dict[str, VersionState]) -> list[dict[
         cards.append({"id": name, "object": "model", "created": created, "owned_by": "galley",
                       "kind": kind_of(router, versions, name), "max_model_len": limit, "sampling_defaults": defaults,
                       "architecture": served.architecture if generative else None,
+                      "family": served.family if generative else None,
                       "backend": served.backend if generative else None, "ready": served is not None})
     return cards
 

@@ -26,7 +26,8 @@ async def test_generic_models_answer_as_hf_and_say_how_they_run(make_stack, gene
     ])
     sdk = sdk_for(stack)
     cards = {card.id: card.model_extra for card in (await sdk.models.list()).data}
-    assert (cards["moe"]["architecture"], cards["moe"]["backend"]) == ("Qwen3MoeForCausalLM", "generic")
+    assert (cards["moe"]["architecture"], cards["moe"]["family"], cards["moe"]["backend"]) == (
+        "Qwen3MoeForCausalLM", "qwen3_moe", "generic")
     assert (cards["gemma"]["architecture"], cards["gemma"]["backend"]) == ("Gemma3ForCausalLM", "generic")
     assert (cards["qwen-generic"]["backend"], cards["qwen"]["backend"]) == ("generic", "native")
 
