@@ -3,7 +3,7 @@
 PYTHON ?= python
 TORCH_CPU ?= torch==2.13.0
 
-.PHONY: install serve test lint bench train-demo
+.PHONY: install serve test lint bench train-demo wheels-gpu
 
 install:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install -q "$(TORCH_CPU)"
@@ -26,3 +26,6 @@ bench: install
 
 train-demo: install  # CORPUS=path/to/tinyshakespeare.txt (not in the repository)
 	$(PYTHON) scripts/train_demo_model.py --data "$(CORPUS)"
+
+wheels-gpu:  # .whl/: what the GPU machine lacks, for its Python 3.12 (scripts/gpu_check.sh installs them there)
+	scripts/gpu_wheels.sh

@@ -71,8 +71,22 @@ def test_engine_on_cuda_matches_hf(tiny_models, family, dtype):
     check_logits_close(tiny_models[family], "cuda", dtype)
 
 
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("family", ["gemma3", "gemma2", "qwen3moe", "phi3"])
+def test_generic_backend_on_cuda_matches_hf(generic_models, family, dtype):
+    check_matches_hf(generic_models[family], "cuda", dtype)
+    check_logits_close(generic_models[family], "cuda", dtype)
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_reference_checks_pass_on_cpu(tiny_models, family):
     """What the CUDA test asks, on CPU in float32, so the checks themselves are known to be right."""
     check_matches_hf(tiny_models[family], "cpu", "float32")
     check_logits_close(tiny_models[family], "cpu", "float32")
+
+
+def test_reference_checks_pass_on_cpu_for_the_generic_backend(generic_models):
+    check_matches_hf(generic_models["gemma3"], "cpu", "float32")
+    check_logits_close(generic_models["gemma3"], "cpu", "float32")
