@@ -38,6 +38,19 @@ def test_batched_and_chunked_greedy_matches_hf(generic_models, family):
     assert_all_blocks_free(engine.scheduler.kv)
 
 
+def test_ngram_speculation_matches_hf(generic_models):
+    """Drafts are decode rows of several tokens each, verified in one forward: the generic model sees
+    them as any other rows of the packed step."""
+    from engine.speculative import SpeculativeConfig
+
+    path = generic_models["qwen3moe"]
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=4, prompt_lookup_max=3, prompt_lookup_min=1)
+    engine = generic_engine(path, speculative=spec)
+    batch = [p * 3 for p in prompts(4, 300, lengths=[5, 7, 3, 6], seed=3)]  # repeats: drafts get proposed
+    assert run_to_completion(engine, batch, GREEDY) == [hf_greedy(path, p, 12) for p in batch]
+    assert engine.num_draft_tokens > 0
+
+
 def test_a_native_family_forced_onto_the_generic_backend_matches_hf(tiny_models):
     path = tiny_models["qwen3"]
     engine = generic_engine(path, backend="generic")
