@@ -56,7 +56,8 @@ def main() -> None:
                                                start, args)))
             finally:
                 stop_system(system)
-    print("\n| start | " + " | ".join(f"burst {i + 1} tok/s (TTFT s)" for i in range(args.bursts)) + " | first / second |")
+    header = " | ".join(f"burst {i + 1} tok/s (TTFT s)" for i in range(args.bursts))
+    print(f"\n| start | {header} | first / second |")
     print("|---|" + "---|" * (args.bursts + 1))
     for start, row in enumerate(rows):
         cells = " | ".join(f"{b['tok_s']:.0f} ({b['ttft_s']:.2f})" for b in row)
