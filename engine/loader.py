@@ -322,7 +322,7 @@ def load_generic(source: str, path: Path, gguf_file: Path | None, arch: str, spe
     flatten_linears(hf, (PackedLinear, Int8Linear, Int4Linear), model.step_kernels)
     progress.enter("checking attention")
     try:
-        check_against_reference(model, device, dtype)
+        check_against_reference(model, device, dtype, low_precision=spec is not None)
     except (UnsupportedModel, RuntimeError, ValueError) as exc:
         raise ModelLoadError(f"{source!r} cannot be served: {exc}") from exc
     return model

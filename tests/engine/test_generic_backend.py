@@ -51,6 +51,16 @@ def test_ngram_speculation_matches_hf(generic_models):
     assert engine.num_draft_tokens > 0
 
 
+@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("family", ["gemma3", "phi3", "qwen3moe"])
+def test_quantized_greedy_equals_hf_on_the_same_quantized_weights(generic_models, family, method):
+    """The projections transformers names `*_proj` (Phi-3's fused qkv_proj and gate_up_proj too)
+    quantized as on the native path; the reference is HF on the same weights, de-quantized."""
+    from tests.engine.test_quantization import assert_greedy_equals_fake_quantized_hf
+
+    assert_greedy_equals_fake_quantized_hf(generic_models[family], method)
+
+
 def test_a_native_family_forced_onto_the_generic_backend_matches_hf(tiny_models):
     path = tiny_models["qwen3"]
     engine = generic_engine(path, backend="generic")

@@ -128,9 +128,14 @@ def fake_quantized_hf(path, spec: QuantizationSpec):
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("method", ["int8", "int4"])
 def test_quantized_tiny_model_greedy_equals_fake_quantized_hf(tiny_models, family, method):
-    path = tiny_models[family]
+    assert_greedy_equals_fake_quantized_hf(tiny_models[family], method)
+
+
+def assert_greedy_equals_fake_quantized_hf(path, method: str, backend: str = "auto") -> None:
     spec = QuantizationSpec(method)
-    engine = build_engine(load_model(str(path), quantization=method), EngineConfig(), num_blocks=64)
+    loaded = load_model(str(path), quantization=method, backend=backend)
+    assert any(isinstance(m, (Int8Linear, Int4Linear)) for m in loaded.model.modules())
+    engine = build_engine(loaded, EngineConfig(), num_blocks=64)
     batch = prompts(4, 300)
     ours = run_to_completion(engine, batch, GREEDY)
     assert_all_blocks_free(engine.scheduler.kv)
