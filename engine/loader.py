@@ -291,7 +291,9 @@ def load_generic(source: str, path: Path, gguf_file: Path | None, arch: str, spe
                  device: torch.device, dtype: torch.dtype, progress: LoadProgress) -> GenericCausalLM:
     """The model's own transformers class with our paged attention plugged in (`engine.models.generic`);
     GGUF files through transformers' own GGUF conversion."""
-    from transformers import AutoModelForCausalLM  # with the generic backend: seconds to import
+    import transformers  # the generic backend's modelling code: seconds to import
+    from transformers import AutoModelForCausalLM
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     from engine.models.generic import (
         ATTENTION,
@@ -301,9 +303,13 @@ def load_generic(source: str, path: Path, gguf_file: Path | None, arch: str, spe
         flatten_linears,
     )
 
-    if not arch.endswith("ForCausalLM"):
-        raise ModelLoadError(f"architecture {arch} of {source!r} is not a causal language model (*ForCausalLM); "
-                             f"native: {', '.join(SUPPORTED_ARCHITECTURES)}, generic: any *ForCausalLM")
+    if arch not in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()):  # what AutoModelForCausalLM builds
+        raise ModelLoadError(f"architecture {arch} of {source!r} is not a causal language model transformers "
+                             f"knows (AutoModelForCausalLM); native: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    model_class = getattr(transformers, arch, None)
+    if model_class is not None and not model_class._supports_attention_backend:  # before reading any weight
+        raise ModelLoadError(f"{source!r} cannot be served: {arch}'s modelling code does not take a pluggable "
+                             "attention implementation")
     progress.enter("reading weights")
     where = (gguf_file.parent, {"gguf_file": gguf_file.name}) if gguf_file else (path, {})
     try:

@@ -89,10 +89,13 @@ GENERIC_FAMILIES: dict[str, tuple[str, dict]] = {
     "granite": ("GraniteConfig", {}),
     "gpt_neox": ("GPTNeoXConfig", {}),
     "gemma2": ("Gemma2Config", dict(head_dim=16, sliding_window=8)),  # attention logit soft-capping
+    "gpt2": ("GPT2Config", dict(n_embd=64, n_layer=2, n_head=4, n_positions=512)),  # GPT2LMHeadModel
+    "opt": ("OPTConfig", dict(ffn_dim=128, word_embed_proj_dim=64)),
     # refused at load, each naming why
     "gpt_oss": ("GptOssConfig", dict(num_local_experts=4, num_experts_per_tok=2, head_dim=16, sliding_window=8)),
     "llama4": ("Llama4TextConfig", dict(head_dim=16, num_local_experts=2, intermediate_size_mlp=128,
                                         attention_chunk_size=8)),
+    "falcon": ("FalconConfig", {}),  # its own attention classes, no pluggable implementation
 }
 
 

@@ -4,8 +4,9 @@ cannot compute is refused at load with a message that names it.
 
 Tiny random models of families galley has no native decoder for (tests.models.GENERIC_FAMILIES):
 Gemma 3 (sliding-window and full layers mixed), Gemma 2 (soft-capped scores), Phi-3, Qwen3-MoE and
-Mixtral (mixtures of experts), OLMo 2, Granite, GPT-NeoX; and a Qwen3 forced onto the generic
-backend. GPT-OSS (attention sinks) and Llama 4 (chunked attention) are refused.
+Mixtral (mixtures of experts), OLMo 2, Granite, GPT-NeoX, GPT-2 (`GPT2LMHeadModel`), OPT; and a
+Qwen3 forced onto the generic backend. GPT-OSS (attention sinks), Llama 4 (chunked attention) and
+Falcon (no pluggable attention) are refused.
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ from tests.engine.test_reference import hf_greedy, prompts
 from tests.helpers import assert_all_blocks_free, run_to_completion
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-SERVED = ["gemma3", "gemma2", "phi3", "qwen3moe", "mixtral", "olmo2", "granite", "gpt_neox"]
-REFUSED = {"gpt_oss": "attention sinks", "llama4": "chunked_attention"}
+SERVED = ["gemma3", "gemma2", "phi3", "qwen3moe", "mixtral", "olmo2", "granite", "gpt_neox", "gpt2", "opt"]
+REFUSED = {"gpt_oss": "attention sinks", "llama4": "chunked_attention", "falcon": "pluggable attention"}
 
 
 def generic_engine(path, num_blocks: int = 256, backend: str = "auto", **engine_kw):
