@@ -146,10 +146,12 @@ def test_bad_config_fails_with_a_clear_message(tmp_path):
 
 
 def test_unsupported_architecture_fails_at_load_naming_the_supported_ones(tmp_path):
-    from transformers import GPT2Config, GPT2LMHeadModel
+    """GPT-2 once was the example here; the generic backend serves it now. A masked LM is no decoder."""
+    from transformers import BertConfig, BertForMaskedLM
 
     from engine.loader import ModelLoadError, load_model
 
-    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100)).save_pretrained(tmp_path)
-    with pytest.raises(ModelLoadError, match="GPT2LMHeadModel.*LlamaForCausalLM.*Qwen3ForCausalLM"):
+    BertForMaskedLM(BertConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=2, intermediate_size=64,
+                               vocab_size=100)).save_pretrained(tmp_path)
+    with pytest.raises(ModelLoadError, match="BertForMaskedLM.*LlamaForCausalLM.*Qwen3ForCausalLM"):
         load_model(str(tmp_path))
