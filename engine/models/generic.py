@@ -1,4 +1,4 @@
-"""Any Hugging Face decoder (`*ForCausalLM`) over galley's paged KV cache: the generic backend.
+"""Any Hugging Face decoder (what `AutoModelForCausalLM` builds) over galley's paged KV cache: the generic backend.
 
 The model runs its own modelling code from `transformers`; only attention is ours. We register
 `engine.attention.paged_attention` as an attention implementation (transformers'
