@@ -3,8 +3,8 @@ steps: config, tokenizer and weights.
 
 Two backends. Native (`engine.models.llama`, the families of `SUPPORTED_ARCHITECTURES`): reads
 safetensors (sharded or not) or PyTorch `.bin` checkpoints and fuses q/k/v and gate/up into its
-layout, for the fused CPU kernels. Generic (`engine.models.generic`): any other `*ForCausalLM`
-that transformers builds, with its own modelling code over our paged attention. Whatever either
+layout, for the fused CPU kernels. Generic (`engine.models.generic`): any other causal LM that
+transformers' `AutoModelForCausalLM` builds, with its own modelling code over our paged attention. Whatever either
 cannot serve fails here, at load, with a message that names it.
 """
 
@@ -231,7 +231,7 @@ def load_model(source: str, device: str = "cpu", dtype: str = "auto",
     torch_device = torch.device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
     if backend == "generic" or arch not in SUPPORTED_ARCHITECTURES:
-        model = load_generic(source, path, gguf_file, arch, spec, torch_device, torch_dtype, progress)
+        model = load_generic(source, path, gguf_file, hf_config, spec, torch_device, torch_dtype, progress)
         return finish_load(path, model, hf_config, torch_dtype, torch_device, progress, arch, "generic")
     with torch.device("meta"):
         model = LlamaForCausalLM(hf_config)
@@ -287,7 +287,7 @@ def finish_load(path: Path, model: LlamaForCausalLM | GenericCausalLM, hf_config
     )
 
 
-def load_generic(source: str, path: Path, gguf_file: Path | None, arch: str, spec: QuantizationSpec | None,
+def load_generic(source: str, path: Path, gguf_file: Path | None, hf_config, spec: QuantizationSpec | None,
                  device: torch.device, dtype: torch.dtype, progress: LoadProgress) -> GenericCausalLM:
     """The model's own transformers class with our paged attention plugged in (`engine.models.generic`);
     GGUF files through transformers' own GGUF conversion."""
@@ -300,16 +300,18 @@ def load_generic(source: str, path: Path, gguf_file: Path | None, arch: str, spe
         GenericCausalLM,
         UnsupportedModel,
         check_against_reference,
+        check_supported,
         flatten_linears,
     )
 
+    arch = (getattr(hf_config, "architectures", None) or ["unknown"])[0]
     if arch not in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()):  # what AutoModelForCausalLM builds
         raise ModelLoadError(f"architecture {arch} of {source!r} is not a causal language model transformers "
                              f"knows (AutoModelForCausalLM); native: {', '.join(SUPPORTED_ARCHITECTURES)}")
-    model_class = getattr(transformers, arch, None)
-    if model_class is not None and not model_class._supports_attention_backend:  # before reading any weight
-        raise ModelLoadError(f"{source!r} cannot be served: {arch}'s modelling code does not take a pluggable "
-                             "attention implementation")
+    try:
+        check_supported(getattr(transformers, arch), hf_config)  # before reading any weight
+    except UnsupportedModel as exc:
+        raise ModelLoadError(f"{source!r} cannot be served: {exc}") from exc
     progress.enter("reading weights")
     where = (gguf_file.parent, {"gguf_file": gguf_file.name}) if gguf_file else (path, {})
     try:

@@ -27,6 +27,7 @@ from torch import nn
 from transformers import AttentionInterface, PreTrainedModel
 
 from engine.attention import AttentionMetadata, build_metadata, paged_attention, softcapped_attention
+from engine.packed_linear import linear
 
 ATTENTION = "galley_paged"  # the attn_implementation name the model is loaded with
 PROBE = "galley_probe"  # records each layer's key and value shapes (and attends to nothing)
@@ -132,11 +133,9 @@ class FlatLinear(nn.Module):
         super().__init__()
         self.inner = inner
         self.step_kernels = step_kernels
-        self.takes_kernels = "kernels" in inner.forward.__code__.co_varnames
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, x.shape[-1])
-        out = self.inner(flat, self.step_kernels.get("ops")) if self.takes_kernels else self.inner(flat)
+        out = linear(self.inner, x.reshape(-1, x.shape[-1]), self.step_kernels.get("ops"))
         return out.view(*x.shape[:-1], out.shape[-1])
 
 
@@ -150,7 +149,6 @@ class GenericCausalLM(nn.Module):
 
     def __init__(self, hf_model: PreTrainedModel) -> None:
         super().__init__()
-        check_supported(hf_model)
         self.hf = hf_model
         self.shape = probe_shape(hf_model)
         self.step_kernels: dict[str, Any] = {}  # FlatLinear reads the step's kernels here
@@ -169,22 +167,21 @@ class GenericCausalLM(nn.Module):
         return out.logits[0].float()
 
 
-def check_supported(hf_model: PreTrainedModel) -> None:
-    """UnsupportedModel naming what the paged attention cannot serve, seen from the config and class."""
-    config = hf_model.config.get_text_config()
-    name = type(hf_model).__name__
-    if getattr(hf_model.config, "is_encoder_decoder", False):
+def check_supported(model_class: type[PreTrainedModel], hf_config) -> None:
+    """UnsupportedModel naming what the paged attention cannot serve, seen from the class and config
+    alone: before any weight is read."""
+    config, name = hf_config.get_text_config(), model_class.__name__
+    if getattr(hf_config, "is_encoder_decoder", False):
         raise UnsupportedModel(f"{name} is an encoder-decoder model")
-    if not type(hf_model)._supports_attention_backend:
+    if not model_class._supports_attention_backend:
         raise UnsupportedModel(f"{name}'s modelling code does not take a pluggable attention implementation")
     kinds = set(getattr(config, "layer_types", None) or ()) - ATTENTION_LAYER_TYPES
     if kinds:
         raise UnsupportedModel(f"{name} has layers of kind {', '.join(sorted(kinds))}; only full and sliding-window "
                                "attention layers are supported")
-    for attr, feature in (("attention_chunk_size", "chunked attention"),):
-        if getattr(config, attr, None):
-            raise UnsupportedModel(f"{name} uses {feature} ({attr}={getattr(config, attr)}), which the paged "
-                                   "attention does not compute")
+    if chunk := getattr(config, "attention_chunk_size", None):
+        raise UnsupportedModel(f"{name} uses chunked attention (attention_chunk_size={chunk}), which the paged "
+                               "attention does not compute")
 
 
 @torch.inference_mode()
