@@ -152,6 +152,15 @@ def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor, block_size: i
     return picked.transpose(-3, -2)
 
 
+def chunk_context(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  chunk: PrefillChunk, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys and values a prefill chunk attends to, [kv_heads, num_keys, head_dim] each: its own
+    tokens' when it is its whole sequence (no block table), else its blocks of the cache."""
+    if chunk.block_table is None:
+        return k[chunk.start : chunk.end].transpose(0, 1), v[chunk.start : chunk.end].transpose(0, 1)
+    return gather_blocks(k_cache, chunk.block_table, block_size), gather_blocks(v_cache, chunk.block_table, block_size)
+
+
 def paged_attention(
     q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
@@ -181,14 +190,9 @@ def paged_attention(
                                                  meta.sliding_window or 0)
             continue
         query = q[chunk.start : chunk.end].transpose(0, 1)[None]  # [1, heads, chunk, head_dim]
-        if chunk.block_table is None:
-            keys = k[chunk.start : chunk.end].transpose(0, 1)[None]
-            values = v[chunk.start : chunk.end].transpose(0, 1)[None]
-        else:
-            keys = gather_blocks(k_cache, chunk.block_table, meta.block_size)[None]
-            values = gather_blocks(v_cache, chunk.block_table, meta.block_size)[None]
+        keys, values = chunk_context(k, v, k_cache, v_cache, chunk, meta.block_size)
         result = F.scaled_dot_product_attention(
-            query, keys, values, attn_mask=chunk.mask, is_causal=chunk.mask is None,
+            query, keys[None], values[None], attn_mask=chunk.mask, is_causal=chunk.mask is None,
             scale=scale, enable_gqa=True,
         )
         out[chunk.start : chunk.end] = result[0].transpose(0, 1)
@@ -230,9 +234,5 @@ def softcapped_attention(
         rows = slice(chunk.start, chunk.end)
         context_len = chunk.start_pos + chunk.end - chunk.start
         positions = torch.arange(chunk.start_pos, context_len, device=q.device)
-        if chunk.block_table is None:  # the chunk is its whole sequence
-            keys, values = k[rows].transpose(0, 1), v[rows].transpose(0, 1)
-        else:
-            keys, values = (gather_blocks(c, chunk.block_table, meta.block_size) for c in (k_cache, v_cache))
-        attend(rows, positions, keys, values, context_len)
+        attend(rows, positions, *chunk_context(k, v, k_cache, v_cache, chunk, meta.block_size), context_len)
     return out
