@@ -18,6 +18,7 @@ from transformers import PreTrainedTokenizerBase
 from engine.detokenizer import TextStream
 from engine.guided import GuidedDecoding
 from engine.kv_cache import KVCacheManager
+from engine.lora import PeftAdapter
 from engine.model_runner import ModelRunner
 from engine.sampler import Sampler
 from engine.speculative import NgramProposer, Proposer, SpeculativeConfig
@@ -123,7 +124,7 @@ class LLMEngine:
             num_step_errors=self.num_step_errors,
             waiting_by_class=self.scheduler.waiting.depth_by_class(),
             batch_token_counts=tuple(self.batch_token_counts),
-            weights_bytes=self.memory.weights_bytes,
+            weights_bytes=self.memory.weights_bytes + sum(self.memory.adapter_bytes.values()),
             kv_cache_bytes=self.memory.kv_cache_bytes,
             device_memory_used_bytes=self.memory.used_bytes(),
             device_memory_total_bytes=self.memory.total_bytes,
@@ -134,7 +135,23 @@ class LLMEngine:
             spec_num_accepted_tokens=self.num_accepted_tokens,
         )
 
+    def add_adapter(self, name: str, adapter: PeftAdapter) -> None:
+        """Serve a LoRA adapter over this engine's weights to requests that name it (`GenerationRequest.adapter`)."""
+        loaded = self.runner.add_adapter(name, adapter)
+        self.memory.adapter_bytes[name] = loaded.num_bytes
+        log.info("adapter loaded", adapter=name, modules=len(loaded.weights), bytes=loaded.num_bytes)
+
+    def remove_adapter(self, name: str) -> list[TokenEvent]:
+        """Drop an adapter; requests still naming it (there should be none: its version drained) end with an error."""
+        events = [self._fail(state.seq, "its adapter was unloaded") for state in list(self.requests.values())
+                  if state.seq.adapter == name]
+        self.runner.remove_adapter(name)
+        self.memory.adapter_bytes.pop(name, None)
+        return events
+
     def add_request(self, request: GenerationRequest) -> None:
+        if request.adapter and request.adapter not in self.runner.adapters:
+            raise KeyError(f"adapter {request.adapter!r} is not loaded on this engine")
         seq = Sequence(request)
         if request.params.guided is not None:
             self.guided.add(request.request_id, request.params.guided, request.resume_token_ids)
@@ -375,6 +392,7 @@ class DeviceMemory:
             of_draft = DeviceMemory(draft)
             self.weights_bytes += of_draft.weights_bytes
             self.kv_cache_bytes += of_draft.kv_cache_bytes
+        self.adapter_bytes: dict[str, int] = {}  # LoRA adapters loaded over the weights
         self.total_bytes = (torch.cuda.get_device_properties(self.device).total_memory
                             if self.device.type == "cuda" else None)
 

@@ -13,6 +13,7 @@ import torch
 
 from engine.attention import build_metadata
 from engine.cpu_kernels import CPU_KERNELS
+from engine.lora import LoraAdapter, LoraStep, PeftAdapter
 from engine.models.llama import LlamaForCausalLM
 from engine.types import ScheduledBatch, ScheduledSeq
 
@@ -49,6 +50,7 @@ class ModelRunner:
     ) -> None:
         self.model = model
         self.device = device
+        self.dtype = dtype
         self.block_size = block_size
         self.num_blocks = num_blocks
         s = model.shape
@@ -64,6 +66,16 @@ class ModelRunner:
         self.cpu_kernels = CPU_KERNELS if cpu_kernels and device.type == "cpu" and dtype == torch.float32 else None
         if self.cpu_kernels is not None:
             self.cpu_kernels.start()
+        self.adapters: dict[str, LoraAdapter] = {}  # LoRA adapters over these weights, by name
+
+    def add_adapter(self, name: str, adapter: PeftAdapter) -> LoraAdapter:
+        """Load a LoRA adapter onto this replica (AdapterError: it does not fit the model)."""
+        loaded = LoraAdapter(name, self.model.lora_weights(adapter, self.device, self.dtype))
+        self.adapters[name] = loaded
+        return loaded
+
+    def remove_adapter(self, name: str) -> bool:
+        return self.adapters.pop(name, None) is not None
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> tuple[list[ScheduledSeq], torch.Tensor]:
@@ -78,8 +90,11 @@ class ModelRunner:
         decodes: list[tuple[list[int], int]] = []
         prefills: list[tuple[list[int], int, int]] = []
         bs = self.block_size
+        adapter_rows: dict[str, list[int]] = {}
         for item in ordered:
             seq, start, n = item.seq, item.seq.num_computed_tokens, item.num_new_tokens
+            if seq.adapter:
+                adapter_rows.setdefault(seq.adapter, []).extend(range(len(input_ids), len(input_ids) + n))
             input_ids.extend(seq.token_ids[start : start + item.num_known_tokens])
             input_ids.extend(item.draft_token_ids)
             positions.extend(range(start, start + n))
@@ -95,7 +110,11 @@ class ModelRunner:
         meta = build_metadata(decodes, prefills, slot_mapping, bs, self.model.shape.sliding_window, self.device,
                               kernels)
         as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
+        lora = None
+        if adapter_rows:  # KeyError for an adapter not loaded here: the engine fails the requests that name it
+            lora = LoraStep([(self.adapters[name], None if len(rows) == len(input_ids) else as_tensor(rows))
+                             for name, rows in adapter_rows.items()])
         logits = self.model(
-            as_tensor(input_ids), as_tensor(positions), self.kv_caches, meta, as_tensor(logits_indices)
+            as_tensor(input_ids), as_tensor(positions), self.kv_caches, meta, as_tensor(logits_indices), lora=lora
         )
         return sampled, logits

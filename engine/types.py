@@ -118,6 +118,7 @@ class GenerationRequest:
     weight: float = 1.0  # the tenant's fair-share weight
     resume_token_ids: list[int] = field(default_factory=list)  # output already emitted before a restart
     cache_salt: str = ""  # prefix-cache namespace: only requests with the same salt share cached KV
+    adapter: str = ""  # a LoRA adapter loaded on the engine (its name there); "": the base model alone
 
 
 class Sequence:
@@ -142,6 +143,7 @@ class Sequence:
         self.num_computed_tokens = 0
         self.block_table: list[int] = []
         self.cache_salt = request.cache_salt
+        self.adapter = request.adapter
         self.block_hashes: list[bytes] = []  # prefix-cache hashes of full blocks, computed as needed
         self.num_cached_blocks = 0  # leading blocks of `block_table` registered in the prefix cache
         self.status = SequenceStatus.WAITING

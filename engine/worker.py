@@ -29,6 +29,7 @@ import structlog
 from engine.batcher import BatcherStats, DynamicBatcher, Pending
 from engine.cpu_share import CpuShare
 from engine.engine import LLMEngine
+from engine.lora import PeftAdapter
 from engine.profiler import StepProfiler
 from engine.types import GENERATION_FAILED, EngineStats, FinishReason, GenerationRequest, TokenEvent
 
@@ -66,6 +67,16 @@ class _Detach:
 
 
 @dataclass
+class _Adapter:
+    """Load a LoRA adapter onto an engine (`adapter` set), or drop it (None)."""
+
+    engine_id: str
+    name: str
+    adapter: PeftAdapter | None
+    done: Future = field(default_factory=Future)
+
+
+@dataclass
 class _AttachEncoder:
     encoder_id: str
     batcher: DynamicBatcher
@@ -91,7 +102,7 @@ class _Profile:
 
 
 _STOP = object()
-Command = _Attach | _Detach | _AttachEncoder | _DetachEncoder | _Profile
+Command = _Attach | _Detach | _Adapter | _AttachEncoder | _DetachEncoder | _Profile
 
 
 class DeviceWorker:
@@ -117,6 +128,14 @@ class DeviceWorker:
     def detach(self, engine_id: str) -> Future:
         """Drop an engine and free its memory (its requests should have drained first)."""
         return self._command(_Detach(engine_id))
+
+    def attach_adapter(self, engine_id: str, name: str, adapter: PeftAdapter) -> Future:
+        """Load a LoRA adapter onto an engine, between steps (the future raises AdapterError if it does not fit)."""
+        return self._command(_Adapter(engine_id, name, adapter))
+
+    def detach_adapter(self, engine_id: str, name: str) -> Future:
+        """Drop an adapter from an engine (its requests should have drained; any left end with an error)."""
+        return self._command(_Adapter(engine_id, name, None))
 
     def attach_encoder(self, encoder_id: str, batcher: DynamicBatcher) -> EncoderClient:
         """Run an encoder's batches on this thread; the client is what callers submit to."""
@@ -295,6 +314,8 @@ class DeviceWorker:
             elif isinstance(item, _Attach):
                 self.engines[item.engine_id] = item.engine
                 item.done.set_result(None)
+            elif isinstance(item, _Adapter):
+                self._set_adapter(item)
             elif isinstance(item, _AttachEncoder):
                 self.encoders[item.encoder_id] = item.batcher
                 item.done.set_result(None)
@@ -325,6 +346,16 @@ class DeviceWorker:
                 log.exception("could not release a request that failed to add", request_id=item.request.request_id)
             self.emit([TokenEvent(item.request.request_id, "", [], len(item.request.prompt_token_ids), 0,
                                   finish_reason=FinishReason.ERROR, error=GENERATION_FAILED)])
+
+    def _set_adapter(self, item: _Adapter) -> None:
+        engine = self.engines.get(item.engine_id)
+        if item.adapter is not None:
+            if engine is None:
+                raise KeyError(f"engine {item.engine_id!r} is not attached to this worker")
+            engine.add_adapter(item.name, item.adapter)
+        elif engine is not None:
+            self.emit(engine.remove_adapter(item.name))
+        item.done.set_result(None)
 
     def _encode(self, item: _Encode) -> None:
         batcher = self.encoders.get(item.encoder_id)

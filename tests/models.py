@@ -150,3 +150,18 @@ def save_scripted_model(out: Path, text: str) -> list[int]:
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return ids
+
+
+def save_lora_adapter(base: Path, out: Path, target_modules: list[str], r: int = 4, seed: int = 0,
+                      **config) -> Path:
+    """A random PEFT LoRA adapter of `base` (A and B both random, so it changes the output), saved
+    as PEFT saves one: adapter_config.json and adapter_model.safetensors."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base)
+    lora = LoraConfig(r=r, target_modules=target_modules, init_lora_weights=False, **config)
+    get_peft_model(model, lora).save_pretrained(out)
+    return out

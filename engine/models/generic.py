@@ -20,6 +20,7 @@ and through the model's own eager attention at load: a model whose logits differ
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -27,6 +28,7 @@ from torch import nn
 from transformers import AttentionInterface, PreTrainedModel
 
 from engine.attention import AttentionMetadata, build_metadata, paged_attention, softcapped_attention
+from engine.lora import AdapterError, LoraStep, LoraWeights, PeftAdapter, check_shape, fused_weights
 from engine.packed_linear import linear
 
 ATTENTION = "galley_paged"  # the attn_implementation name the model is loaded with
@@ -152,6 +154,8 @@ class GenericCausalLM(nn.Module):
         self.hf = hf_model
         self.shape = probe_shape(hf_model)
         self.step_kernels: dict[str, Any] = {}  # FlatLinear reads the step's kernels here
+        self.lora: LoraStep | None = None  # the step's adapters, read by the hooks on the linears they adapt
+        self.lora_hooked: set[str] = set()
 
     def forward(
         self,
@@ -160,11 +164,43 @@ class GenericCausalLM(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
         logits_indices: torch.Tensor,  # [num_samples]
+        lora: LoraStep | None = None,
     ) -> torch.Tensor:  # [num_samples, vocab_size] float32
         self.step_kernels["ops"] = meta.kernels
-        out = self.hf(input_ids=input_ids[None], position_ids=positions[None], use_cache=False,
-                      logits_to_keep=logits_indices, galley_step=Step(kv_caches, meta))
+        self.lora = lora
+        try:
+            out = self.hf(input_ids=input_ids[None], position_ids=positions[None], use_cache=False,
+                          logits_to_keep=logits_indices, galley_step=Step(kv_caches, meta))
+        finally:
+            self.lora = None
         return out.logits[0].float()
+
+    def lora_weights(self, adapter: PeftAdapter, device: torch.device, dtype: torch.dtype) -> dict[str, LoraWeights]:
+        """An adapter's weights keyed by the transformers module each adapts (PEFT's own names), each such
+        linear given a forward hook that adds the step's deltas (once per module, whatever the adapter)."""
+        weights = {}
+        for name, (a, b, scale) in adapter.modules.items():
+            try:
+                module = self.hf.get_submodule(name)
+            except AttributeError:
+                raise AdapterError(f"the adapter adapts {name}, which {type(self.hf).__name__} does not have") from None
+            if not isinstance(module, (nn.Linear, FlatLinear)):
+                raise AdapterError(f"the adapter adapts {name}, a {type(module).__name__}; galley adapts linear "
+                                   "layers only")
+            inner = module.inner if isinstance(module, FlatLinear) else module
+            check_shape(name, a, b, inner.in_features, inner.out_features)
+            weights[name] = fused_weights([(slice(0, inner.out_features), a, b, scale)], inner.out_features, device,
+                                          dtype)
+        for name in weights.keys() - self.lora_hooked:
+            self.hf.get_submodule(name).register_forward_hook(partial(self._add_lora, name))
+            self.lora_hooked.add(name)
+        return weights
+
+    def _add_lora(self, name: str, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor | None:
+        if self.lora is None:
+            return None
+        flat = output.reshape(-1, output.shape[-1])
+        return self.lora.add(flat, args[0].reshape(-1, args[0].shape[-1]), name).view(output.shape)
 
 
 def check_supported(model_class: type[PreTrainedModel], hf_config) -> None:

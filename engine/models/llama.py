@@ -11,6 +11,7 @@ op (`fused_layers`) that calls them in the order `DecoderLayer.forward` does.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionMetadata, paged_attention
+from engine.lora import AdapterError, LoraStep, LoraWeights, PeftAdapter, check_shape, fused_weights
 from engine.packed_linear import PackedLinear, linear
 
 SUPPORTED_ARCHITECTURES = (
@@ -145,6 +147,12 @@ class RotaryEmbedding(nn.Module):
         return cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
 
 
+def adapted(layer: nn.Module, x: torch.Tensor, kernels: Any, lora: LoraStep | None, key: str) -> torch.Tensor:
+    """`linear(layer, x)`, plus the step's adapter deltas for it."""
+    out = linear(layer, x, kernels)
+    return out if lora is None else lora.add(out, x, key)
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -175,9 +183,11 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(shape.head_dim, shape.rms_norm_eps)
         self.scale = shape.head_dim**-0.5
 
-    def forward(self, x, cos, sin, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata):
+    def forward(self, x, cos, sin, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+                lora: LoraStep | None = None, prefix: str = ""):
         n, s = x.shape[0], self.shape
-        q, k, v = linear(self.qkv_proj, x, meta.kernels).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = adapted(self.qkv_proj, x, meta.kernels, lora, prefix + "qkv")
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(n, s.num_heads, s.head_dim)  # [num_tokens, num_heads, head_dim]
         k = k.view(n, s.num_kv_heads, s.head_dim)
         v = v.view(n, s.num_kv_heads, s.head_dim)
@@ -186,7 +196,7 @@ class Attention(nn.Module):
             k = self.k_norm(k.reshape(-1, s.head_dim), meta.kernels).view(n, s.num_kv_heads, s.head_dim)
         q, k = rotate_qk(q, k, cos, sin, meta.kernels)
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
-        return linear(self.o_proj, out.reshape(n, self.q_size), meta.kernels)
+        return adapted(self.o_proj, out.reshape(n, self.q_size), meta.kernels, lora, prefix + "o")
 
 
 class MLP(nn.Module):
@@ -198,8 +208,12 @@ class MLP(nn.Module):
         self.act = activation(shape.hidden_act)
         self.silu = shape.hidden_act == "silu"
 
-    def forward(self, x: torch.Tensor, kernels: Any = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kernels: Any = None, lora: LoraStep | None = None,
+                prefix: str = "") -> torch.Tensor:
         gate_up_proj, down_proj = self.gate_up_proj, self.down_proj
+        if lora is not None and (lora.touches(prefix + "gate_up") or lora.touches(prefix + "down")):
+            gate, up = adapted(gate_up_proj, x, kernels, lora, prefix + "gate_up").split(self.intermediate_size, dim=-1)
+            return adapted(down_proj, self.act(gate) * up, kernels, lora, prefix + "down")
         if kernels is not None and self.silu and isinstance(gate_up_proj, PackedLinear) and isinstance(
             down_proj, PackedLinear
         ):  # the whole MLP in one op, a chunk of rows at a time
@@ -217,23 +231,24 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, shape: DecoderShape) -> None:
+    def __init__(self, shape: DecoderShape, index: int = 0) -> None:
         super().__init__()
+        self.lora_prefix = f"{index}."  # its linears' names in an adapter's `LoraAdapter.weights`
         self.input_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
         self.self_attn = Attention(shape)
         self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
         self.mlp = MLP(shape)
 
-    def forward(self, x, residual, cos, sin, kv_cache, meta):
+    def forward(self, x, residual, cos, sin, kv_cache, meta, lora: LoraStep | None = None):
         """x: the previous layer's output, residual: the stream before it (None at the first layer);
         returns the same pair for this layer (the add happens in the next norm)."""
         if residual is None:
             x, residual = self.input_layernorm(x, meta.kernels), x
         else:
             x, residual = self.input_layernorm.add_forward(x, residual, meta.kernels)
-        x = self.self_attn(x, cos, sin, kv_cache, meta)
+        x = self.self_attn(x, cos, sin, kv_cache, meta, lora, self.lora_prefix)
         x, residual = self.post_attention_layernorm.add_forward(x, residual, meta.kernels)
-        return self.mlp(x, meta.kernels), residual
+        return self.mlp(x, meta.kernels, lora, self.lora_prefix), residual
 
     def fused_weights(self) -> tuple | None:
         """The weights in the order the C++ `decoder_layer` op takes them; None where it cannot run
@@ -253,7 +268,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.shape = shape = DecoderShape.from_hf_config(hf_config)
         self.embed_tokens = nn.Embedding(shape.vocab_size, shape.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(shape) for _ in range(shape.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(shape, i) for i in range(shape.num_layers))
         self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
         self.rotary = RotaryEmbedding(hf_config, shape.head_dim)
         self.lm_head = nn.Linear(shape.hidden_size, shape.vocab_size, bias=False)
@@ -269,18 +284,42 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
         logits_indices: torch.Tensor,  # [num_samples] which tokens' logits are needed
+        lora: LoraStep | None = None,  # the step's adapters: then every layer runs per op, adding their deltas
     ) -> torch.Tensor:  # [num_samples, vocab_size] float32
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, x.dtype)
-        weights = self.fused_weights() if self.fused and meta.kernels is not None else None
+        weights = self.fused_weights() if self.fused and meta.kernels is not None and lora is None else None
         if weights is not None:
             x, residual = self.fused_layers(x, cos, sin, kv_caches, meta, weights)
         else:
             residual = None
             for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-                x, residual = layer(x, residual, cos, sin, kv_cache, meta)
+                x, residual = layer(x, residual, cos, sin, kv_cache, meta, lora)
         x = self.norm(residual[logits_indices] + x[logits_indices], meta.kernels)
         return linear(self.lm_head, x, meta.kernels).float()
+
+    def lora_weights(self, adapter: PeftAdapter, device: torch.device, dtype: torch.dtype) -> dict[str, LoraWeights]:
+        """An adapter's weights in this layout: q/k/v parts into the fused qkv rows, gate/up into gate_up
+        (`fused_weights`), keyed `{layer}.{qkv|o|gate_up|down}`; AdapterError for a module we do not have."""
+        s = self.shape
+        q, kv, inter = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim, s.intermediate_size
+        places = {"self_attn.q_proj": ("qkv", slice(0, q)), "self_attn.k_proj": ("qkv", slice(q, q + kv)),
+                  "self_attn.v_proj": ("qkv", slice(q + kv, q + 2 * kv)),
+                  "self_attn.o_proj": ("o", slice(0, s.hidden_size)),
+                  "mlp.gate_proj": ("gate_up", slice(0, inter)), "mlp.up_proj": ("gate_up", slice(inter, 2 * inter)),
+                  "mlp.down_proj": ("down", slice(0, s.hidden_size))}
+        inputs = {"qkv": s.hidden_size, "o": q, "gate_up": s.hidden_size, "down": inter}
+        outputs = {"qkv": q + 2 * kv, "o": s.hidden_size, "gate_up": 2 * inter, "down": s.hidden_size}
+        parts: dict[str, list] = {}
+        for module, (a, b, scale) in adapter.modules.items():
+            match = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", module)
+            if match is None or match[2] not in places or int(match[1]) >= s.num_layers:
+                raise AdapterError(f"the adapter adapts {module}, not a linear of {type(self).__name__} that galley "
+                                   "adapts (q/k/v/o_proj, gate/up/down_proj of model.layers.N)")
+            fused, rows = places[match[2]]
+            check_shape(module, a, b, inputs[fused], rows.stop - rows.start)
+            parts.setdefault(f"{match[1]}.{fused}", []).append((rows, a, b, scale))
+        return {key: fused_weights(p, outputs[key.split(".")[1]], device, dtype) for key, p in parts.items()}
 
     def fused_weights(self) -> list[tuple] | None:
         """Each layer's weights for the fused op, gathered on first use (they do not change once

@@ -1,0 +1,204 @@
+"""LoRA adapters (PEFT's format) served over one copy of their base model's weights.
+
+An adapter folder holds `adapter_config.json` and `adapter_model.safetensors` (never a pickle:
+`.bin` adapters are refused). Each adapted linear `W` gets `x @ A.T @ B.T * scale` added to its
+output, as PEFT's unmerged `LoraLayer` computes it in eval mode (no dropout): scale is
+`lora_alpha / r` (`lora_alpha / sqrt(r)` with rsLoRA; `alpha_pattern` per module).
+
+`read_adapter` reads and checks a folder; a model maps its modules to its own layout
+(`LlamaForCausalLM.lora_weights`, `GenericCausalLM.lora_weights`); the runner holds the loaded
+adapters and gives each step a `LoraStep`: the rows of the packed batch that belong to each
+adapter in it. Rows of the base model (and of other adapters) get no delta, so requests to the
+base and to many adapters share a step. A step's cost grows by one small pair of GEMMs per
+adapted linear and adapter in the step, on its own rows (what vLLM's punica kernels batch; a
+torch loop over the step's adapters here).
+
+What PEFT can express and this does not compute is refused at load, naming it (DoRA, trained
+biases, `modules_to_save`, embedding or fan-in-fan-out adapters, ...): never served wrong.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+# adapter_config.json keys whose non-default values change what the adapter computes, and why we refuse them
+UNSUPPORTED = {
+    "use_dora": "DoRA (use_dora)",
+    "fan_in_fan_out": "fan_in_fan_out (Conv1D layers, as GPT-2's)",
+    "modules_to_save": "modules_to_save (fully trained copies of base modules)",
+    "lora_bias": "trained LoRA biases (lora_bias)",
+    "layer_replication": "layer_replication",
+    "trainable_token_indices": "trainable_token_indices",
+    "target_parameters": "target_parameters (adapted parameters rather than modules)",
+    "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens)",
+    "use_qalora": "QA-LoRA (use_qalora)",
+    "use_bdlora": "block-diagonal LoRA (use_bdlora)",
+}
+KEY = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<part>[AB])(?:\.[^.]+)?\.weight$")
+
+
+class AdapterError(ValueError):
+    """An adapter folder that cannot be served on this base; the message names why."""
+
+
+@dataclass(frozen=True)
+class PeftAdapter:
+    """An adapter as PEFT saved it: per adapted module (the base model's own module path, e.g.
+    `model.layers.0.self_attn.q_proj`), its A [r, in], B [out, r] and scale."""
+
+    path: Path
+    modules: dict[str, tuple[torch.Tensor, torch.Tensor, float]]
+    base_model: str  # adapter_config.json's base_model_name_or_path (what it was trained on; informative)
+
+    @property
+    def rank(self) -> int:
+        return max(a.shape[0] for a, _, _ in self.modules.values())
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b, _ in self.modules.values())
+
+
+def adapter_config(folder: Path) -> dict:
+    """The folder's adapter_config.json, checked for what we cannot compute (AdapterError names it)."""
+    try:
+        config = json.loads((folder / CONFIG_FILE).read_text())
+    except OSError as exc:
+        raise AdapterError(f"{folder} has no {CONFIG_FILE} (not a PEFT adapter folder)") from exc
+    except ValueError as exc:
+        raise AdapterError(f"{folder / CONFIG_FILE} is not JSON: {exc}") from exc
+    if not isinstance(config, dict) or config.get("peft_type", "LORA") != "LORA":
+        raise AdapterError(f"{folder} is a {config.get('peft_type')!r} adapter; only LoRA adapters are served")
+    unsupported = [why for key, why in UNSUPPORTED.items() if config.get(key)]
+    if config.get("bias", "none") != "none":
+        unsupported.append(f"trained biases (bias={config['bias']!r})")
+    if config.get("layers_to_transform") is not None:
+        unsupported.append("layers_to_transform")  # its adapted modules would be fine; refused until tested
+    if unsupported:
+        raise AdapterError(f"the adapter in {folder} uses {', '.join(unsupported)}, which galley does not compute")
+    if not (folder / WEIGHTS_FILE).is_file():
+        pickled = [p.name for p in folder.glob("*.bin")]
+        raise AdapterError(f"{folder} has no {WEIGHTS_FILE}" + (
+            f" ({', '.join(pickled)} is a pickle, never loaded: convert it to safetensors)" if pickled else ""))
+    return config
+
+
+def check_adapter_folder(source: str) -> None:
+    """AdapterError unless `source` is a folder with a LoRA adapter galley can serve (not reading its weights)."""
+    folder = Path(source).expanduser()
+    if not folder.is_dir():
+        raise AdapterError(f"adapter folder {source!r} does not exist")
+    adapter_config(folder)
+
+
+def read_adapter(source: str) -> PeftAdapter:
+    """The adapter's weights per module, on the CPU in their stored dtype, with their scales."""
+    from safetensors.torch import load_file
+
+    folder = Path(source).expanduser()
+    check_adapter_folder(source)
+    config = adapter_config(folder)
+    tensors = load_file(folder / WEIGHTS_FILE)
+    if embedding := next((name for name in tensors if "lora_embedding" in name), None):
+        raise AdapterError(f"the adapter adapts an embedding ({embedding}), which galley does not compute")
+    parts: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in tensors.items():
+        match = KEY.match(name)
+        if match is None:
+            raise AdapterError(f"the adapter holds {name}, which is not a LoRA A or B matrix of a linear layer")
+        parts.setdefault(match["module"], {})[match["part"]] = tensor
+    if not parts:
+        raise AdapterError(f"the adapter in {folder} adapts no module")
+    modules = {}
+    for module, pair in parts.items():
+        if set(pair) != {"A", "B"}:
+            raise AdapterError(f"the adapter has lora_A without lora_B (or the reverse) for {module}")
+        a, b = pair["A"], pair["B"]
+        if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1]:
+            raise AdapterError(f"{module}'s lora_A {list(a.shape)} and lora_B {list(b.shape)} do not make a LoRA pair")
+        modules[module] = (a, b, scale_of(config, module, a.shape[0]))
+    return PeftAdapter(folder, modules, str(config.get("base_model_name_or_path") or ""))
+
+
+def scale_of(config: dict, module: str, rank: int) -> float:
+    """PEFT's `scaling` for one module: its alpha (alpha_pattern's, else lora_alpha) over r, or over
+    sqrt(r) with rsLoRA. Patterns match a module's name or its dotted tail, as PEFT's do."""
+    alpha = config.get("lora_alpha", 8)
+    for pattern, value in (config.get("alpha_pattern") or {}).items():
+        if re.match(rf"(.*\.)?{pattern}$", module):
+            alpha = value
+            break
+    return alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+
+
+@dataclass(frozen=True)
+class LoraWeights:
+    """One adapted linear of a model, in its own layout: delta = (x @ a.T) @ b.T, the scale folded
+    into `b`. A fused linear (the native q/k/v, gate/up) stacks its parts' A rows, and `b` is block
+    diagonal: each part's B in its own output rows and rank columns (zeros where a part is not adapted)."""
+
+    a: torch.Tensor  # [rank, in_features]
+    b: torch.Tensor  # [out_features, rank]
+
+
+def fused_weights(parts: list[tuple[slice, torch.Tensor, torch.Tensor, float]], out_features: int,
+                  device: torch.device, dtype: torch.dtype) -> LoraWeights:
+    """`parts`: (output rows of the fused linear, A, B, scale) of each adapted part."""
+    rank = sum(a.shape[0] for _, a, _, _ in parts)
+    b = torch.zeros(out_features, rank, dtype=torch.float32)
+    column = 0
+    for rows, a_part, b_part, scale in parts:
+        b[rows, column : column + a_part.shape[0]] = b_part.float() * scale
+        column += a_part.shape[0]
+    a = torch.cat([a_part.float() for _, a_part, _, _ in parts])
+    return LoraWeights(a.to(device=device, dtype=dtype).contiguous(), b.to(device=device, dtype=dtype).contiguous())
+
+
+def check_shape(module: str, a: torch.Tensor, b: torch.Tensor, in_features: int, out_features: int) -> None:
+    if a.shape[1] != in_features or b.shape[0] != out_features:
+        raise AdapterError(f"the adapter's {module} maps {a.shape[1]} -> {b.shape[0]} features, the base model's "
+                           f"{in_features} -> {out_features}: it was trained for another model")
+
+
+@dataclass
+class LoraAdapter:
+    """An adapter loaded on one replica: its weights keyed as the model's `LoraStep.add` calls name them."""
+
+    name: str
+    weights: dict[str, LoraWeights]
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(w.a.numel() * w.a.element_size() + w.b.numel() * w.b.element_size() for w in self.weights.values())
+
+
+class LoraStep:
+    """The adapters of one step and the rows of the packed batch each one owns."""
+
+    def __init__(self, groups: list[tuple[LoraAdapter, torch.Tensor | None]]) -> None:
+        self.groups = groups  # (adapter, its rows; None: every row of the step)
+
+    def add(self, out: torch.Tensor, x: torch.Tensor, key: str) -> torch.Tensor:
+        """`out` (a linear's output for `x`, [rows, out]) plus each adapter's delta on its own rows, in place."""
+        for adapter, rows in self.groups:
+            weights = adapter.weights.get(key)
+            if weights is None:
+                continue
+            inputs = x if rows is None else x.index_select(0, rows)
+            delta = (inputs.to(weights.a.dtype) @ weights.a.T) @ weights.b.T
+            if rows is None:
+                out += delta.to(out.dtype)
+            else:
+                out.index_add_(0, rows, delta.to(out.dtype))
+        return out
+
+    def touches(self, key: str) -> bool:
+        return any(key in adapter.weights for adapter, _ in self.groups)

@@ -1,0 +1,137 @@
+"""LoRA adapters (engine.lora): greedy output equals PEFT's unmerged model on HF `generate`, for
+requests to the base and to several adapters in one batch, chunked, on the native decoder (fused
+C++ path and torch path) and on the generic backend; what an adapter does that we cannot compute
+is refused, naming it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from engine.loader import load_model
+from engine.lora import AdapterError, read_adapter
+from engine.types import GenerationRequest, SamplingParams
+from launch import EngineConfig, build_engine
+from tests.engine.test_reference import generate_greedy, hf_greedy, prompts
+from tests.helpers import assert_all_blocks_free
+from tests.models import save_lora_adapter
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+ATTENTION = ["q_proj", "v_proj"]
+EVERY_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_models, generic_models, tmp_path_factory) -> dict:
+    """Two adapters per base: PEFT's default attention targets, and every linear with rsLoRA and an
+    alpha_pattern (per-module scales)."""
+    root = tmp_path_factory.mktemp("adapters")
+    out = {}
+    for base, path in (("llama", tiny_models["llama"]), ("gemma3", generic_models["gemma3"]),
+                       ("qwen3moe", generic_models["qwen3moe"])):
+        every = EVERY_LINEAR if base != "qwen3moe" else ["q_proj", "k_proj", "v_proj", "o_proj"]
+        out[base] = (path, {
+            "a": save_lora_adapter(path, root / f"{base}-a", ATTENTION, r=4, lora_alpha=32, seed=1),
+            "b": save_lora_adapter(path, root / f"{base}-b", every, r=8, lora_alpha=64, seed=2, use_rslora=True,
+                                   alpha_pattern={"o_proj": 16}),
+        })
+    return out
+
+
+def peft_greedy(base, adapter, prompt: list[int], max_new_tokens: int) -> list[int]:
+    from peft import PeftModel
+
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), adapter).eval()
+    return generate_greedy(model, prompt, max_new_tokens)
+
+
+def run_mixed(engine, batch: list[tuple[list[int], str]]) -> list[list[int]]:
+    outputs: dict[str, list[int]] = {}
+    for i, (prompt, adapter) in enumerate(batch):
+        engine.add_request(GenerationRequest(f"p{i}", prompt, GREEDY, adapter=adapter))
+        outputs[f"p{i}"] = []
+    while engine.has_work():
+        for event in engine.step():
+            assert event.error is None, event.error
+            outputs[event.request_id].extend(event.token_ids)
+    return [outputs[f"p{i}"] for i in range(len(batch))]
+
+
+@pytest.mark.parametrize("base, cpu_kernels", [("llama", True), ("llama", False), ("gemma3", True),
+                                              ("qwen3moe", True)], ids=["native-kernels", "native-torch",
+                                                                       "generic-gemma3", "generic-moe"])
+def test_base_and_adapters_in_one_batch_equal_peft(adapters, base, cpu_kernels):
+    path, folders = adapters[base]
+    engine = build_engine(load_model(str(path)), EngineConfig(max_num_batched_tokens=16, cpu_kernels=cpu_kernels),
+                          num_blocks=256)
+    for name, folder in folders.items():
+        engine.add_adapter(name, read_adapter(str(folder)))
+    batch = prompts(6, 300, lengths=[5, 30, 12, 19, 3, 26], seed=4)
+    names = ["", "a", "b", "a", "b", ""]  # chunked (prompts over 16 tokens), base and adapters interleaved
+    got = run_mixed(engine, list(zip(batch, names)))
+    for prompt, name, tokens in zip(batch, names, got):
+        want = hf_greedy(path, prompt, 10) if not name else peft_greedy(path, folders[name], prompt, 10)
+        assert tokens == want, name
+    # each adapter changes the output (a test that an ignored adapter would fail)
+    for name in folders:
+        assert any(tokens != hf_greedy(path, prompt, 10) for prompt, n, tokens in zip(batch, names, got) if n == name)
+    assert_all_blocks_free(engine.scheduler.kv)
+
+
+def test_a_request_for_an_adapter_not_loaded_is_refused_and_removing_one_fails_only_its_requests(adapters):
+    path, folders = adapters["llama"]
+    engine = build_engine(load_model(str(path)), EngineConfig(), num_blocks=64)
+    with pytest.raises(KeyError):
+        engine.add_request(GenerationRequest("x", [5, 6, 7], GREEDY, adapter="a"))
+    engine.add_adapter("a", read_adapter(str(folders["a"])))
+    engine.add_request(GenerationRequest("on-a", [5, 6, 7], GREEDY, adapter="a"))
+    engine.add_request(GenerationRequest("on-base", [5, 6, 7], GREEDY))
+    engine.step()
+    [failed] = engine.remove_adapter("a")
+    assert failed.request_id == "on-a" and failed.error is not None
+    tokens = []
+    while engine.has_work():
+        tokens += [t for e in engine.step() for t in e.token_ids]
+    assert len(tokens) == 9 and engine.runner.adapters == {} and engine.memory.adapter_bytes == {}
+    assert_all_blocks_free(engine.scheduler.kv)
+
+
+@pytest.mark.parametrize("change, why", [
+    ({"use_dora": True}, "DoRA"),
+    ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
+    ({"bias": "lora_only"}, "trained biases"),
+    ({"peft_type": "IA3"}, "only LoRA adapters"),
+])
+def test_what_we_do_not_compute_is_refused_naming_it(adapters, tmp_path, change, why):
+    _, folders = adapters["llama"]
+    folder = tmp_path / "adapter"
+    folder.mkdir()
+    config = json.loads((folders["a"] / "adapter_config.json").read_text())
+    (folder / "adapter_config.json").write_text(json.dumps({**config, **change}))
+    (folder / "adapter_model.safetensors").write_bytes((folders["a"] / "adapter_model.safetensors").read_bytes())
+    with pytest.raises(AdapterError, match=why):
+        read_adapter(str(folder))
+
+
+def test_pickled_adapters_are_never_loaded(adapters, tmp_path):
+    _, folders = adapters["llama"]
+    (tmp_path / "adapter_config.json").write_text((folders["a"] / "adapter_config.json").read_text())
+    torch.save({}, tmp_path / "adapter_model.bin")
+    with pytest.raises(AdapterError, match="pickle, never loaded"):
+        read_adapter(str(tmp_path))
+
+
+def test_an_adapter_of_another_model_does_not_fit(adapters, tiny_models, tmp_path):
+    """A Qwen3 adapter (32-wide heads) on the Llama base: refused, naming the module and both shapes."""
+    other = save_lora_adapter(tiny_models["qwen3"], tmp_path / "qwen3", ATTENTION)
+    path, _ = adapters["llama"]
+    engine = build_engine(load_model(str(path)), EngineConfig(), num_blocks=16)
+    with pytest.raises(AdapterError, match="trained for another model"):
+        engine.add_adapter("other", read_adapter(str(other)))
+    embedding = save_lora_adapter(path, tmp_path / "embed", ["embed_tokens"])
+    with pytest.raises(AdapterError, match="embedding"):
+        read_adapter(str(embedding))
+    assert engine.runner.adapters == {}
