@@ -28,6 +28,7 @@ from engine.loader import (
     max_token_chars,
     package_path,
 )
+from engine.lora import AdapterError, check_adapter_folder, read_adapter
 from engine.model_runner import GIB, CacheConfig, ModelRunner, num_kv_blocks
 from engine.speculative import SpeculativeConfig
 from engine.worker import DeviceWorker, Emit
@@ -139,6 +140,12 @@ class EngineLoader:
 
     def registration_problem(self, spec: ModelVersion) -> str | None:
         """Why `spec` could not load here (its source or device), found without loading it; None: it could."""
+        if "base" in spec.options:
+            try:
+                check_adapter_folder(spec.source)
+            except AdapterError as exc:
+                return str(exc)
+            return None
         try:
             self.devices_for(spec)
             check_source(spec.source, spec.kind)
@@ -152,6 +159,9 @@ class EngineLoader:
         """Per replica: what it took last time, else checkpoint size (plus the CPU KV budget if generative)."""
         if spec.ref in self.measured_bytes:
             return self.measured_bytes[spec.ref]
+        if "base" in spec.options:  # its weights at most twice over (a bfloat16 file loaded as float32)
+            file = Path(spec.source).expanduser() / "adapter_model.safetensors"
+            return 2 * file.stat().st_size if file.is_file() else 0
         if spec.kind != "generate":
             try:
                 return checkpoint_bytes(resolve_encoder_path(spec.source))
@@ -201,6 +211,28 @@ class EngineLoader:
             architecture=loaded.architecture, family=loaded.family, backend=loaded.backend,
         )
 
+    def load_adapter(self, spec: ModelVersion, base: ServedModel) -> ServedModel:
+        """A LoRA adapter loaded onto every replica of its loaded `base`, served as a model of its own
+        (its own name, versions, limits and metrics) over the base's engines and tokenizer."""
+        adapter = read_adapter(spec.source)
+        attached = []
+        try:
+            for replica in base.replicas:
+                replica.worker.attach_adapter(replica.engine_id, spec.ref, adapter).result()
+                attached.append(replica)
+        except BaseException:
+            for replica in attached:
+                replica.worker.detach_adapter(replica.engine_id, spec.ref).result()
+            raise
+        self.measured_bytes[spec.ref] = adapter.num_bytes
+        return dataclasses.replace(
+            base, name=spec.name, version=spec.version, created=int(time.time()), draining=False,
+            replicas=[Replica(r.worker, r.engine_id, r.device) for r in base.replicas], adapter=spec.ref, base=base.ref,
+            shared_prefix_cache=bool(spec.options.get("shared_prefix_cache", False)),
+            tool_parser=spec.options.get("tool_parser", base.tool_parser),
+            reasoning_parser=spec.options.get("reasoning_parser", base.reasoning_parser),
+            sampling_defaults={**base.sampling_defaults, **spec.options.get("sampling_defaults", {})})
+
     def new_engine(self, spec: ModelVersion, loaded: LoadedModel) -> LLMEngine:
         """One replica's engine for `spec` (tests override it to inject faults: tests/faults.py)."""
         return build_engine(loaded, model_engine_config(self.cfg, spec), source=spec.source)
@@ -216,6 +248,10 @@ class EngineLoader:
         """Detach every replica (the workers drop the engines and free their memory), or stop an encoder."""
         if isinstance(served, ServedEncoder):
             unload_encoder(served)
+            return
+        if served.adapter:
+            for replica in served.replicas:
+                replica.worker.detach_adapter(replica.engine_id, served.adapter).result()
             return
         for replica in served.replicas:
             replica.worker.detach(replica.engine_id).result()

@@ -22,13 +22,25 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 
 import structlog
 
 from engine.batcher import BatcherStats, DynamicBatcher, Pending
 from engine.cpu_share import CpuShare
 from engine.engine import LLMEngine
+from engine.inbox import (
+    STOP,
+    Abort,
+    Add,
+    Attach,
+    AttachEncoder,
+    Command,
+    Detach,
+    DetachEncoder,
+    Encode,
+    Profile,
+    SetAdapter,
+)
 from engine.lora import PeftAdapter
 from engine.profiler import StepProfiler
 from engine.types import GENERATION_FAILED, EngineStats, FinishReason, GenerationRequest, TokenEvent
@@ -39,70 +51,6 @@ Emit = Callable[[list[TokenEvent]], None]
 
 BURST_QUIET_S = 0.005  # an idle worker's first request waits this long for the next one
 BURST_MAX_S = 0.05  # and gathers a burst for at most this long
-
-
-@dataclass
-class _Add:
-    engine_id: str
-    request: GenerationRequest
-
-
-@dataclass
-class _Abort:
-    engine_id: str
-    request_id: str
-
-
-@dataclass
-class _Attach:
-    engine_id: str
-    engine: LLMEngine
-    done: Future = field(default_factory=Future)
-
-
-@dataclass
-class _Detach:
-    engine_id: str
-    done: Future = field(default_factory=Future)
-
-
-@dataclass
-class _Adapter:
-    """Load a LoRA adapter onto an engine (`adapter` set), or drop it (None)."""
-
-    engine_id: str
-    name: str
-    adapter: PeftAdapter | None
-    done: Future = field(default_factory=Future)
-
-
-@dataclass
-class _AttachEncoder:
-    encoder_id: str
-    batcher: DynamicBatcher
-    done: Future = field(default_factory=Future)
-
-
-@dataclass
-class _DetachEncoder:
-    encoder_id: str
-    done: Future = field(default_factory=Future)
-
-
-@dataclass
-class _Encode:
-    encoder_id: str
-    pending: Pending
-
-
-@dataclass
-class _Profile:
-    seconds: float
-    done: Future = field(default_factory=Future)
-
-
-_STOP = object()
-Command = _Attach | _Detach | _Adapter | _AttachEncoder | _DetachEncoder | _Profile
 
 
 class DeviceWorker:
@@ -123,45 +71,45 @@ class DeviceWorker:
 
     def attach(self, engine_id: str, engine: LLMEngine) -> Future:
         """Add an engine (done when the worker has it)."""
-        return self._command(_Attach(engine_id, engine))
+        return self._command(Attach(engine_id, engine))
 
     def detach(self, engine_id: str) -> Future:
         """Drop an engine and free its memory (its requests should have drained first)."""
-        return self._command(_Detach(engine_id))
+        return self._command(Detach(engine_id))
 
     def attach_adapter(self, engine_id: str, name: str, adapter: PeftAdapter) -> Future:
         """Load a LoRA adapter onto an engine, between steps (the future raises AdapterError if it does not fit)."""
-        return self._command(_Adapter(engine_id, name, adapter))
+        return self._command(SetAdapter(engine_id, name, adapter))
 
     def detach_adapter(self, engine_id: str, name: str) -> Future:
         """Drop an adapter from an engine (its requests should have drained; any left end with an error)."""
-        return self._command(_Adapter(engine_id, name, None))
+        return self._command(SetAdapter(engine_id, name, None))
 
     def attach_encoder(self, encoder_id: str, batcher: DynamicBatcher) -> EncoderClient:
         """Run an encoder's batches on this thread; the client is what callers submit to."""
-        self._command(_AttachEncoder(encoder_id, batcher)).result()
+        self._command(AttachEncoder(encoder_id, batcher)).result()
         return EncoderClient(self, encoder_id, batcher)
 
     def detach_encoder(self, encoder_id: str) -> Future:
         """Drop an encoder and free its memory; inputs still waiting fail (drain it first)."""
-        return self._command(_DetachEncoder(encoder_id))
+        return self._command(DetachEncoder(encoder_id))
 
     def start(self) -> None:
         self._thread.start()
 
     def submit(self, engine_id: str, request: GenerationRequest) -> None:
-        self._inbox.put(_Add(engine_id, request))
+        self._inbox.put(Add(engine_id, request))
 
     def abort(self, engine_id: str, request_id: str) -> None:
-        self._inbox.put(_Abort(engine_id, request_id))
+        self._inbox.put(Abort(engine_id, request_id))
 
     def encode(self, encoder_id: str, pending: Pending) -> None:
-        self._inbox.put(_Encode(encoder_id, pending))
+        self._inbox.put(Encode(encoder_id, pending))
 
     def profile(self, seconds: float) -> Future:
         """Record a torch profiler trace of this worker's steps for `seconds`; the future gets
         the Chrome-trace JSON bytes (or `ProfilerBusy` while another recording runs)."""
-        command = _Profile(seconds)
+        command = Profile(seconds)
         self._inbox.put(command)
         return command.done
 
@@ -170,7 +118,7 @@ class DeviceWorker:
         return self.engines[engine_id].last_stats
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        self._inbox.put(_STOP)
+        self._inbox.put(STOP)
         if self._thread.is_alive():
             self._thread.join(timeout_s)
 
@@ -284,17 +232,17 @@ class DeviceWorker:
         burst = 0
         try:
             item = self._inbox.get(timeout=wait_s) if wait_s != 0.0 else self._inbox.get_nowait()
-            burst_ends = time.monotonic() + BURST_MAX_S if wait_s != 0.0 and isinstance(item, _Add) else None
+            burst_ends = time.monotonic() + BURST_MAX_S if wait_s != 0.0 and isinstance(item, Add) else None
             while True:
-                if item is _STOP:
+                if item is STOP:
                     return False
                 self._apply(item)
-                burst += burst_ends is not None and isinstance(item, _Add)
+                burst += burst_ends is not None and isinstance(item, Add)
                 try:
                     item = self._inbox.get_nowait()
                 except queue.Empty:
                     left = burst_ends - time.monotonic() if burst_ends is not None else 0.0
-                    if left <= 0 or not isinstance(item, _Add):
+                    if left <= 0 or not isinstance(item, Add):
                         raise
                     item = self._inbox.get(timeout=min(BURST_QUIET_S, left))
         except queue.Empty:
@@ -303,25 +251,25 @@ class DeviceWorker:
             if burst:
                 self.burst_sizes[burst] = self.burst_sizes.get(burst, 0) + 1
 
-    def _apply(self, item: _Add | _Abort | _Encode | Command) -> None:
+    def _apply(self, item: Add | Abort | Encode | Command) -> None:
         try:
-            if isinstance(item, _Add):
+            if isinstance(item, Add):
                 self._add(item)
-            elif isinstance(item, _Abort):
+            elif isinstance(item, Abort):
                 self.engines[item.engine_id].abort(item.request_id)
-            elif isinstance(item, _Encode):
+            elif isinstance(item, Encode):
                 self._encode(item)
-            elif isinstance(item, _Attach):
+            elif isinstance(item, Attach):
                 self.engines[item.engine_id] = item.engine
                 item.done.set_result(None)
-            elif isinstance(item, _Adapter):
+            elif isinstance(item, SetAdapter):
                 self._set_adapter(item)
-            elif isinstance(item, _AttachEncoder):
+            elif isinstance(item, AttachEncoder):
                 self.encoders[item.encoder_id] = item.batcher
                 item.done.set_result(None)
-            elif isinstance(item, _Profile):
+            elif isinstance(item, Profile):
                 self.profiler.start(item.seconds, item.done)
-            elif isinstance(item, _DetachEncoder):
+            elif isinstance(item, DetachEncoder):
                 self._detach_encoder(item)
             else:
                 self._detach(item)
@@ -330,7 +278,7 @@ class DeviceWorker:
             if isinstance(item, Command) and not item.done.done():
                 item.done.set_exception(exc)
 
-    def _add(self, item: _Add) -> None:
+    def _add(self, item: Add) -> None:
         """Hand a request to its engine; one that cannot be added ends at once with an error event
         (its client must not wait forever for a request the worker dropped)."""
         try:
@@ -347,7 +295,7 @@ class DeviceWorker:
             self.emit([TokenEvent(item.request.request_id, "", [], len(item.request.prompt_token_ids), 0,
                                   finish_reason=FinishReason.ERROR, error=GENERATION_FAILED)])
 
-    def _set_adapter(self, item: _Adapter) -> None:
+    def _set_adapter(self, item: SetAdapter) -> None:
         engine = self.engines.get(item.engine_id)
         if item.adapter is not None:
             if engine is None:
@@ -357,14 +305,14 @@ class DeviceWorker:
             self.emit(engine.remove_adapter(item.name))
         item.done.set_result(None)
 
-    def _encode(self, item: _Encode) -> None:
+    def _encode(self, item: Encode) -> None:
         batcher = self.encoders.get(item.encoder_id)
         if batcher is None:
             item.pending.future.set_exception(RuntimeError(f"encoder {item.encoder_id!r} is not loaded"))
         else:
             batcher.add(item.pending)
 
-    def _detach(self, item: _Detach) -> None:
+    def _detach(self, item: Detach) -> None:
         engine = self.engines.pop(item.engine_id, None)
         if engine is not None and engine.num_unfinished:
             log.warning("detaching an engine with unfinished requests", engine=item.engine_id,
@@ -373,7 +321,7 @@ class DeviceWorker:
         self._free_memory()
         item.done.set_result(None)
 
-    def _detach_encoder(self, item: _DetachEncoder) -> None:
+    def _detach_encoder(self, item: DetachEncoder) -> None:
         batcher = self.encoders.pop(item.encoder_id, None)
         if batcher is not None:
             batcher.fail_all(RuntimeError(f"encoder {item.encoder_id!r} was unloaded"))

@@ -86,6 +86,8 @@ class ServedModel:
     architecture: str = ""  # config.json's, e.g. Qwen3ForCausalLM
     family: str = ""  # config.json's model_type, e.g. qwen3_moe
     backend: str = "native"  # how the engine runs it: native (our fused decoder) | generic (transformers' code)
+    adapter: str = ""  # a LoRA adapter: its name on the base's engines (the replicas are the base's); "": none
+    base: str = ""  # a LoRA adapter: the ref (name@version) of the base version it runs over
 
     @property
     def ref(self) -> str:
@@ -98,8 +100,10 @@ class ServedModel:
     def cache_salt(self, request: GenerationRequest) -> str:
         """The request's prefix-cache namespace: its tenant's own unless the model shares across
         tenants (a prefix hit shows in timing, so tenants must not probe each other's prompts),
-        plus the client's own `cache_salt`."""
-        return request.cache_salt if self.shared_prefix_cache else f"{request.tenant}\x00{request.cache_salt}"
+        plus the client's own `cache_salt`. An adapter's KV differs from its base's for the same tokens, so
+        each adapter has a namespace of its own on the engines they share."""
+        salt = request.cache_salt if self.shared_prefix_cache else f"{request.tenant}\x00{request.cache_salt}"
+        return f"lora:{self.adapter}\x00{salt}" if self.adapter else salt
 
     def pick_replica(self, request: GenerationRequest) -> Replica:
         """Least loaded, or with several replicas the one likely to hold the prompt's longest
@@ -256,6 +260,7 @@ class Router:
         ticket = self.admission.admit(limits or TenantLimits(request.tenant), estimate)
         seed_sampling(request)
         request.cache_salt = model.cache_salt(request)
+        request.adapter = model.adapter
         replica = model.pick_replica(request)
         stream = RequestStream(request, model, replica, ticket)
         self.streams[request.request_id] = stream

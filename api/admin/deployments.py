@@ -56,8 +56,11 @@ VersionOptions = create_model(
 class ModelCreate(Strict):
     name: Name
     version: Name = "1"
-    source: str = Field(min_length=1, description="A local model folder or a Hugging Face hub id.")
+    source: str = Field(min_length=1, description="A local model folder or a Hugging Face hub id; with `base`, a "
+                        "PEFT LoRA adapter folder.")
     kind: Literal["generate", "embed", "classify"] = "generate"
+    base: str | None = Field(None, min_length=1, description="Makes this version a LoRA adapter over this generate "
+                             "model's weights (`name` or `name@version`): the same as `options.base`.")
     options: VersionOptions = VersionOptions()
 
 
@@ -207,8 +210,8 @@ async def deployment_json(request: web.Request, name: str) -> dict[str, Any]:
 
 async def create_model(request: web.Request) -> web.Response:
     body = await parse_body(request, ModelCreate)
-    vs = await services(request).models.register(body.name, body.version, body.source, body.kind,
-                                            body.options.model_dump(exclude_none=True))
+    options = body.options.model_dump(exclude_none=True) | ({"base": body.base} if body.base else {})
+    vs = await services(request).models.register(body.name, body.version, body.source, body.kind, options)
     return json_response(version_json(vs), status=201)
 
 

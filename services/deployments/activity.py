@@ -36,11 +36,12 @@ class Activity:
         router.finish_listeners.append(self.on_finish)
         router.encoder_finish_listeners.append(self.on_encoder_finish)
 
-    def touch(self, served: Served) -> None:
-        """`served` was just used: restart its idle (keep_alive) clock."""
-        vs = self.versions.get(served.ref)
-        if vs is not None:
-            vs.last_used_s = time.monotonic()
+    def touch(self, served: Served, now: float | None = None) -> None:
+        """`served` was just used: restart its idle (keep_alive) clock, and a LoRA adapter's base's too."""
+        now = now if now is not None else time.monotonic()
+        for ref in (served.ref, getattr(served, "base", "")):
+            if ref in self.versions:
+                self.versions[ref].last_used_s = now
 
     def on_finish(self, stream: RequestStream, event: TokenEvent) -> None:
         """Router hook: every finished request feeds its version's health window and idle clock
@@ -57,8 +58,7 @@ class Activity:
 
     def _record(self, served: Served, ok: bool, latency_s: float) -> None:
         now = time.monotonic()
-        if served.ref in self.versions:
-            self.versions[served.ref].last_used_s = now
+        self.touch(served, now)
         self.canaries.record(served, ok, latency_s, now)
 
     async def run(self) -> None:
@@ -68,8 +68,9 @@ class Activity:
             now = time.monotonic()
             for vs in list(self.versions.values()):
                 served = vs.served
+                busy = served is not None and any(a.served.num_in_flight for a in self.loading.adapters_on(vs))
                 if (served is not None and not served.draining and not vs.spec.pinned and vs.keep_alive_s > 0
-                        and served.num_in_flight == 0 and now - vs.last_used_s > vs.keep_alive_s):
+                        and served.num_in_flight == 0 and not busy and now - vs.last_used_s > vs.keep_alive_s):
                     self._background.spawn(self.loading.unload(vs, "keep_alive"))
             for name in list(self.router.deployments):
                 self.canaries.check(name, force=True)

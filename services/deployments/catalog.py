@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
 from scheduling.encoders import ServedEncoder
+from scheduling.rollout import parse_model_ref
 from scheduling.router import Router, ServedModel
 from services.deployments.loading import VersionState
 from services.errors import ModelNotFoundError
@@ -42,12 +43,27 @@ def model_cards(router: Router, versions: dict[str, VersionState]) -> list[dict[
         created = served.created if served is not None else registered_at(versions, name)
         generative = isinstance(served, ServedModel)
         defaults = model_defaults(served) if generative else None
+        kind = kind_of(router, versions, name)
         cards.append({"id": name, "object": "model", "created": created, "owned_by": "galley",
-                      "kind": kind_of(router, versions, name), "max_model_len": limit, "sampling_defaults": defaults,
+                      "kind": kind, "max_model_len": limit, "sampling_defaults": defaults,
                       "architecture": served.architecture if generative else None,
                       "family": served.family if generative else None,
-                      "backend": served.backend if generative else None, "ready": served is not None})
+                      "backend": served.backend if generative else None,
+                      "modalities": ["text"], "parent": parent_of(versions, name),
+                      "adapters": adapters_of(versions, name) if kind == "generate" else [],
+                      "ready": served is not None})
     return cards
+
+
+def parent_of(versions: dict[str, VersionState], name: str) -> str | None:
+    """A LoRA adapter's base model name (as vLLM's model cards say `parent`); None for a model with weights."""
+    base = next((vs.base for vs in versions.values() if vs.spec.name == name and vs.base), None)
+    return parse_model_ref(base)[0] if base else None
+
+
+def adapters_of(versions: dict[str, VersionState], name: str) -> list[str]:
+    """The names of the LoRA adapters registered over a model."""
+    return sorted({vs.spec.name for vs in versions.values() if vs.base and parse_model_ref(vs.base)[0] == name})
 
 
 def registered_at(versions: dict[str, VersionState], name: str) -> int:

@@ -21,7 +21,8 @@ import structlog
 
 from engine.types import FinishReason, GenerationRequest, SamplingParams
 from scheduling.encoders import ServedEncoder
-from scheduling.router import Router, Served
+from scheduling.rollout import parse_model_ref
+from scheduling.router import Router, Served, ServedModel
 from services.background import BackgroundTasks
 from services.deployments.offload import in_fresh_thread
 from services.errors import ServiceUnavailableError
@@ -48,6 +49,7 @@ class Loader(Protocol):
     def devices_for(self, spec: ModelVersion) -> list[str]: ...
     def estimate_bytes(self, spec: ModelVersion) -> int: ...
     def load(self, spec: ModelVersion, on_progress: Callable[[str, float], None] | None = None) -> Served: ...
+    def load_adapter(self, spec: ModelVersion, base: ServedModel) -> ServedModel: ...
     def unload(self, served: Served) -> None: ...
 
 
@@ -88,6 +90,11 @@ class VersionState:
     def keep_alive_s(self) -> float:
         return float(self.spec.options.get("keep_alive", 0))
 
+    @property
+    def base(self) -> str | None:
+        """A LoRA adapter's base (`name` or `name@version`, as registered); None for a model with weights."""
+        return self.spec.options.get("base")
+
 
 class Loading:
     """Loads and unloads the versions in `versions` (the manager's registry view, shared)."""
@@ -110,21 +117,45 @@ class Loading:
         return vs.loading
 
     async def _load(self, vs: VersionState) -> Served:
+        base = await self._load_base(vs) if vs.base else None  # before the lock, which the base's load takes
         async with self._lock:
             if vs.served is not None and not vs.served.draining:
                 return vs.served
             if vs.served is not None:  # draining: let it finish unloading before loading anew
                 await self._unload_locked(vs, "reload")
-            return await self._load_locked(vs)
+            return await self._load_locked(vs, base)
 
-    async def _load_locked(self, vs: VersionState) -> Served:
+    async def _load_base(self, vs: VersionState) -> VersionState:
+        """An adapter's base version, loaded: the one it names, else its model's stable version now."""
+        name, version = parse_model_ref(vs.base)
+        deployment = self.router.deployments.get(name)
+        version = version or (deployment.stable if deployment is not None else None)
+        base = self.versions.get(f"{name}@{version}")
+        if base is None or base.base:
+            self.set_state(vs, "failed", f"its base `{vs.base}` is not a registered model with weights")
+            raise LoadFailed(vs.error)
+        try:
+            await self.task(base)
+        except LoadFailed as exc:
+            self.set_state(vs, "failed", f"its base `{base.ref}` failed to load: {exc}")
+            raise LoadFailed(vs.error) from exc
+        return base
+
+    async def _load_locked(self, vs: VersionState, base: VersionState | None = None) -> Served:
         started = time.monotonic()
         served = None
         try:
-            vs.devices = self.loader.devices_for(vs.spec)
-            await self._make_room(vs)
-            self.set_state(vs, "loading")
-            served = await in_fresh_thread(self.loader.load, vs.spec, partial(self._on_progress, vs))
+            if base is not None:  # a LoRA adapter, onto its base's engines
+                if base.served is None or base.served.draining:
+                    raise RuntimeError(f"its base `{base.ref}` was unloaded while it waited to load")
+                vs.devices = base.devices
+                self.set_state(vs, "loading")
+                served = await in_fresh_thread(self.loader.load_adapter, vs.spec, base.served)
+            else:
+                vs.devices = self.loader.devices_for(vs.spec)
+                await self._make_room(vs)
+                self.set_state(vs, "loading")
+                served = await in_fresh_thread(self.loader.load, vs.spec, partial(self._on_progress, vs))
             vs.load_phase = "warming up"
             await self._warm_up(served)
         except Exception as exc:
@@ -172,6 +203,8 @@ class Loading:
         served = vs.served
         if served is None:
             return
+        for adapter in self.adapters_on(vs):  # they run on its engines: they go first, each drained
+            await self._unload_locked(adapter, reason)
         served.draining = True
         while served.num_in_flight:
             await asyncio.sleep(0.02)
@@ -185,6 +218,12 @@ class Loading:
     async def unload(self, vs: VersionState, reason: str) -> None:
         async with self._lock:
             await self._unload_locked(vs, reason)
+
+    def adapters_on(self, base: VersionState) -> list[VersionState]:
+        """The loaded LoRA adapters running over `base`'s engines."""
+        return [v for v in self.versions.values()
+                if v.served is not None and base.served is not None and getattr(v.served, "base", "") == base.ref
+                and v.served is not base.served]
 
     def _used_bytes(self, device: str, exclude: VersionState) -> int:
         return sum(v.mem_bytes for v in self.versions.values()

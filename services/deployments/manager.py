@@ -245,6 +245,8 @@ class ModelManager:
                                 param="kind", code="kind_mismatch")
         if spec.ref in self.versions:
             raise ConflictError(f"`{spec.ref}` is already registered.", param="version", code="version_exists")
+        if "base" in spec.options:
+            self._check_base(spec)
         problem = await asyncio.to_thread(self.loader.registration_problem, spec) if self.loader else None
         if problem is not None:  # refused now, not as a 503 on every request once it fails to load
             raise InvalidRequestError(f"cannot register `{spec.ref}`: {problem}", param="source",
@@ -263,6 +265,18 @@ class ModelManager:
         if spec.pinned:
             self._warm_in_background(spec.ref)
         return vs
+
+    def _check_base(self, spec: ModelVersion) -> None:
+        """An adapter's base must be a registered generate model (or version) that is not itself an adapter."""
+        base = spec.options["base"]
+        name, version = parse_model_ref(base)
+        bases = [vs.spec for vs in self.versions.values()
+                 if vs.spec.name == name and version in (None, vs.spec.version)]
+        if not bases:
+            raise InvalidRequestError(f"base: `{base}` is not a registered model", param="base", code="base_not_found")
+        if bases[0].kind != "generate" or any("base" in b.options for b in bases):
+            raise InvalidRequestError(f"base: `{base}` is not a generate model of its own (an adapter's base is "
+                                      "a model with weights)", param="base", code="base_not_a_model")
 
     # ---- what the registry holds (catalog.py) -------------------------------------------
 

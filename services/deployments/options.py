@@ -76,14 +76,25 @@ OPTIONS: dict[str, Option] = {option.name: option for option in (
     Option("sampling_defaults", dict, "what a request that leaves a field out gets: temperature, top_p, top_k, "
            "min_p, repetition_penalty, frequency_penalty, presence_penalty, max_tokens; over the model's "
            "generation_config.json", GENERATE),
+    Option("base", str, "makes this version a LoRA adapter (its source a PEFT adapter folder) served over the "
+           "weights of this generate model (`name`: its stable version at load; or `name@version`)", GENERATE),
     Option("max_batch", int, "most inputs in one forward (default 32)", ENCODERS, ge=1, le=65536),
     Option("max_wait_ms", float, "how long a batch waits to fill (default 5)", ENCODERS, ge=0, le=1000),
 )}
 
 
+# what an adapter takes from its base's engine, so cannot set for itself
+BASE_ONLY = ("dtype", "device", "max_model_len", "backend", "quantization", "speculative")
+
+
 def check_options(options: Mapping[str, Any], kind: str | None = None) -> dict[str, Any]:
     """The options, checked; ValueError names the first bad one (as `options.NAME: why`). With a
     `kind`, an option that means nothing for it is refused too."""
+    if "base" in options:
+        if set_here := [name for name in BASE_ONLY if name in options]:
+            raise ValueError(f"options.{set_here[0]}: an adapter runs on its base's engine; set it on the base")
+        if not isinstance(options["base"], str) or not options["base"].strip("@") or options["base"].count("@") > 1:
+            raise ValueError("options.base: must be a model name or name@version")
     for name, value in options.items():
         option = OPTIONS.get(name)
         if option is None:

