@@ -142,7 +142,8 @@ class Sequence:
         self.num_prompt_tokens = len(request.prompt_token_ids)
         self.num_computed_tokens = 0
         self.block_table: list[int] = []
-        self.cache_salt = request.cache_salt
+        # an adapter's KV differs from its base's for the same tokens: a namespace of its own
+        self.cache_salt = f"lora:{request.adapter}\x00{request.cache_salt}" if request.adapter else request.cache_salt
         self.adapter = request.adapter
         self.block_hashes: list[bytes] = []  # prefix-cache hashes of full blocks, computed as needed
         self.num_cached_blocks = 0  # leading blocks of `block_table` registered in the prefix cache

@@ -100,10 +100,8 @@ class ServedModel:
     def cache_salt(self, request: GenerationRequest) -> str:
         """The request's prefix-cache namespace: its tenant's own unless the model shares across
         tenants (a prefix hit shows in timing, so tenants must not probe each other's prompts),
-        plus the client's own `cache_salt`. An adapter's KV differs from its base's for the same tokens, so
-        each adapter has a namespace of its own on the engines they share."""
-        salt = request.cache_salt if self.shared_prefix_cache else f"{request.tenant}\x00{request.cache_salt}"
-        return f"lora:{self.adapter}\x00{salt}" if self.adapter else salt
+        plus the client's own `cache_salt` (the engine adds a LoRA adapter's name: `engine.types.Sequence`)."""
+        return request.cache_salt if self.shared_prefix_cache else f"{request.tenant}\x00{request.cache_salt}"
 
     def pick_replica(self, request: GenerationRequest) -> Replica:
         """Least loaded, or with several replicas the one likely to hold the prompt's longest

@@ -103,8 +103,18 @@ class LifecycleMetrics:
         registry_.register(self)
 
     def collect(self):
-        """`galley_models_loaded{device}`, and `galley_model_state{model,version,state} 1` per version."""
+        """`galley_models_loaded{device}`, `galley_model_state{model,version,state} 1` per version, and
+        `galley_adapters_loaded{model,version}`: LoRA adapters loaded over each base version."""
         yield self.loaded()
+        adapters = GaugeMetricFamily("galley_adapters_loaded", "LoRA adapter versions loaded over each base version",
+                                     labels=["model", "version"])
+        counts: dict[str, int] = {}
+        for vs in self.versions.values():
+            if vs.served is not None and getattr(vs.served, "base", ""):
+                counts[vs.served.base] = counts.get(vs.served.base, 0) + 1
+        for ref, count in sorted(counts.items()):
+            adapters.add_metric(list(parse_model_ref(ref)), count)
+        yield adapters
         family = GaugeMetricFamily("galley_model_state", "1 for each model version's state "
                                    "(unloaded, loading, ready, failed)", labels=["model", "version", "state"])
         for name, version, state in version_states(self.router, self.versions):

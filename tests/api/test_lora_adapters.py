@@ -75,6 +75,7 @@ async def test_adapters_and_their_base_answer_together_each_as_peft(make_stack, 
                        expected(base, adapters["b"], longer)]
     assert stack.metric("galley_prefix_cache_hits_total") >= 3 * 32
     assert stack.metric("galley_requests_total", model="tiny-a") >= 2
+    assert stack.metric("galley_adapters_loaded", model="tiny", version="1") == 2
 
     cards = {card.id: card.model_extra for card in (await sdk.models.list()).data}
     assert cards["tiny"]["adapters"] == ["tiny-a", "tiny-b"] and cards["tiny"]["parent"] is None

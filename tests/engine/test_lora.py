@@ -81,6 +81,23 @@ def test_base_and_adapters_in_one_batch_equal_peft(adapters, base, cpu_kernels):
     assert_all_blocks_free(engine.scheduler.kv)
 
 
+def test_prefix_hits_stay_within_their_adapter(adapters):
+    """The same prompt under the base and each adapter, then longer ones: every prefix hit reads KV that
+    the same adapter (or the base) computed."""
+    path, folders = adapters["llama"]
+    engine = build_engine(load_model(str(path)), EngineConfig(), num_blocks=64)
+    for name, folder in folders.items():
+        engine.add_adapter(name, read_adapter(str(folder)))
+    [prompt] = prompts(1, 300, lengths=[40], seed=5)
+    names = ["", "a", "b"]
+    for extra in ([], [7, 8, 9]):
+        got = run_mixed(engine, [(prompt + extra, name) for name in names])
+        assert got == [hf_greedy(path, prompt + extra, 10)] + [peft_greedy(path, folders[n], prompt + extra, 10)
+                                                              for n in names[1:]]
+    assert engine.scheduler.kv.num_hit_tokens >= 3 * 32
+    assert_all_blocks_free(engine.scheduler.kv)
+
+
 def test_a_request_for_an_adapter_not_loaded_is_refused_and_removing_one_fails_only_its_requests(adapters):
     path, folders = adapters["llama"]
     engine = build_engine(load_model(str(path)), EngineConfig(), num_blocks=64)
