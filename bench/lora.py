@@ -102,7 +102,7 @@ def main() -> None:
         engine = build_engine(load_model(str(base)), EngineConfig(max_num_seqs=args.streams), num_blocks=4096)
         for i, folder in enumerate(folders):
             engine.add_adapter(f"a{i}", read_adapter(str(folder)))
-        names = ["", *(f"a{i}" for i in range(args.adapters))]
+        names = [*(f"a{i}" for i in range(args.adapters)), ""]
         workloads = {"base": lambda n: [""] * n, "one adapter": lambda n: ["a0"] * n,
                      "mixed": lambda n: [names[i % len(names)] for i in range(n)]}
         engine_tok_s(engine, [p[:8] for p in prompts[:2]], ["", "a0"], 4)  # warm-up

@@ -36,7 +36,7 @@ def cache_dir(tmp_path_factory):
 
 
 @needs_smollm2
-def test_smollm2_gguf_greedy_equals_transformers_on_the_same_file(cache_dir):
+def test_smollm2_gguf_greedy_equals_transformers_on_the_same_file(cache_dir, tmp_path):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     loaded = load_model(SMOLLM2)
@@ -59,6 +59,28 @@ def test_smollm2_gguf_greedy_equals_transformers_on_the_same_file(cache_dir):
         out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False)[0, len(prompt):]
         assert tokens == out.tolist()  # both stop at the same EOS, or at 24 tokens
     assert "Paris" in tokenizer.decode(ours[0])
+
+    # a LoRA adapter over the same real weights (random, of a trained adapter's size): equal to PEFT's
+    # unmerged model, and different from the base
+    from peft import LoraConfig, get_peft_model
+
+    from engine.lora import read_adapter
+    from tests.engine.test_lora import run_mixed
+
+    torch.manual_seed(0)
+    peft = get_peft_model(hf, LoraConfig(r=8, lora_alpha=16, init_lora_weights=False, target_modules=[
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])).eval()
+    for name, param in peft.named_parameters():
+        if "lora_B" in name:
+            param.data.mul_(0.2)
+    peft.save_pretrained(tmp_path / "adapter")
+    engine.add_adapter("tuned", read_adapter(str(tmp_path / "adapter")))
+    adapted = run_mixed(engine, [(prompt, "tuned") for prompt in prompts], max_tokens=24)
+    for prompt, tokens in zip(prompts, adapted):
+        ids = torch.tensor([prompt])
+        out = peft.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False)
+        assert tokens == out[0, len(prompt):].tolist()
+    assert adapted != ours
 
 
 def assert_progress_rises_to_done(reports: list[tuple[str, float]], phases: list[str]) -> None:

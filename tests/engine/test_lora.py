@@ -48,10 +48,12 @@ def peft_greedy(base, adapter, prompt: list[int], max_new_tokens: int) -> list[i
     return generate_greedy(model, prompt, max_new_tokens)
 
 
-def run_mixed(engine, batch: list[tuple[list[int], str]]) -> list[list[int]]:
+def run_mixed(engine, batch: list[tuple[list[int], str]], max_tokens: int | None = None) -> list[list[int]]:
+    """Greedy tokens of each (prompt, adapter) in one batch; with `max_tokens`, stopping at EOS too."""
+    params = GREEDY if max_tokens is None else SamplingParams(max_tokens=max_tokens, temperature=0.0)
     outputs: dict[str, list[int]] = {}
     for i, (prompt, adapter) in enumerate(batch):
-        engine.add_request(GenerationRequest(f"p{i}", prompt, GREEDY, adapter=adapter))
+        engine.add_request(GenerationRequest(f"p{i}", prompt, params, adapter=adapter))
         outputs[f"p{i}"] = []
     while engine.has_work():
         for event in engine.step():
