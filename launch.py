@@ -296,7 +296,8 @@ def load_encoder(spec: ModelVersion, device: str, dtype: str, worker: DeviceWork
     return ServedEncoder(
         name=spec.name, kind=spec.kind, handle=client, dimensions=encoder.dimensions,
         max_seq_len=encoder.max_seq_len, vocab_size=encoder.config.vocab_size, labels=encoder.labels,
-        multi_label=encoder.multi_label, max_waiting=max_waiting, version=spec.version,
+        multi_label=encoder.multi_label, score_activation=encoder.score_activation, max_waiting=max_waiting,
+        version=spec.version,
         created=int(time.time()), mem_bytes=weights_bytes(encoder.model),
     )
 

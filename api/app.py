@@ -9,7 +9,7 @@ import time
 import structlog
 from aiohttp import web
 
-from api import batch, conversations, health, tokenize, ws
+from api import batch, conversations, health, rerank, tokenize, ws
 from api import streams as stream_api
 from api.admin import dashboard, profiling
 from api.admin import deployments as deployments_api
@@ -85,7 +85,7 @@ def all_routes() -> list[Route]:
     return [*health.ROUTES, *models_api.ROUTES, *chat_api.ROUTES, *completions_api.ROUTES, *stream_api.ROUTES,
             *admin.ROUTES, *conversations.ROUTES, *ws.ROUTES, *batch.ROUTES, *native.ROUTES, *embeddings_api.ROUTES,
             *encoders_api.ROUTES, *deployments_api.ROUTES, *dashboard.ROUTES, *profiling.ROUTES,
-            *tokenize.ROUTES, *responses_api.ROUTES]
+            *tokenize.ROUTES, *responses_api.ROUTES, *rerank.ROUTES]
 
 
 async def run_services(app: web.Application):

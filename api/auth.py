@@ -30,7 +30,7 @@ from services.tenancy import (
 TENANT = "tenant"  # request[TENANT]: the caller's Tenant as authenticated (handlers use `tenant_of`)
 KEY_PREFIX = "api_key_prefix"  # request[KEY_PREFIX]: the prefix of the key it came with; None: no key
 IS_ADMIN = "is_admin"  # request[IS_ADMIN]: the caller presented the admin key
-TENANT_PATHS = ("/v1/", "/api/", "/ws/", "/tokenize", "/detokenize")
+TENANT_PATHS = ("/v1/", "/v2/", "/api/", "/ws/", "/tokenize", "/detokenize", "/rerank", "/score")
 WS_PATH = "/ws/"  # browsers cannot set headers on a WebSocket: these also take the key as `?token=`
 ADMIN_PATH = "/admin/api/"
 DEPLOYMENTS_PATH = "/api/v1/deployments"  # reads: a tenant key (its models, in summary) or the admin key (all);

@@ -13,6 +13,7 @@ installed Python package (how the default `minilm` ships), found through
 from __future__ import annotations
 
 import importlib.resources
+import inspect
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +34,13 @@ KNOWN_MODULES = {"Transformer", "Pooling", "Normalize"}
 POOLING_KEYS = {"cls": "pooling_mode_cls_token", "mean": "pooling_mode_mean_tokens", "max": "pooling_mode_max_tokens",
                 "mean_sqrt_len": "pooling_mode_mean_sqrt_len_tokens", "lasttoken": "pooling_mode_lasttoken",
                 "weightedmean": "pooling_mode_weightedmean_tokens"}  # sentence-transformers' 1_Pooling/config.json
+
+
+Pair = tuple[str, str]  # (query, document): a cross-encoder's input, tokenized as one sequence of two segments
+EncoderInput = str | list[int] | Pair
+# sentence-transformers' names for a cross-encoder's activation (its config.json `sentence_transformers`)
+ACTIVATIONS = {"torch.nn.modules.activation.Sigmoid": "sigmoid", "torch.nn.modules.linear.Identity": "identity",
+               "torch.nn.Sigmoid": "sigmoid", "torch.nn.Identity": "identity"}
 
 
 @dataclass(frozen=True)
@@ -157,6 +165,8 @@ class Encoder:
         # twice that leaves room for whitespace between tokens
         self.max_input_chars = self.max_seq_len * 2 * max(max_token_chars(self.tokenizer), UNKNOWN_WORD_CHARS)
         self.packed = PackedBert(self.model) if supports_packed(self.config) else None
+        # a pair's segment ids matter to models that take them (BERT); others (RoBERTa, DistilBERT) read none
+        self.takes_segments = "token_type_ids" in inspect.signature(self.model.forward).parameters
         self.group_cost = self._group_cost()  # the padded path's
 
     def _group_cost(self) -> GroupCost:
@@ -182,48 +192,74 @@ class Encoder:
     def multi_label(self) -> bool:
         return getattr(self.config, "problem_type", None) == "multi_label_classification"
 
-    def token_ids(self, inputs: list[str | list[int]]) -> list[list[int]]:
-        """Strings are tokenized (special tokens, truncated to max_seq_len); id lists are taken as given.
-        A string is cut to `max_input_chars` first: truncation keeps only its start anyway, and
-        tokenizing all of a megabyte input would hold this device's worker (and every stream on it)
-        for seconds."""
-        texts = [i[: self.max_input_chars] for i in inputs if isinstance(i, str)]
-        encoded = iter(self.tokenizer(texts, truncation=True, max_length=self.max_seq_len)["input_ids"]
-                       if texts else [])
-        return [next(encoded) if isinstance(i, str) else list(i) for i in inputs]
+    @property
+    def score_activation(self) -> str:
+        """How a cross-encoder's logit becomes a relevance score, as sentence-transformers' `CrossEncoder`
+        decides: its config's `activation_fn`, else sigmoid for one label (identity for more)."""
+        named = (getattr(self.config, "sentence_transformers", None) or {}).get("activation_fn")
+        if named in ACTIVATIONS:
+            return ACTIVATIONS[named]
+        return "sigmoid" if self.config.num_labels == 1 else "identity"
 
-    def run(self, inputs: list[str | list[int]]) -> list[EncoderOutput]:
+    def token_ids(self, inputs: list[EncoderInput]) -> list[tuple[list[int], list[int] | None]]:
+        """Each input's token ids and, for a pair, its segment ids (None: all 0). Strings are tokenized
+        (special tokens, truncated to max_seq_len), pairs as two segments (truncating the longer first,
+        as a cross-encoder's tokenizer call does); id lists are taken as given. A string is cut to
+        `max_input_chars` first: truncation keeps only its start anyway, and tokenizing all of a
+        megabyte input would hold this device's worker (and every stream on it) for seconds."""
+        cut = self.max_input_chars
+        texts = [i[:cut] for i in inputs if isinstance(i, str)]
+        pairs = [i for i in inputs if isinstance(i, tuple)]
+        singles = iter(self.tokenizer(texts, truncation=True, max_length=self.max_seq_len)["input_ids"]
+                       if texts else [])
+        if pairs:
+            encoded = self.tokenizer([a[:cut] for a, _ in pairs], [b[:cut] for _, b in pairs], truncation=True,
+                                     max_length=self.max_seq_len)
+            types = encoded.get("token_type_ids") or [None] * len(pairs)
+            paired = iter(zip(encoded["input_ids"], types))
+        return [(next(singles), None) if isinstance(i, str) else next(paired) if isinstance(i, tuple)
+                else (list(i), None) for i in inputs]
+
+    def run(self, inputs: list[EncoderInput]) -> list[EncoderOutput]:
         """The batch's outputs, in order: one packed forward, or, padded, as few forwards of
         similar lengths as cost least (usually one; padding a short input to a long one costs more)."""
-        ids = self.token_ids(inputs)
+        encoded = self.token_ids(inputs)
+        ids = [x for x, _ in encoded]
+        types = [t for _, t in encoded] if self.takes_segments and any(t is not None for _, t in encoded) else None
         if self.packed is not None:
-            return [EncoderOutput(row, len(x)) for row, x in zip(self.forward_packed(ids), ids)]
+            return [EncoderOutput(row, len(x)) for row, x in zip(self.forward_packed(ids, types), ids)]
         rows: list[list[float]] = [[] for _ in ids]
         for group in length_groups([len(x) for x in ids], self.group_cost):
-            for i, row in zip(group, self.forward([ids[i] for i in group])):
+            group_types = None if types is None else [types[i] for i in group]
+            for i, row in zip(group, self.forward([ids[i] for i in group], group_types)):
                 rows[i] = row
         return [EncoderOutput(row, len(x)) for row, x in zip(rows, ids)]
 
     @torch.inference_mode()
-    def forward(self, ids: list[list[int]]) -> list[list[float]]:
+    def forward(self, ids: list[list[int]], types: list[list[int] | None] | None = None) -> list[list[float]]:
         """One forward, padded on the right to the longest input: a vector or logits per input."""
         width = max(len(x) for x in ids)
         input_ids = torch.full((len(ids), width), self.pad_id, dtype=torch.long)  # [batch, seq]
         mask = torch.zeros((len(ids), width), dtype=torch.long)  # [batch, seq]
+        segments = torch.zeros((len(ids), width), dtype=torch.long)  # [batch, seq]
         for row, x in enumerate(ids):
             input_ids[row, :len(x)] = torch.tensor(x, dtype=torch.long)
             mask[row, :len(x)] = 1
+            if types is not None and types[row] is not None:
+                segments[row, :len(x)] = torch.tensor(types[row], dtype=torch.long)
         input_ids, mask = input_ids.to(self.device), mask.to(self.device)
-        out = self.model(input_ids=input_ids, attention_mask=mask)
+        extra = {"token_type_ids": segments.to(self.device)} if types is not None else {}
+        out = self.model(input_ids=input_ids, attention_mask=mask, **extra)
         if self.kind == "embed":
             return self.rows(pool(out.last_hidden_state, mask, self.sentence.pooling))  # [batch, dim]
         return self.rows(out.logits)  # [batch, num_labels]
 
     @torch.inference_mode()
-    def forward_packed(self, ids: list[list[int]]) -> list[list[float]]:
+    def forward_packed(self, ids: list[list[int]], types: list[list[int] | None] | None = None) -> list[list[float]]:
         """One packed forward (BERT family): the same outputs as `forward`, without padded linear work."""
         batch = PackedBatch.of([len(x) for x in ids], self.device)
-        h = self.packed.hidden_states(batch.pack(ids, self.device), batch)
+        segments = None if types is None else batch.pack([t or [0] * len(x) for x, t in zip(ids, types)], self.device)
+        h = self.packed.hidden_states(batch.pack(ids, self.device), batch, segments)
         if self.kind == "embed":
             return self.rows(batch.restore(pool_packed(h, batch, self.sentence.pooling)))
         return self.rows(batch.restore(self.packed.classify(h, batch)))

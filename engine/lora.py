@@ -141,12 +141,13 @@ def scale_of(config: dict, module: str, rank: int) -> float:
 
 @dataclass(frozen=True)
 class LoraWeights:
-    """One adapted linear of a model, in its own layout: delta = (x @ a.T) @ b.T, the scale folded
-    into `b`. A fused linear (the native q/k/v, gate/up) stacks its parts' A rows, and `b` is block
-    diagonal: each part's B in its own output rows and rank columns (zeros where a part is not adapted)."""
+    """One adapted linear of a model, in its own layout: delta = (x @ shrink) @ expand (punica's names),
+    i.e. A.T and (B * scale).T, stored transposed and contiguous for the matmuls. A fused linear (the
+    native q/k/v, gate/up) stacks its parts' A rows, and B is block diagonal: each part's B in its own
+    output rows and rank columns (zeros where a part is not adapted)."""
 
-    a: torch.Tensor  # [rank, in_features]
-    b: torch.Tensor  # [out_features, rank]
+    shrink: torch.Tensor  # [in_features, rank]
+    expand: torch.Tensor  # [rank, out_features]
 
 
 def fused_weights(parts: list[tuple[slice, torch.Tensor, torch.Tensor, float]], out_features: int,
@@ -159,7 +160,7 @@ def fused_weights(parts: list[tuple[slice, torch.Tensor, torch.Tensor, float]], 
         b[rows, column : column + a_part.shape[0]] = b_part.float() * scale
         column += a_part.shape[0]
     a = torch.cat([a_part.float() for _, a_part, _, _ in parts])
-    return LoraWeights(a.to(device=device, dtype=dtype).contiguous(), b.to(device=device, dtype=dtype).contiguous())
+    return LoraWeights(a.T.to(device=device, dtype=dtype).contiguous(), b.T.to(device=device, dtype=dtype).contiguous())
 
 
 def check_shape(module: str, a: torch.Tensor, b: torch.Tensor, in_features: int, out_features: int) -> None:
@@ -177,7 +178,8 @@ class LoraAdapter:
 
     @property
     def num_bytes(self) -> int:
-        return sum(w.a.numel() * w.a.element_size() + w.b.numel() * w.b.element_size() for w in self.weights.values())
+        return sum(w.shrink.numel() * w.shrink.element_size() + w.expand.numel() * w.expand.element_size()
+                   for w in self.weights.values())
 
 
 class LoraStep:
@@ -193,11 +195,13 @@ class LoraStep:
             if weights is None:
                 continue
             inputs = x if rows is None else x.index_select(0, rows)
-            delta = (inputs.to(weights.a.dtype) @ weights.a.T) @ weights.b.T
-            if rows is None:
-                out += delta.to(out.dtype)
+            shrunk = inputs.to(weights.shrink.dtype) @ weights.shrink  # [rows, rank]
+            if rows is None and out.dtype == weights.expand.dtype:
+                out.addmm_(shrunk, weights.expand)  # the expand and the add in one op
+            elif rows is None:
+                out += (shrunk @ weights.expand).to(out.dtype)
             else:
-                out.index_add_(0, rows, delta.to(out.dtype))
+                out.index_add_(0, rows, (shrunk @ weights.expand).to(out.dtype))
         return out
 
     def touches(self, key: str) -> bool:

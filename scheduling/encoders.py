@@ -44,6 +44,7 @@ class ServedEncoder:
     vocab_size: int
     labels: list[str] = field(default_factory=list)  # classify: label by output index (config id2label)
     multi_label: bool = False  # classify: sigmoid per label instead of softmax
+    score_activation: str = "sigmoid"  # a cross-encoder (classify, one label): sigmoid | identity of its logit
     max_waiting: int = 1024  # inputs submitted and not yet answered; beyond it 429
     version: str = "1"
     created: int = 0

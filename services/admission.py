@@ -59,7 +59,8 @@ class Admission:
 
         `counted=False`: a caller that waits out refusals and tries again (batch items): kept out of
         the request metrics and the failure log (it logs its own), and a busy batcher charges nothing."""
-        estimate = sum(len(x) // 4 + 2 if isinstance(x, str) else len(x) for x in items)
+        estimate = sum(len(x) // 4 + 2 if isinstance(x, str) else sum(len(t) // 4 + 2 for t in x)
+                       if isinstance(x, tuple) else len(x) for x in items)
         ticket = self._admit(model.name, limits, estimate, counted)
         used = estimate
         try:

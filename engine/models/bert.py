@@ -134,11 +134,12 @@ class PackedBert:
         return (counts - before) * real + self.pad_id
 
     @torch.inference_mode()
-    def hidden_states(self, flat: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
-        """[tokens] ids -> [tokens, hidden] last-layer states."""
+    def hidden_states(self, flat: torch.Tensor, batch: PackedBatch, segments: torch.Tensor | None = None
+                      ) -> torch.Tensor:
+        """[tokens] ids (and segment ids of pairs; None: all 0) -> [tokens, hidden] last-layer states."""
         emb = self.base.embeddings
-        h = (emb.word_embeddings(flat) + emb.position_embeddings(self.positions(flat, batch))
-             + emb.token_type_embeddings.weight[0])
+        types = emb.token_type_embeddings.weight[0] if segments is None else emb.token_type_embeddings(segments)
+        h = emb.word_embeddings(flat) + emb.position_embeddings(self.positions(flat, batch)) + types
         h = emb.LayerNorm(h)
         # each padded group's q, k, v layout, zeroed once: the layers write only the real slots, so
         # padding stays 0 (masked keys get weight 0, and 0 x garbage could be NaN)

@@ -40,6 +40,25 @@ class Encoders:
         outputs = await self.run(caller, model, texts, use_cache)
         return [prediction(model, out.values, function_to_apply, top_k) for out in outputs]
 
+    async def score(self, caller: Caller, model: ServedEncoder, pairs: list[tuple[str, str]],
+                    use_cache: bool | None) -> tuple[list[float], int]:
+        """The relevance of each (query, document) pair, and the tokens read. A cross-encoder (a classify
+        model with one label) reads each pair as one input, and its activation makes the score, as
+        sentence-transformers' `CrossEncoder.predict` computes it; an embed model scores by the cosine of
+        the two texts' embeddings, as vLLM does."""
+        if model.kind == "classify":
+            if len(model.labels) != 1:
+                raise InvalidRequestError(f"`{model.name}` is a classifier of {len(model.labels)} labels; scoring "
+                                          "needs a cross-encoder (one label) or an embedding model", param="model",
+                                          code="not_a_cross_encoder")
+            outputs = await self.run(caller, model, list(pairs), use_cache)
+            function = "sigmoid" if model.score_activation == "sigmoid" else "none"
+            return [scores_from_logits(out.values, function)[0] for out in outputs], sum(o.num_tokens for o in outputs)
+        texts = list(dict.fromkeys(text for pair in pairs for text in pair))  # each text embedded once
+        outputs = dict(zip(texts, await self.run(caller, model, texts, use_cache)))
+        scores = [cosine(outputs[a].values, outputs[b].values) for a, b in pairs]
+        return scores, sum(out.num_tokens for out in outputs.values())
+
     async def run(self, caller: Caller, model: ServedEncoder, items: list[str | list[int]],
                   use_cache: bool | None) -> list[Any]:
         """One output (`.values`, `.num_tokens`) per item: cached ones at once, the rest in one
@@ -79,6 +98,11 @@ def check_token_ids(model: ServedEncoder, items: list[str | list[int]]) -> None:
             if len(item) > model.max_seq_len:
                 raise InvalidRequestError(f"a token id input has {len(item)} tokens; this model takes at most "
                                           f"{model.max_seq_len}", param="input", code="context_length_exceeded")
+
+
+def cosine(a: list[float], b: list[float]) -> float:
+    norms = math.sqrt(sum(x * x for x in a)) * math.sqrt(sum(y * y for y in b))
+    return sum(x * y for x, y in zip(a, b)) / norms if norms else 0.0
 
 
 def scores_from_logits(logits: list[float], function: str) -> list[float]:
