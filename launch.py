@@ -30,6 +30,7 @@ from engine.loader import (
 )
 from engine.lora import AdapterError, check_adapter_folder, read_adapter
 from engine.model_runner import GIB, CacheConfig, ModelRunner, num_kv_blocks
+from engine.predictors import predictor_path, start_predictor
 from engine.speculative import SpeculativeConfig
 from engine.worker import DeviceWorker, Emit
 from scheduling.encoders import ServedEncoder
@@ -41,6 +42,8 @@ from services.sampling import sampling_defaults
 from storage.registry import ModelVersion
 
 log = structlog.get_logger(__name__)
+
+TENSOR_KINDS = ("onnx", "tabular")  # models of tensors in and out (engine/predictors.py)
 
 
 @dataclass(frozen=True)
@@ -110,7 +113,9 @@ def checkpoint_bytes(folder: Path) -> int:
 
 def check_source(source: str, kind: str) -> None:
     """ModelLoadError unless the source of a `kind` model can be found (see `check_model_source`)."""
-    if kind != "generate" and source.startswith("pkg:"):
+    if kind in TENSOR_KINDS:
+        predictor_path(source)
+    elif kind != "generate" and source.startswith("pkg:"):
         resolve_encoder_path(source)
     else:
         check_model_source(source)
@@ -162,6 +167,12 @@ class EngineLoader:
         if "base" in spec.options:  # its weights at most twice over (a bfloat16 file loaded as float32)
             file = Path(spec.source).expanduser() / "adapter_model.safetensors"
             return 2 * file.stat().st_size if file.is_file() else 0
+        if spec.kind in TENSOR_KINDS:
+            try:
+                path = predictor_path(spec.source)
+            except ModelLoadError:
+                return 0  # loading will fail and say why
+            return path.stat().st_size if path.is_file() else sum(f.stat().st_size for f in path.iterdir())
         if spec.kind != "generate":
             try:
                 return checkpoint_bytes(resolve_encoder_path(spec.source))
@@ -290,6 +301,15 @@ def load_encoder(spec: ModelVersion, device: str, dtype: str, worker: DeviceWork
     Batching from the options `max_batch` (32) and `max_wait_ms` (5)."""
     started = time.monotonic()
     max_batch, max_wait_ms = spec.options.get("max_batch", 32), spec.options.get("max_wait_ms", 5.0)
+    if spec.kind in TENSOR_KINDS:
+        predictor, client = start_predictor(spec.ref, spec.source, spec.kind, worker, device, max_batch, max_wait_ms)
+        log.info("model loaded", model=spec.ref, kind=spec.kind, source=spec.source, device=device,
+                 load_s=round(time.monotonic() - started, 2), max_batch=max_batch, platform=predictor.platform)
+        return ServedEncoder(
+            name=spec.name, kind=spec.kind, handle=client, dimensions=0, max_seq_len=0, vocab_size=0,
+            labels=predictor.labels, max_waiting=max_waiting, version=spec.version, created=int(time.time()),
+            mem_bytes=predictor_path(spec.source).stat().st_size, inputs=[t.as_json() for t in predictor.inputs],
+            outputs=[t.as_json() for t in predictor.outputs], platform=predictor.platform, warmup=predictor.example())
     encoder, client = start_encoder(spec.ref, spec.source, spec.kind, worker, device, dtype, max_batch, max_wait_ms)
     log.info("model loaded", model=spec.ref, kind=spec.kind, source=spec.source, device=device,
              load_s=round(time.monotonic() - started, 2), max_batch=max_batch)

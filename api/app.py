@@ -9,7 +9,7 @@ import time
 import structlog
 from aiohttp import web
 
-from api import batch, conversations, health, rerank, tokenize, ws
+from api import batch, conversations, health, oip, rerank, tokenize, ws
 from api import streams as stream_api
 from api.admin import dashboard, profiling
 from api.admin import deployments as deployments_api
@@ -25,14 +25,13 @@ from api.openai import embeddings as embeddings_api
 from api.openai import models as models_api
 from api.openai import responses_api
 from api.openapi import build_spec
-from api.routes import Route
+from api.routes import VERSION, Route
 from api.services import SERVICES
 from api.webhooks import webhook_client
 from services.wiring import Services, Settings, build_services
 
 log = structlog.get_logger(__name__)
 
-VERSION = "0.1.0"
 MAX_BODY_BYTES = 8 * 1024 * 1024
 
 
@@ -85,7 +84,7 @@ def all_routes() -> list[Route]:
     return [*health.ROUTES, *models_api.ROUTES, *chat_api.ROUTES, *completions_api.ROUTES, *stream_api.ROUTES,
             *admin.ROUTES, *conversations.ROUTES, *ws.ROUTES, *batch.ROUTES, *native.ROUTES, *embeddings_api.ROUTES,
             *encoders_api.ROUTES, *deployments_api.ROUTES, *dashboard.ROUTES, *profiling.ROUTES,
-            *tokenize.ROUTES, *responses_api.ROUTES, *rerank.ROUTES]
+            *tokenize.ROUTES, *responses_api.ROUTES, *rerank.ROUTES, *oip.ROUTES]
 
 
 async def run_services(app: web.Application):

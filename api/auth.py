@@ -31,6 +31,7 @@ TENANT = "tenant"  # request[TENANT]: the caller's Tenant as authenticated (hand
 KEY_PREFIX = "api_key_prefix"  # request[KEY_PREFIX]: the prefix of the key it came with; None: no key
 IS_ADMIN = "is_admin"  # request[IS_ADMIN]: the caller presented the admin key
 TENANT_PATHS = ("/v1/", "/v2/", "/api/", "/ws/", "/tokenize", "/detokenize", "/rerank", "/score")
+PUBLIC_PATHS = ("/v2/health/",)  # the Open Inference Protocol's liveness and readiness, as /health and /ready
 WS_PATH = "/ws/"  # browsers cannot set headers on a WebSocket: these also take the key as `?token=`
 ADMIN_PATH = "/admin/api/"
 DEPLOYMENTS_PATH = "/api/v1/deployments"  # reads: a tenant key (its models, in summary) or the admin key (all);
@@ -114,7 +115,7 @@ async def auth_middleware(request: web.Request, handler):
     elif request.path.startswith(DEPLOYMENTS_PATH) and (
             auth.enabled and request.method not in ("GET", "HEAD") or presents_admin_key(request, auth)):
         authenticate_admin(request, auth)  # changing a deployment is an admin act; reading it all, too
-    elif auth.enabled and request.path.startswith(TENANT_PATHS):
+    elif auth.enabled and request.path.startswith(TENANT_PATHS) and not request.path.startswith(PUBLIC_PATHS):
         request[TENANT] = authenticate_tenant(request, auth.directory)
     return await handler(request)
 

@@ -15,7 +15,7 @@ from typing import Any
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
-from api.auth import ADMIN_PATH, DEPLOYMENTS_PATH, TENANT_PATHS, WS_PATH
+from api.auth import ADMIN_PATH, DEPLOYMENTS_PATH, PUBLIC_PATHS, TENANT_PATHS, WS_PATH
 from api.openai.objects import ErrorResponse
 from api.routes import Route
 
@@ -86,7 +86,7 @@ def key_needed(route: Route, auth_enabled: bool) -> str | None:
         return "admin"
     if auth_enabled and route.path.startswith(DEPLOYMENTS_PATH) and route.method not in ("GET", "HEAD"):
         return "admin"
-    if auth_enabled and route.path.startswith(TENANT_PATHS):
+    if auth_enabled and route.path.startswith(TENANT_PATHS) and not route.path.startswith(PUBLIC_PATHS):
         return "tenant"
     return None
 

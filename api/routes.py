@@ -9,6 +9,7 @@ from aiohttp import web
 from pydantic import BaseModel
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+VERSION = "0.1.0"  # the server's, in /openapi.json and the Open Inference Protocol's server metadata
 
 
 @dataclass(frozen=True)

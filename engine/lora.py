@@ -183,25 +183,25 @@ class LoraAdapter:
 
 
 class LoraStep:
-    """The adapters of one step and the rows of the packed batch each one owns."""
+    """The adapters of one step and the rows of the packed batch each one owns: slices, since the runner
+    packs each adapter's rows together (at most one slice among the decodes and one among the prefills)."""
 
-    def __init__(self, groups: list[tuple[LoraAdapter, torch.Tensor | None]]) -> None:
-        self.groups = groups  # (adapter, its rows; None: every row of the step)
+    def __init__(self, groups: list[tuple[LoraAdapter, list[tuple[int, int]]]]) -> None:
+        self.groups = groups  # (adapter, its (start, end) row slices)
 
     def add(self, out: torch.Tensor, x: torch.Tensor, key: str) -> torch.Tensor:
         """`out` (a linear's output for `x`, [rows, out]) plus each adapter's delta on its own rows, in place."""
-        for adapter, rows in self.groups:
+        for adapter, slices in self.groups:
             weights = adapter.weights.get(key)
             if weights is None:
                 continue
-            inputs = x if rows is None else x.index_select(0, rows)
-            shrunk = inputs.to(weights.shrink.dtype) @ weights.shrink  # [rows, rank]
-            if rows is None and out.dtype == weights.expand.dtype:
-                out.addmm_(shrunk, weights.expand)  # the expand and the add in one op
-            elif rows is None:
-                out += (shrunk @ weights.expand).to(out.dtype)
-            else:
-                out.index_add_(0, rows, (shrunk @ weights.expand).to(out.dtype))
+            for start, end in slices:
+                rows = out[start:end]  # a view: the add lands in `out`
+                shrunk = x[start:end].to(weights.shrink.dtype) @ weights.shrink  # [rows, rank]
+                if rows.dtype == weights.expand.dtype:
+                    rows.addmm_(shrunk, weights.expand)  # the expand and the add in one op
+                else:
+                    rows += (shrunk @ weights.expand).to(rows.dtype)
         return out
 
     def touches(self, key: str) -> bool:

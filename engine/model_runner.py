@@ -81,7 +81,8 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch) -> tuple[list[ScheduledSeq], torch.Tensor]:
         """Returns the items that sample, in logits order, and their logits, [num_logits, vocab]
         float32: `item.num_logits` rows each (the last token's, then one per draft)."""
-        ordered = sorted(batch.seqs, key=lambda s: not s.is_decode)  # stable: decodes first
+        # stable: decodes first, each part grouped by LoRA adapter (so an adapter's rows are at most two slices)
+        ordered = sorted(batch.seqs, key=lambda s: (not s.is_decode, s.seq.adapter))
         input_ids: list[int] = []
         positions: list[int] = []
         slot_mapping: list[int] = []
@@ -90,11 +91,15 @@ class ModelRunner:
         decodes: list[tuple[list[int], int]] = []
         prefills: list[tuple[list[int], int, int]] = []
         bs = self.block_size
-        adapter_rows: dict[str, list[int]] = {}
+        adapter_rows: dict[str, list[tuple[int, int]]] = {}  # adapter -> its slices of the packed rows
         for item in ordered:
             seq, start, n = item.seq, item.seq.num_computed_tokens, item.num_new_tokens
             if seq.adapter:
-                adapter_rows.setdefault(seq.adapter, []).extend(range(len(input_ids), len(input_ids) + n))
+                slices, first = adapter_rows.setdefault(seq.adapter, []), len(input_ids)
+                if slices and slices[-1][1] == first:
+                    slices[-1] = (slices[-1][0], first + n)
+                else:
+                    slices.append((first, first + n))
             input_ids.extend(seq.token_ids[start : start + item.num_known_tokens])
             input_ids.extend(item.draft_token_ids)
             positions.extend(range(start, start + n))
@@ -112,8 +117,7 @@ class ModelRunner:
         as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
         lora = None
         if adapter_rows:  # KeyError for an adapter not loaded here: the engine fails the requests that name it
-            lora = LoraStep([(self.adapters[name], None if len(rows) == len(input_ids) else as_tensor(rows))
-                             for name, rows in adapter_rows.items()])
+            lora = LoraStep([(self.adapters[name], slices) for name, slices in adapter_rows.items()])
         logits = self.model(
             as_tensor(input_ids), as_tensor(positions), self.kv_caches, meta, as_tensor(logits_indices), lora=lora
         )

@@ -1,4 +1,5 @@
-"""Served encoder models (kinds `embed` and `classify`) as the API sees them, torch-free.
+"""Served encoder models (kinds `embed` and `classify`) and tensor models (`onnx`, `tabular`) as the API
+sees them, torch-free.
 
 An encoder has no KV cache and no engine step: its handle (wired in by launch.py) takes a
 list of inputs and returns a `concurrent.futures.Future` of one output per input (`.values`,
@@ -45,6 +46,12 @@ class ServedEncoder:
     labels: list[str] = field(default_factory=list)  # classify: label by output index (config id2label)
     multi_label: bool = False  # classify: sigmoid per label instead of softmax
     score_activation: str = "sigmoid"  # a cross-encoder (classify, one label): sigmoid | identity of its logit
+    # tensor models (onnx, tabular): their inputs and outputs ({"name", "datatype", "shape"}, -1: any size),
+    # the runtime (Triton's platform names), and one request of zeros to warm up with
+    inputs: list[dict] = field(default_factory=list)
+    outputs: list[dict] = field(default_factory=list)
+    platform: str = ""
+    warmup: Any = None
     max_waiting: int = 1024  # inputs submitted and not yet answered; beyond it 429
     version: str = "1"
     created: int = 0

@@ -59,8 +59,7 @@ class Admission:
 
         `counted=False`: a caller that waits out refusals and tries again (batch items): kept out of
         the request metrics and the failure log (it logs its own), and a busy batcher charges nothing."""
-        estimate = sum(len(x) // 4 + 2 if isinstance(x, str) else sum(len(t) // 4 + 2 for t in x)
-                       if isinstance(x, tuple) else len(x) for x in items)
+        estimate = sum(estimated_tokens(x) for x in items)
         ticket = self._admit(model.name, limits, estimate, counted)
         used = estimate
         try:
@@ -80,7 +79,7 @@ class Admission:
                     log.error("encoder failed", model=model.ref, exc_info=exc)  # the client gets no exception text
                 raise ServiceError(f"the {model.kind} model failed on these inputs (internal error)",
                                    code="model_failed") from exc
-            used = sum(out.num_tokens for out in outputs)
+            used = sum(getattr(out, "num_tokens", 0) for out in outputs)  # tensor models read no tokens
             if counted:
                 self.metrics.encoder_requests.labels(model.name, "ok").inc()
             return outputs
@@ -111,3 +110,13 @@ class Admission:
             if counted:
                 self.metrics.refused(model_name, exc.reason)
             raise rate_limited(exc) from exc
+
+
+def estimated_tokens(item: Any) -> int:
+    """An encoder input's tokens before the tokenizer has counted them: a text's (about 4 characters a
+    token), a pair's, or a token id list's; a tensor model's request (a dict of arrays) reads none."""
+    if isinstance(item, str):
+        return len(item) // 4 + 2
+    if isinstance(item, tuple):
+        return sum(len(text) // 4 + 2 for text in item)
+    return 0 if isinstance(item, dict) else len(item)

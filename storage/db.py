@@ -44,6 +44,7 @@ MIGRATIONS: tuple[Migration, ...] = (
     tenants.add_tenant_ids,
     streams.add_stream_tenant_id,
     conversations.add_message_extra,
+    registry.widen_model_kinds,
 )
 
 

@@ -26,7 +26,7 @@ from storage.tenants import utc_now
 if TYPE_CHECKING:
     from storage.db import Database  # storage.db imports this module for its migrations
 
-KINDS = ("generate", "embed", "classify")
+KINDS = ("generate", "embed", "classify", "onnx", "tabular")
 STATES = ("unloaded", "loading", "ready", "failed")
 EVENT_KINDS = ("deploy", "traffic", "rollback", "auto_rollback")
 
@@ -110,9 +110,34 @@ def check_traffic(traffic: Mapping[str, int]) -> None:
 # ---- schema ----------------------------------------------------------------------------
 
 
-def create_registry_tables(db: sqlite_utils.Database) -> None:
-    """Migration: model versions, deployments and their change log."""
+def widen_model_kinds(db: sqlite_utils.Database) -> None:
+    """Migration: `model_versions.kind` takes every kind of KINDS (SQLite cannot change a CHECK in place,
+    so the table is copied into one with the new check)."""
     kinds = ", ".join(f"'{k}'" for k in KINDS)
+    states = ", ".join(f"'{s}'" for s in STATES)
+    db.execute(f"""
+        CREATE TABLE model_versions_widened (
+            name TEXT NOT NULL,
+            version TEXT NOT NULL,
+            source TEXT NOT NULL,
+            kind TEXT NOT NULL CHECK (kind IN ({kinds})),
+            options TEXT NOT NULL,
+            state TEXT NOT NULL CHECK (state IN ({states})),
+            error TEXT,
+            created_at TEXT NOT NULL,
+            updated_at TEXT NOT NULL,
+            PRIMARY KEY (name, version)
+        )""")
+    db.execute("INSERT INTO model_versions_widened SELECT name, version, source, kind, options, state, error, "
+               "created_at, updated_at FROM model_versions")
+    db.execute("DROP TABLE model_versions")
+    db.execute("ALTER TABLE model_versions_widened RENAME TO model_versions")
+
+
+def create_registry_tables(db: sqlite_utils.Database) -> None:
+    """Migration: model versions, deployments and their change log (kinds as they were then:
+    `widen_model_kinds` allows today's)."""
+    kinds = "'generate', 'embed', 'classify'"
     states = ", ".join(f"'{s}'" for s in STATES)
     events = ", ".join(f"'{e}'" for e in EVENT_KINDS)
     db.execute(f"""

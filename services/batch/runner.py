@@ -45,11 +45,12 @@ from services.errors import InvalidRequestError, rate_limited
 from services.observability.metrics import Metrics
 from services.server_state import ServerState
 from services.tenancy import Caller, limits_of
-from storage import registry
 from storage.batches import BatchItem, BatchJob, BatchStore, ItemResult, ItemStatus, JobStatus, QuotaExceeded
 from storage.tenants import Tenant
 
 log = structlog.get_logger(__name__)
+
+BATCH_KINDS = ("generate", "embed", "classify")  # models whose inputs are texts
 T = TypeVar("T")
 
 DEFAULT_SECONDS_PER_TOKEN = 0.02  # for estimated_time until a model has finished items
@@ -96,7 +97,7 @@ class BatchRunner:
             except CallbackRefused as exc:
                 raise InvalidRequestError(f"callback_url {exc}", param="callback_url") from exc
         self.admission.count_request(limits_of(caller.tenant))
-        model = await self.models.route(caller, ref, kinds=registry.KINDS)
+        model = await self.models.route(caller, ref, kinds=BATCH_KINDS)
         if isinstance(model, ServedEncoder):
             kind = model.kind
             if params_given:

@@ -2,6 +2,6 @@
 
 from services.deployments.loading import VersionState
 from services.deployments.manager import Served
-from services.deployments.options import OPTIONS, SPECULATIVE_KEYS, Option
+from services.deployments.options import KINDS, OPTIONS, SPECULATIVE_KEYS, Option
 
-__all__ = ["OPTIONS", "Option", "SPECULATIVE_KEYS", "Served", "VersionState"]
+__all__ = ["KINDS", "OPTIONS", "Option", "SPECULATIVE_KEYS", "Served", "VersionState"]

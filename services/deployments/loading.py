@@ -183,7 +183,7 @@ class Loading:
         """One token through the real engine path, or one input through the encoder's real batcher,
         before the version gets any traffic (not counted in its health)."""
         if isinstance(served, ServedEncoder):
-            future = served.handle.submit(["Hello"])
+            future = served.handle.submit([served.warmup if served.warmup is not None else "Hello"])
             async with asyncio.timeout(self.cfg.load_timeout_seconds):  # not wait_for: see metrics.observe
                 outputs = await asyncio.wrap_future(future)
             if len(outputs) != 1:

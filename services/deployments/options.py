@@ -14,9 +14,10 @@ from typing import Any
 
 from services.sampling import check_sampling_defaults
 
-KINDS = ("generate", "embed", "classify")
+KINDS = ("generate", "embed", "classify", "onnx", "tabular")
 GENERATE = ("generate",)
-ENCODERS = ("embed", "classify")
+BATCHED = ("embed", "classify", "onnx", "tabular")  # behind the dynamic batcher
+TORCH = ("generate", "embed", "classify")  # torch models: their weights have a dtype
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 TOOL_PARSERS = ("hermes", "llama3_json", "mistral")  # services.answers.tool_parser's formats
 REASONING_PARSERS = ("qwen3", "deepseek_r1", "none")  # services.answers.reasoning's
@@ -56,7 +57,7 @@ class Option:
 
 
 OPTIONS: dict[str, Option] = {option.name: option for option in (
-    Option("dtype", str, "weights' dtype; auto: float32 on CPU, bfloat16 on CUDA", choices=DTYPES),
+    Option("dtype", str, "weights' dtype; auto: float32 on CPU, bfloat16 on CUDA", TORCH, choices=DTYPES),
     Option("device", str, "one of the configured devices; default: every configured device "
            "(encoders: the first)"),
     Option("pinned", bool, "stays loaded: never unloaded for idleness or memory"),
@@ -78,8 +79,9 @@ OPTIONS: dict[str, Option] = {option.name: option for option in (
            "generation_config.json", GENERATE),
     Option("base", str, "makes this version a LoRA adapter (its source a PEFT adapter folder) served over the "
            "weights of this generate model (`name`: its stable version at load; or `name@version`)", GENERATE),
-    Option("max_batch", int, "most inputs in one forward (default 32)", ENCODERS, ge=1, le=65536),
-    Option("max_wait_ms", float, "how long a batch waits to fill (default 5)", ENCODERS, ge=0, le=1000),
+    Option("max_batch", int, "most inputs (requests of a tensor model) in one forward (default 32)", BATCHED, ge=1,
+           le=65536),
+    Option("max_wait_ms", float, "how long a batch waits to fill (default 5)", BATCHED, ge=0, le=1000),
 )}
 
 

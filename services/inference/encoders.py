@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
+
 from scheduling.encoders import ServedEncoder
 from services.admission import Admission
 from services.cache.response_cache import ResponseCache
@@ -59,6 +61,15 @@ class Encoders:
         scores = [cosine(outputs[a].values, outputs[b].values) for a, b in pairs]
         return scores, sum(out.num_tokens for out in outputs.values())
 
+    async def infer(self, caller: Caller, model: ServedEncoder,
+                    tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """A tensor model's (onnx, tabular) outputs for one request's named input arrays, checked against its
+        declared inputs first; the request shares a batch with others where the model batches."""
+        check_tensors(model, tensors)
+        limits, _ = caller.limits()
+        [outputs] = await self.admission.encode(model, [tensors], limits)
+        return outputs
+
     async def run(self, caller: Caller, model: ServedEncoder, items: list[str | list[int]],
                   use_cache: bool | None) -> list[Any]:
         """One output (`.values`, `.num_tokens`) per item: cached ones at once, the rest in one
@@ -98,6 +109,37 @@ def check_token_ids(model: ServedEncoder, items: list[str | list[int]]) -> None:
             if len(item) > model.max_seq_len:
                 raise InvalidRequestError(f"a token id input has {len(item)} tokens; this model takes at most "
                                           f"{model.max_seq_len}", param="input", code="context_length_exceeded")
+
+
+NUMPY_DTYPES = {"BOOL": np.bool_, "UINT8": np.uint8, "UINT16": np.uint16, "UINT32": np.uint32, "UINT64": np.uint64,
+                "INT8": np.int8, "INT16": np.int16, "INT32": np.int32, "INT64": np.int64, "FP16": np.float16,
+                "FP32": np.float32, "FP64": np.float64, "BYTES": np.object_}
+
+
+def check_tensors(model: ServedEncoder, tensors: dict[str, np.ndarray]) -> None:
+    """400 naming the tensor unless `tensors` are exactly the model's inputs, each of its datatype, its rank,
+    its fixed dimensions, and (where the first dimension is free) all with the same number of rows."""
+    names = {spec["name"] for spec in model.inputs}
+    if unknown := sorted(set(tensors) - names):
+        raise InvalidRequestError(f"`{model.name}` has no input {unknown[0]!r}; its inputs: {', '.join(sorted(names))}",
+                                  param="inputs")
+    rows = set()
+    for spec in model.inputs:
+        name, shape = spec["name"], spec["shape"]
+        if name not in tensors:
+            raise InvalidRequestError(f"input {name!r} is missing", param="inputs")
+        array = tensors[name]
+        if array.dtype != NUMPY_DTYPES[spec["datatype"]]:
+            raise InvalidRequestError(f"input {name!r} must be {spec['datatype']}", param="inputs")
+        if array.ndim != len(shape) or any(want not in (-1, got) for want, got in zip(shape, array.shape)):
+            raise InvalidRequestError(f"input {name!r} has shape {list(array.shape)}; `{model.name}` takes {shape} "
+                                      "(-1: any size)", param="inputs")
+        if shape and shape[0] == -1:
+            rows.add(array.shape[0])
+    if len(rows) > 1:
+        raise InvalidRequestError(f"the inputs have different numbers of rows: {sorted(rows)}", param="inputs")
+    if 0 in rows:
+        raise InvalidRequestError("the inputs have no rows", param="inputs")
 
 
 def cosine(a: list[float], b: list[float]) -> float:

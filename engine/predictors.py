@@ -1,0 +1,219 @@
+"""Models that map tensors to tensors: ONNX graphs (`onnx`) and gradient-boosted trees (`tabular`:
+XGBoost `.json`/`.ubj`, LightGBM `.txt`), behind the same dynamic batcher as the encoders.
+
+A predictor declares its inputs and outputs (`TensorSpec`: name, Open Inference Protocol datatype,
+shape with -1 for a free dimension) and runs a batch of requests, each a dict of named arrays
+whose first dimension counts its rows: requests are concatenated along that dimension (where the
+model's first dimension is free), run as one, and split back. Nothing here unpickles: a
+scikit-learn model is served as ONNX (skl2onnx), and `.pkl`/`.joblib` files are refused.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from engine.loader import ModelLoadError
+
+# the Open Inference Protocol's datatypes and numpy's
+DATATYPES = {"BOOL": np.bool_, "UINT8": np.uint8, "UINT16": np.uint16, "UINT32": np.uint32, "UINT64": np.uint64,
+             "INT8": np.int8, "INT16": np.int16, "INT32": np.int32, "INT64": np.int64, "FP16": np.float16,
+             "FP32": np.float32, "FP64": np.float64, "BYTES": np.object_}
+ONNX_TYPES = {"tensor(bool)": "BOOL", "tensor(uint8)": "UINT8", "tensor(uint16)": "UINT16", "tensor(uint32)": "UINT32",
+              "tensor(uint64)": "UINT64", "tensor(int8)": "INT8", "tensor(int16)": "INT16", "tensor(int32)": "INT32",
+              "tensor(int64)": "INT64", "tensor(float16)": "FP16", "tensor(float)": "FP32", "tensor(double)": "FP64",
+              "tensor(string)": "BYTES"}
+PICKLES = (".pkl", ".pickle", ".joblib")
+Tensors = dict[str, np.ndarray]
+
+
+def datatype_of(array: np.ndarray) -> str:
+    """The OIP datatype of a numpy array."""
+    for name, dtype in DATATYPES.items():
+        if array.dtype == dtype:
+            return name
+    raise ValueError(f"no Open Inference Protocol datatype for numpy {array.dtype}")
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    datatype: str  # one of DATATYPES
+    shape: tuple[int, ...]  # -1: any size
+
+    def as_json(self) -> dict:
+        return {"name": self.name, "datatype": self.datatype, "shape": list(self.shape)}
+
+
+class Predictor:
+    """Runs batches of requests (`run`); subclasses set `inputs`, `outputs`, `platform` and `predict`."""
+
+    inputs: list[TensorSpec]
+    outputs: list[TensorSpec]
+    platform: str  # as Triton names its backends in model metadata
+    labels: list[str] = []  # a classifier's class labels, by index of its probabilities
+
+    @property
+    def batched(self) -> bool:
+        """Whether requests can share one run: every input's first dimension is free."""
+        return all(spec.shape and spec.shape[0] == -1 for spec in self.inputs)
+
+    def example(self) -> Tensors:
+        """One row of zeros of every input (a warm-up request)."""
+        return {spec.name: np.zeros([1 if d == -1 else d for d in spec.shape] or [1], DATATYPES[spec.datatype])
+                for spec in self.inputs}
+
+    def run(self, requests: list[Tensors]) -> list[Tensors]:
+        """Each request's outputs, in order: one `predict` over all of them where the model batches."""
+        if not self.batched or len(requests) == 1:
+            return [self.predict(request) for request in requests]
+        rows = [len(next(iter(request.values()))) for request in requests]
+        joined = {spec.name: np.concatenate([request[spec.name] for request in requests]) for spec in self.inputs}
+        out = self.predict(joined)
+        bounds = np.cumsum([0, *rows])
+        return [{name: value[start:end] for name, value in out.items()} for start, end in zip(bounds, bounds[1:])]
+
+    def predict(self, tensors: Tensors) -> Tensors:
+        raise NotImplementedError
+
+
+class OnnxPredictor(Predictor):
+    """An ONNX graph on onnxruntime's CPU provider (CUDA's where asked and present), one intra-op thread:
+    it runs on the device's worker thread between engine steps and must not fight the decode for cores."""
+
+    platform = "onnxruntime_onnx"
+
+    def __init__(self, path: Path, device: str = "cpu") -> None:
+        import onnxruntime
+
+        options = onnxruntime.SessionOptions()
+        options.intra_op_num_threads = 1
+        options.inter_op_num_threads = 1
+        providers = ["CPUExecutionProvider"]
+        if device.startswith("cuda") and "CUDAExecutionProvider" in onnxruntime.get_available_providers():
+            providers.insert(0, "CUDAExecutionProvider")
+        try:
+            self.session = onnxruntime.InferenceSession(str(path), options, providers=providers)
+        except Exception as exc:  # onnxruntime raises its own exception types for bad graphs
+            raise ModelLoadError(f"onnxruntime cannot load {path.name}: {exc}") from exc
+        self.inputs = [self._spec(arg) for arg in self.session.get_inputs()]
+        self.outputs = [self._spec(arg) for arg in self.session.get_outputs()]
+
+    @staticmethod
+    def _spec(arg) -> TensorSpec:
+        if arg.type not in ONNX_TYPES:
+            raise ModelLoadError(f"ONNX tensor {arg.name!r} is of type {arg.type}, which galley does not serve "
+                                 "(sequences and maps: convert classifiers with zipmap=False)")
+        return TensorSpec(arg.name, ONNX_TYPES[arg.type], tuple(d if isinstance(d, int) else -1 for d in arg.shape))
+
+    def predict(self, tensors: Tensors) -> Tensors:
+        values = self.session.run(None, {spec.name: tensors[spec.name] for spec in self.inputs})
+        return {spec.name: np.asarray(value) for spec, value in zip(self.outputs, values)}
+
+
+class TabularPredictor(Predictor):
+    """A gradient-boosted tree model, read by its own library from its own format (no pickle):
+    input `input` [rows, features]; outputs `predict` (a class index, or a value) and, for a
+    classifier, `predict_proba` [rows, classes], as scikit-learn's estimators name them."""
+
+    def __init__(self, path: Path) -> None:
+        suffix = path.suffix.lower()
+        if suffix in (".json", ".ubj"):
+            self._load_xgboost(path)
+        elif suffix == ".txt":
+            self._load_lightgbm(path)
+        else:
+            raise ModelLoadError(f"{path.name}: a tabular model is an XGBoost .json/.ubj or a LightGBM .txt file"
+                                 + (" (pickles are never loaded: save the model in its library's own format, or "
+                                    "convert it to ONNX)" if suffix in PICKLES else ""))
+        self.inputs = [TensorSpec("input", self.input_type, (-1, self.num_features))]
+        self.outputs = [TensorSpec("predict", "INT64" if self.num_classes else "FP64", (-1,))]
+        if self.num_classes:
+            self.outputs.append(TensorSpec("predict_proba", "FP64", (-1, self.num_classes)))
+            self.labels = [str(i) for i in range(self.num_classes)]
+
+    def _load_xgboost(self, path: Path) -> None:
+        import xgboost
+
+        try:
+            self.booster = xgboost.Booster(model_file=str(path))
+        except xgboost.core.XGBoostError as exc:
+            raise ModelLoadError(f"XGBoost cannot load {path.name}: {exc}") from exc
+        config = json.loads(self.booster.save_config())["learner"]
+        objective = config["objective"]["name"]
+        classes = int(config["learner_model_param"].get("num_class", "0"))
+        self.platform, self.input_type, self.num_features = "xgboost", "FP32", self.booster.num_features()
+        self.objective = objective
+        self.num_classes = 2 if objective.startswith("binary:") else classes if objective.startswith("multi:") else 0
+
+    def _load_lightgbm(self, path: Path) -> None:
+        import lightgbm
+
+        try:
+            self.booster = lightgbm.Booster(model_file=str(path))
+        except lightgbm.basic.LightGBMError as exc:
+            raise ModelLoadError(f"LightGBM cannot load {path.name}: {exc}") from exc
+        header = {}  # the model file's header lines (`objective=multiclass num_class:3`, `num_class=3`, ...)
+        with path.open() as lines:
+            for line in lines:
+                if line.startswith("Tree="):
+                    break
+                key, _, value = line.strip().partition("=")
+                header[key] = value
+        objective = header.get("objective", "regression").split()[0]
+        self.platform, self.input_type, self.num_features = "lightgbm", "FP64", self.booster.num_feature()
+        self.objective = objective
+        self.num_classes = (2 if objective in ("binary", "cross_entropy")
+                            else int(header.get("num_class", "1")) if objective in ("multiclass", "multiclassova")
+                            else 0)
+
+    def predict(self, tensors: Tensors) -> Tensors:
+        x = tensors["input"]
+        raw = (self.booster.inplace_predict(x) if self.platform == "xgboost" else self.booster.predict(x))
+        raw = np.asarray(raw, dtype=np.float64)
+        if not self.num_classes:
+            return {"predict": raw}
+        if self.objective == "multi:softmax":  # XGBoost gives the class itself
+            return {"predict": raw.astype(np.int64), "predict_proba": np.eye(self.num_classes)[raw.astype(np.int64)]}
+        proba = np.stack([1 - raw, raw], axis=1) if raw.ndim == 1 else raw
+        return {"predict": proba.argmax(axis=1).astype(np.int64), "predict_proba": proba}
+
+
+def load_predictor(path: Path, kind: str, device: str = "cpu") -> Predictor:
+    """An `onnx` or `tabular` model from its file (or a folder holding exactly one)."""
+    if path.is_dir():
+        suffixes = (".onnx",) if kind == "onnx" else (".json", ".ubj", ".txt")
+        files = [f for f in path.iterdir() if f.suffix.lower() in suffixes and f.name != "config.json"]
+        if len(files) != 1:
+            raise ModelLoadError(f"{path} holds {len(files)} {'/'.join(suffixes)} files; point the source at one")
+        path = files[0]
+    if not path.is_file():
+        raise ModelLoadError(f"model file {path} does not exist")
+    return OnnxPredictor(path, device) if kind == "onnx" else TabularPredictor(path)
+
+
+def predictor_path(source: str) -> Path:
+    """A tensor model's file or folder (`pkg:` inside a package, as encoders' sources); ModelLoadError if absent."""
+    from engine.encoders import resolve_encoder_path
+
+    path = resolve_encoder_path(source) if source.startswith("pkg:") else Path(source).expanduser()
+    if not path.exists():
+        raise ModelLoadError(f"model file {source!r} does not exist")
+    if path.is_file() and path.suffix.lower() in PICKLES:
+        raise ModelLoadError(f"{path.name} is a pickle, which galley never loads: save the model in its library's "
+                             "own format (XGBoost .json/.ubj, LightGBM .txt) or convert it to ONNX")
+    return path
+
+
+def start_predictor(predictor_id: str, source: str, kind: str, worker, device: str, max_batch: int,
+                    max_wait_ms: float):
+    """Load a tensor model and attach its batcher to the device's worker (blocking: off the event loop)."""
+    from engine.batcher import DynamicBatcher
+
+    predictor = load_predictor(predictor_path(source), kind, device)
+    predictor.run([predictor.example()])  # the first run is slow: pay for it before serving
+    return predictor, worker.attach_encoder(predictor_id, DynamicBatcher(predictor_id, predictor.run, max_batch,
+                                                                         max_wait_ms))

@@ -1,0 +1,188 @@
+"""The Open Inference Protocol over REST, driven by Triton's own client (`tritonclient.http`, asyncio and
+sync, binary tensors as it sends them by default, and JSON): an ONNX graph, XGBoost and LightGBM models
+of iris, an embedding model and a generative model, through the real app with auth on. Served outputs
+equal the libraries' own in-process predictions; bad tensors get a 400 naming what is wrong, as
+`{"error": ...}`; health and metadata answer as Triton's do."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import numpy as np
+import pytest
+import tritonclient.http as httpclient
+import tritonclient.http.aio as aioclient
+from tritonclient.utils import InferenceServerException
+
+from storage.registry import ModelVersion
+from tests.api.test_deployments import make_stack  # noqa: F401 (fixture)
+from tests.api.test_encoders import MINILM, minilm_folder
+
+
+def save_onnx(path) -> tuple[np.ndarray, np.ndarray]:
+    """y = relu(x @ w + b) and its argmax per row, over a free batch dimension; returns (w, b)."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    w, b = rng.normal(size=(4, 3)).astype(np.float32), rng.normal(size=3).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["xw"]), helper.make_node("Add", ["xw", "b"], ["z"]),
+         helper.make_node("Relu", ["z"], ["y"]), helper.make_node("ArgMax", ["y"], ["best"], axis=1, keepdims=0)],
+        "tiny", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 3]),
+         helper.make_tensor_value_info("best", TensorProto.INT64, ["batch"])],
+        [numpy_helper.from_array(w, "w"), numpy_helper.from_array(b, "b")])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    return w, b
+
+
+@pytest.fixture(scope="module")
+def tensor_models(tmp_path_factory):
+    from lightgbm import LGBMClassifier
+    from sklearn.datasets import load_iris
+    from xgboost import XGBClassifier
+
+    root = tmp_path_factory.mktemp("tensor-models")
+    x, y = load_iris(return_X_y=True)
+    xgb = XGBClassifier(n_estimators=8, max_depth=3).fit(x, y)
+    xgb.save_model(root / "iris-xgb.json")
+    lgbm = LGBMClassifier(n_estimators=8, verbose=-1).fit(x, y)
+    lgbm.booster_.save_model(str(root / "iris-lgbm.txt"))
+    w, b = save_onnx(root / "tiny.onnx")
+    return {"root": root, "x": x, "xgb": xgb, "lgbm": lgbm, "w": w, "b": b}
+
+
+@pytest.fixture
+async def stack(make_stack, tensor_models, tiny_models):  # noqa: F811
+    root = tensor_models["root"]
+    return await make_stack([ModelVersion("tiny", "1", str(tiny_models["llama"])),
+                             ModelVersion("onnx-tiny", "1", str(root / "tiny.onnx"), "onnx"),
+                             ModelVersion("iris-xgb", "1", str(root / "iris-xgb.json"), "tabular"),
+                             ModelVersion("iris-lgbm", "1", str(root / "iris-lgbm.txt"), "tabular"),
+                             ModelVersion("minilm", "1", MINILM, "embed")])
+
+
+def url_of(stack) -> str:
+    return str(stack.client.session._base_url).removeprefix("http://").rstrip("/")
+
+
+def tensor(name: str, array: np.ndarray, datatype: str, binary: bool = True) -> httpclient.InferInput:
+    made = httpclient.InferInput(name, list(array.shape), datatype)
+    made.set_data_from_numpy(array, binary_data=binary)
+    return made
+
+
+class Headers(dict):
+    """The API key, as a fresh dict each time it is read: tritonclient adds its binary header length to the
+    dict a call is given, and would send it again with the next call's JSON-only body."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__()
+        self.key = key
+
+    def __call__(self) -> dict:
+        return {"Authorization": f"Bearer {self.key}"}
+
+
+async def test_tritonclient_aio_serves_every_kind_as_its_library_predicts(stack, tensor_models):
+    auth = Headers(stack.key)
+    client = aioclient.InferenceServerClient(url_of(stack))
+    try:
+        assert await client.is_server_live() and await client.is_server_ready()
+        assert await client.is_model_ready("onnx-tiny", headers=auth())
+        x = tensor_models["x"]
+        for binary in (True, False):
+            for name, model in (("iris-xgb", tensor_models["xgb"]), ("iris-lgbm", tensor_models["lgbm"])):
+                dtype = np.float32 if name == "iris-xgb" else np.float64
+                result = await client.infer(name, [tensor("input", x[:17].astype(dtype), "FP32" if name == "iris-xgb"
+                                                          else "FP64", binary)], headers=auth())
+                assert np.allclose(result.as_numpy("predict_proba"), model.predict_proba(x[:17]), atol=1e-6), name
+                assert (result.as_numpy("predict") == model.predict(x[:17])).all(), name
+            rows = np.random.default_rng(1).normal(size=(5, 4)).astype(np.float32)
+            result = await client.infer("onnx-tiny", [tensor("x", rows, "FP32", binary)], headers=auth(),
+                                        outputs=[aioclient.InferRequestedOutput("y", binary_data=binary)])
+            want = np.maximum(rows @ tensor_models["w"] + tensor_models["b"], 0)
+            assert np.allclose(result.as_numpy("y"), want, atol=1e-6) and result.as_numpy("best") is None
+
+        texts = np.array([b"a cat on a mat", b"rivers and the sea"], dtype=object)
+        result = await client.infer("minilm", [tensor("text", texts, "BYTES")], headers=auth())
+        from sentence_transformers import SentenceTransformer
+        want = SentenceTransformer(minilm_folder(), device="cpu").encode(["a cat on a mat", "rivers and the sea"])
+        assert np.abs(result.as_numpy("embedding") - want).max() < 1e-5
+
+        prompt = np.array([b"The quick brown"], dtype=object)
+        result = await client.infer("tiny", [tensor("text_input", prompt, "BYTES")], headers=auth(),
+                                    parameters={"max_tokens": 6, "temperature": 0, "ignore_eos": True})
+        [text] = result.as_numpy("text_output")
+        status, _, body = await stack.complete("tiny", max_tokens=6)
+        assert text.decode() == body["choices"][0]["text"]  # the same prompt, greedy: /v1/completions' text
+
+        metadata = await client.get_model_metadata("iris-xgb", headers=auth())
+        assert metadata["platform"] == "xgboost" and metadata["inputs"] == [
+            {"name": "input", "datatype": "FP32", "shape": [-1, 4]}]
+        assert [o["name"] for o in metadata["outputs"]] == ["predict", "predict_proba"]
+        assert (await client.get_model_metadata("onnx-tiny", "1", headers=auth()))["versions"] == ["1"]
+        assert (await client.get_server_metadata())["name"] == "galley"
+    finally:
+        await client.close()
+
+
+async def test_concurrent_requests_share_batches_and_the_sync_client_works(stack, tensor_models):
+    headers = {"Authorization": f"Bearer {stack.key}"}
+    x = tensor_models["x"].astype(np.float32)
+
+    def one(i: int) -> np.ndarray:
+        client = httpclient.InferenceServerClient(url_of(stack))
+        try:
+            return client.infer("iris-xgb", [tensor("input", x[i:i + 3], "FP32")], headers=headers).as_numpy(
+                "predict_proba")
+        finally:
+            client.close()
+
+    got = await asyncio.gather(*(asyncio.to_thread(one, i) for i in range(0, 30, 3)))
+    assert np.allclose(np.concatenate(got), tensor_models["xgb"].predict_proba(tensor_models["x"][:30]), atol=1e-6)
+    assert stack.metric("galley_encoder_batch_size_count", model="iris-xgb") >= 1
+
+
+@pytest.mark.parametrize("inputs, why", [
+    ([{"name": "input", "shape": [2, 3], "datatype": "FP32", "data": [1, 2, 3, 4, 5, 6]}], "shape"),
+    ([{"name": "input", "shape": [1, 4], "datatype": "INT64", "data": [1, 2, 3, 4]}], "must be FP32"),
+    ([{"name": "features", "shape": [1, 4], "datatype": "FP32", "data": [1, 2, 3, 4]}], "no input"),
+    ([{"name": "input", "shape": [1, 4], "datatype": "FP32", "data": [1, 2, 3]}], "does not fit"),
+    ([{"name": "input", "shape": [1, 4], "datatype": "FP32", "data": ["a", "b", "c", "d"]}], "does not fit"),
+    ([{"name": "input", "shape": [1, 4], "datatype": "FP32", "parameters": {"binary_data_size": 16}}],
+     "runs past the body"),
+])
+async def test_bad_tensors_get_a_400_naming_them_and_change_nothing(stack, inputs, why):
+    async with aiohttp.ClientSession() as session:
+        async with session.post(f"http://{url_of(stack)}/v2/models/iris-xgb/infer", json={"inputs": inputs},
+                                headers={"Authorization": f"Bearer {stack.key}"}) as resp:
+            body = await resp.json()
+    assert resp.status == 400 and why in body["error"], body
+    client = aioclient.InferenceServerClient(url_of(stack))
+    try:
+        with pytest.raises(InferenceServerException, match="not loaded|does not exist"):
+            await client.infer("nope", [tensor("input", np.zeros((1, 4), np.float32), "FP32")],
+                               headers={"Authorization": f"Bearer {stack.key}"})
+    finally:
+        await client.close()
+
+
+async def test_generate_extension_and_its_stream(stack):
+    headers = {"Authorization": f"Bearer {stack.key}"}
+    body = {"text_input": "The quick brown", "parameters": {"max_tokens": 6, "temperature": 0, "ignore_eos": True}}
+    async with aiohttp.ClientSession(base_url=f"http://{url_of(stack)}") as session:
+        async with session.post("/v2/models/tiny/generate", json=body, headers=headers) as resp:
+            whole = await resp.json()
+        async with session.post("/v2/models/tiny/versions/1/generate_stream", json=body, headers=headers) as resp:
+            pieces = [line.decode().removeprefix("data: ").strip() async for line in resp.content
+                      if line.startswith(b"data: ")]
+        async with session.post("/v2/models/tiny/generate", json={"text_input": "x", "parameters": {
+                "temperature": 9}}, headers=headers) as resp:
+            assert resp.status == 400 and "temperature" in (await resp.json())["error"]
+    import json
+
+    assert whole["model_name"] == "tiny" and whole["text_output"]
+    assert "".join(json.loads(p)["text_output"] for p in pieces if p != "[DONE]") == whole["text_output"]
