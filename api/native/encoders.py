@@ -45,12 +45,12 @@ async def predict(request: web.Request) -> web.Response:
     started = time.monotonic()
     name = named_model(request)
     body = await parse_body(request, PredictRequest if name is None else NamedPredictRequest)
-    model = await resolve_model(request, name or body.model, user=body.user, kinds=("classify",))
     params = body.params or PredictParams()
-    texts = [body.input] if body.input is not None else list(body.inputs)
-    results = await services(request).encoders.classify(caller_of(request), model, texts,
-                                                        cache_flag(request, body.galley), params.function_to_apply,
-                                                        params.top_k)
+    ref = (name or body.model) if params.version is None else f"{(name or body.model).split('@')[0]}@{params.version}"
+    model = await resolve_model(request, ref, user=body.user, kinds=("classify", "tabular"))
+    results = await services(request).encoders.predict(caller_of(request), model, body.items(),
+                                                       cache_flag(request, body.galley), params.function_to_apply,
+                                                       params.top_k)
     if body.input is not None:
         fields = results[0]
     else:

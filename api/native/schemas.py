@@ -37,7 +37,21 @@ class EmbedResponse(BaseModel):
 # ---- /api/v1/predict ----------------------------------------------------------------------
 
 
+class TextIn(Strict):
+    text: Text
+
+
+class FeaturesIn(Strict):
+    features: Annotated[list[float], Field(min_length=1, max_length=1 << 16)] = Field(
+        description="One row of a tabular model's features, in its order.")
+
+
+PredictItem = Text | TextIn | FeaturesIn
+
+
 class PredictParams(Strict):
+    version: str | None = Field(None, min_length=1, max_length=MAX_NAME_CHARS,
+                                description="The model version to run (as `name@version`).")
     function_to_apply: Literal["softmax", "sigmoid", "none"] | None = Field(
         None, description="How logits become scores; default softmax (sigmoid for multi-label models).")
     top_k: int | None = Field(None, ge=1, le=MAX_TOP_K, description="Return only the k best-scoring labels in "
@@ -50,8 +64,9 @@ class PredictRequest(Strict):
     model_config = ConfigDict(json_schema_extra={"oneOf": [{"required": ["input"]}, {"required": ["inputs"]}]})
 
     model: str = Field(min_length=1, max_length=MAX_NAME_CHARS)
-    input: Text = None
-    inputs: Annotated[list[Text], Field(min_length=1, max_length=MAX_INPUTS)] = None
+    input: PredictItem = Field(None, description="A text (a string or `{\"text\"}`), or `{\"features\": [...]}` "
+                               "for a tabular model.")
+    inputs: Annotated[list[PredictItem], Field(min_length=1, max_length=MAX_INPUTS)] = None
     params: PredictParams | None = None
     user: str | None = Field(None, max_length=256,
                              description="End-user id: the same user keeps landing on the same version of a split.")
@@ -60,8 +75,13 @@ class PredictRequest(Strict):
     @model_validator(mode="after")
     def _one_input(self) -> PredictRequest:
         if (self.input is None) == (self.inputs is None):
-            raise ValueError("give exactly one of `input` (a string) or `inputs` (a list of strings)")
+            raise ValueError("give exactly one of `input` or `inputs` (a list)")
         return self
+
+    def items(self) -> list[str | list[float]]:
+        """Each input as a text or a row of features."""
+        given = [self.input] if self.input is not None else self.inputs
+        return [x if isinstance(x, str) else x.text if isinstance(x, TextIn) else x.features for x in given]
 
 
 class NamedPredictRequest(PredictRequest):
@@ -74,8 +94,9 @@ class PredictResponse(BaseModel):
     """For `input`: one prediction; for `inputs`: `prediction`, `confidence`, `scores` are lists."""
 
     model: str
-    prediction: str | list[str]
-    confidence: float | list[float]
+    prediction: str | float | list[str | float] = Field(description="A label, or a regressor's value.")
+    confidence: float | None | list[float | None] = Field(description="The label's probability; null for a "
+                                                          "regressor.")
     scores: dict[str, float] | list[dict[str, float]]
     model_version: str
     latency_ms: float

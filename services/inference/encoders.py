@@ -42,6 +42,31 @@ class Encoders:
         outputs = await self.run(caller, model, texts, use_cache)
         return [prediction(model, out.values, function_to_apply, top_k) for out in outputs]
 
+    async def predict(self, caller: Caller, model: ServedEncoder, items: list[str | list[float]],
+                      use_cache: bool | None, function_to_apply: str | None = None,
+                      top_k: int | None = None) -> list[dict]:
+        """One prediction (`prediction`, `confidence`, `scores`) per input: texts through a classifier, rows of
+        features through a tabular model (its class label and probabilities, or a regressor's value)."""
+        if model.kind == "classify":
+            if not all(isinstance(item, str) for item in items):
+                raise InvalidRequestError(f"`{model.name}` is a text classifier: its inputs are texts", param="inputs")
+            return await self.classify(caller, model, items, use_cache, function_to_apply, top_k)
+        if model.kind != "tabular" or not all(isinstance(item, list) for item in items):
+            raise InvalidRequestError(f"`{model.name}` is a `{model.kind}` model: predict takes texts for a classifier "
+                                      "or `features` for a tabular model (tensor models: /v2/models/{name}/infer)",
+                                      param="inputs")
+        [spec] = model.inputs
+        if any(len(item) != spec["shape"][1] for item in items):
+            raise InvalidRequestError(f"`{model.name}` takes {spec['shape'][1]} features per input", param="inputs")
+        out = await self.infer(caller, model, {spec["name"]: np.array(items, dtype=NUMPY_DTYPES[spec["datatype"]])})
+        if "predict_proba" not in out:
+            return [{"prediction": float(value), "confidence": None, "scores": {}} for value in out["predict"]]
+        results = []
+        for row in out["predict_proba"]:
+            ranked = sorted(zip(model.labels, row.tolist()), key=lambda pair: -pair[1])
+            results.append({"prediction": ranked[0][0], "confidence": ranked[0][1], "scores": dict(ranked[:top_k])})
+        return results
+
     async def score(self, caller: Caller, model: ServedEncoder, pairs: list[tuple[str, str]],
                     use_cache: bool | None) -> tuple[list[float], int]:
         """The relevance of each (query, document) pair, and the tokens read. A cross-encoder (a classify

@@ -186,3 +186,28 @@ async def test_generate_extension_and_its_stream(stack):
 
     assert whole["model_name"] == "tiny" and whole["text_output"]
     assert "".join(json.loads(p)["text_output"] for p in pieces if p != "[DONE]") == whole["text_output"]
+
+
+async def test_the_seeds_predict_bodies_as_written(stack, tensor_models):
+    """004's `inputs: [{"features": [...]}]` with `params.version`, and 001's `input: {"text": ...}` shape,
+    on the native predict routes: a tabular model's class label and probabilities, equal to the library's."""
+    headers = {"Authorization": f"Bearer {stack.key}"}
+    x = tensor_models["x"]
+    async with aiohttp.ClientSession(base_url=f"http://{url_of(stack)}") as session:
+        body = {"inputs": [{"features": row} for row in x[:3].tolist()], "params": {"version": "1"}}
+        async with session.post("/api/v1/models/iris-lgbm/predict", json=body, headers=headers) as resp:
+            answer = await resp.json()
+        assert resp.status == 200, answer
+        proba = tensor_models["lgbm"].predict_proba(x[:3])
+        assert answer["prediction"] == [str(c) for c in tensor_models["lgbm"].predict(x[:3])]
+        assert np.allclose(answer["confidence"], proba.max(axis=1)) and answer["model_version"] == "1"
+        async with session.post("/api/v1/predict", json={"model": "iris-xgb", "input": {"features": x[0].tolist()}},
+                                headers=headers) as resp:
+            one = await resp.json()
+        assert resp.status == 200 and set(one["scores"]) == {"0", "1", "2"}, one
+        for bad, why in (({"model": "iris-xgb", "input": {"features": [1.0, 2.0]}}, "4 features"),
+                         ({"model": "iris-xgb", "input": {"text": "hello"}}, "features"),
+                         ({"model": "iris-xgb", "input": "x", "params": {"version": "9"}}, "takes no traffic")):
+            async with session.post("/api/v1/predict", json=bad, headers=headers) as resp:
+                error = await resp.json()
+            assert resp.status in (400, 403) and why in error["error"]["message"], error  # 403: a tenant's key
