@@ -90,3 +90,45 @@ def test_reference_checks_pass_on_cpu(tiny_models, family):
 def test_reference_checks_pass_on_cpu_for_the_generic_backend(generic_models):
     check_matches_hf(generic_models["gemma3"], "cpu", "float32")
     check_logits_close(generic_models["gemma3"], "cpu", "float32")
+
+
+def check_lora_matches_peft(base, adapter, device: str, dtype: str) -> None:
+    """Requests to the base and to a LoRA adapter in one batch (chunked): the adapter's tokens equal PEFT's
+    unmerged model on the same device and dtype, the base's equal the model with the adapter disabled."""
+    from peft import PeftModel
+
+    from engine.lora import read_adapter
+    from tests.engine.test_lora import run_mixed
+
+    engine = build_engine(load_model(str(base), device=device, dtype=dtype), EngineConfig(max_num_batched_tokens=20),
+                          num_blocks=256)
+    engine.add_adapter("a", read_adapter(str(adapter)))
+    peft = PeftModel.from_pretrained(hf_model(base, device, dtype), adapter).eval()
+    batch = prompts(6, 300)
+    names = ["a" if i % 2 else "" for i in range(len(batch))]
+    got = run_mixed(engine, list(zip(batch, names)))
+    for prompt, name, tokens in zip(batch, names, got):
+        if name:
+            assert tokens == generate_greedy(peft, prompt, 10)
+        else:
+            with peft.disable_adapter():
+                assert tokens == generate_greedy(peft, prompt, 10)
+
+
+@pytest.fixture(scope="module")
+def lora_adapter(tiny_models, tmp_path_factory):
+    from tests.models import save_lora_adapter
+
+    return save_lora_adapter(tiny_models["llama"], tmp_path_factory.mktemp("gpu-lora") / "a",
+                             ["q_proj", "v_proj", "o_proj", "down_proj"], r=8, lora_alpha=32, seed=3)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_lora_on_cuda_matches_peft(tiny_models, lora_adapter, dtype):
+    check_lora_matches_peft(tiny_models["llama"], lora_adapter, "cuda", dtype)
+
+
+def test_lora_check_passes_on_cpu(tiny_models, lora_adapter):
+    check_lora_matches_peft(tiny_models["llama"], lora_adapter, "cpu", "float32")
