@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from storage import conversations
+from storage import registry as registry_module
 from storage.batches import BatchStore, CallbackStatus, ItemResult, ItemStatus, JobStatus
 from storage.registry import Deployment, ModelVersion, RegistryStore, Shadow, VersionExistsError
 from storage.streams import StoredAnswer, StreamRecord, StreamStatus, StreamStore
@@ -96,3 +97,27 @@ def test_the_registry_restores_registers_and_shadows(db):
     assert store.shadows() == [shadow]
     done(store.clear_shadow("tiny"))
     assert store.shadows() == []
+
+
+def test_a_registry_from_before_the_tensor_kinds_keeps_its_versions_and_takes_the_new_kinds(tmp_path):
+    """`widen_model_kinds` rebuilds `model_versions` with the new CHECK: a database written before it (its
+    kind check allowing generate, embed, classify only) keeps every row and then takes onnx and tabular."""
+    import sqlite3
+
+    from storage.db import MIGRATIONS, Database
+
+    path = tmp_path / "old.db"
+    before = MIGRATIONS[: MIGRATIONS.index(registry_module.widen_model_kinds)]
+    old = Database(path, migrations=before)
+    RegistryStore(old).register(ModelVersion("chat", "1", "/m", "generate", {"pinned": True}), "first").result()
+    with pytest.raises(sqlite3.IntegrityError):
+        RegistryStore(old).register(ModelVersion("iris", "1", "/iris.json", "tabular")).result()
+    old.close()
+    new = Database(path)
+    store = RegistryStore(new)
+    store.register(ModelVersion("iris", "1", "/iris.json", "tabular"), "first").result()
+    versions, deployments = store.restore([], "test").result()
+    assert {(v.name, v.kind, v.options.get("pinned")) for v in versions} == {("chat", "generate", True),
+                                                                           ("iris", "tabular", None)}
+    assert {d.model_name for d in deployments} == {"chat", "iris"}
+    new.close()
