@@ -211,3 +211,47 @@ async def test_the_seeds_predict_bodies_as_written(stack, tensor_models):
             async with session.post("/api/v1/predict", json=bad, headers=headers) as resp:
                 error = await resp.json()
             assert resp.status in (400, 403) and why in error["error"]["message"], error  # 403: a tenant's key
+
+
+async def test_a_tabular_model_rolls_out_rolls_back_and_loads_cold(stack, tensor_models):
+    """The registry's lifecycle for a tensor model: v2 (LightGBM's file) registered cold, deployed to all
+    traffic, rolled back; unloaded, and loaded again by the next request."""
+    from tests.api.test_auth import ADMIN
+    from tests.api.test_deployments import DEPLOYMENTS
+
+    root, x = tensor_models["root"], tensor_models["x"]
+    status, made = await stack.client.admin("POST", "/models", json={
+        "name": "iris-xgb", "version": "2", "source": str(root / "iris-lgbm.txt"), "kind": "tabular"})
+    assert status == 201 and made["state"] == "unloaded", made
+    auth = Headers(stack.key)
+    client = aioclient.InferenceServerClient(url_of(stack))
+
+    async def platform_answering() -> str:
+        dtype = np.float32
+        for _ in range(2):  # FP32 for XGBoost's input, FP64 for LightGBM's: which one answers says which version
+            try:
+                await client.infer("iris-xgb", [tensor("input", x[:2].astype(dtype), datatype_of(dtype))],
+                                   headers=auth())
+                return "xgboost" if dtype == np.float32 else "lightgbm"
+            except InferenceServerException:
+                dtype = np.float64
+        raise AssertionError("neither version answered")
+
+    try:
+        assert await platform_answering() == "xgboost"
+        status, body = await stack.client.call("POST", DEPLOYMENTS, ADMIN, json={
+            "model_name": "iris-xgb", "version": "2", "traffic_percent": 100})
+        assert status == 201, body
+        await stack.wait_state("iris-xgb@2", "ready")
+        assert await platform_answering() == "lightgbm"
+        status, _ = await stack.client.call("POST", f"{DEPLOYMENTS}/iris-xgb/rollback", ADMIN)
+        assert status == 200 and await platform_answering() == "xgboost"
+        assert (await stack.client.admin("POST", "/models/iris-xgb/versions/1/unload"))[0] == 202
+        await stack.wait_state("iris-xgb@1", "unloaded")
+        assert await platform_answering() == "xgboost"  # loaded again, cold, by this request
+    finally:
+        await client.close()
+
+
+def datatype_of(dtype) -> str:
+    return "FP32" if dtype == np.float32 else "FP64"
