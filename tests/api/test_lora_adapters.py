@@ -17,6 +17,7 @@ from tests.api.test_auth import ADMIN, assert_error
 from tests.api.test_deployments import DEPLOYMENTS, make_stack  # noqa: F401 (fixture)
 from tests.engine.test_lora import peft_greedy
 from tests.engine.test_reference import hf_greedy
+from tests.helpers import wait_until
 from tests.models import save_lora_adapter
 
 PROMPT = "The quick brown fox jumps over the lazy dog, and then " * 4  # a few KV blocks: prefix hits
@@ -104,7 +105,7 @@ async def test_adapter_versions_roll_out_and_back(make_stack, tiny_models, adapt
     status, body = await stack.client.call("POST", DEPLOYMENTS, ADMIN,
                                            json={"model_name": "tuned", "version": "2", "traffic_percent": 100})
     assert status == 201, body
-    await stack.wait_state("tuned@2", "ready")
+    await wait_until(lambda: stack.router.deployments["tuned"].stable == "2", what="v2 to take the traffic")
     assert await complete(sdk, "tuned") == expected(base, adapters["b"])
     status, body = await stack.client.call("POST", f"{DEPLOYMENTS}/tuned/rollback", ADMIN)
     assert status == 200, body

@@ -18,6 +18,7 @@ from tritonclient.utils import InferenceServerException
 from storage.registry import ModelVersion
 from tests.api.test_deployments import make_stack  # noqa: F401 (fixture)
 from tests.api.test_encoders import MINILM, minilm_folder
+from tests.helpers import wait_until
 
 
 def save_onnx(path) -> tuple[np.ndarray, np.ndarray]:
@@ -242,7 +243,7 @@ async def test_a_tabular_model_rolls_out_rolls_back_and_loads_cold(stack, tensor
         status, body = await stack.client.call("POST", DEPLOYMENTS, ADMIN, json={
             "model_name": "iris-xgb", "version": "2", "traffic_percent": 100})
         assert status == 201, body
-        await stack.wait_state("iris-xgb@2", "ready")
+        await wait_until(lambda: stack.router.deployments["iris-xgb"].stable == "2", what="v2 to take the traffic")
         assert await platform_answering() == "lightgbm"
         status, _ = await stack.client.call("POST", f"{DEPLOYMENTS}/iris-xgb/rollback", ADMIN)
         assert status == 200 and await platform_answering() == "xgboost"

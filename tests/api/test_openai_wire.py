@@ -135,7 +135,8 @@ async def test_models_list_and_retrieve(sdk):
     model = Model.model_validate_json(raw.content, strict=True)
     assert model.id == "tiny" and model.object == "model" and model.owned_by == "galley"
     assert set(model.model_extra) == {"kind", "max_model_len", "sampling_defaults", "architecture", "family",
-                                      "backend", "ready"}  # galley's additions
+                                      "backend", "modalities", "parent", "adapters", "ready"}  # galley's and vLLM's
+    assert (model.model_extra["parent"], model.model_extra["adapters"]) == (None, [])
     with pytest.raises(openai.NotFoundError) as caught:
         await sdk.models.retrieve("nope")
     assert caught.value.body["code"] == "model_not_found" and "nope" in caught.value.body["message"]
