@@ -18,6 +18,7 @@ from engine.draft_model import DraftModelProposer, load_draft, num_target_blocks
 from engine.encoders import resolve_encoder_path, start_encoder
 from engine.engine import LLMEngine
 from engine.gguf import find_gguf, float_bytes
+from engine.image_classifier import start_image_classifier
 from engine.kv_cache import KVCacheManager
 from engine.load_progress import ProgressCallback
 from engine.loader import (
@@ -310,6 +311,15 @@ def load_encoder(spec: ModelVersion, device: str, dtype: str, worker: DeviceWork
             labels=predictor.labels, max_waiting=max_waiting, version=spec.version, created=int(time.time()),
             mem_bytes=predictor_path(spec.source).stat().st_size, inputs=[t.as_json() for t in predictor.inputs],
             outputs=[t.as_json() for t in predictor.outputs], platform=predictor.platform, warmup=predictor.example())
+    if spec.kind == "image-classify":
+        classifier, client = start_image_classifier(spec.ref, resolve_encoder_path(spec.source), worker, device, dtype,
+                                                    max_batch, max_wait_ms)
+        log.info("model loaded", model=spec.ref, kind=spec.kind, source=spec.source, device=device,
+                 load_s=round(time.monotonic() - started, 2), max_batch=max_batch)
+        return ServedEncoder(
+            name=spec.name, kind=spec.kind, handle=client, dimensions=0, max_seq_len=0, vocab_size=0,
+            labels=classifier.labels, max_waiting=max_waiting, version=spec.version, created=int(time.time()),
+            mem_bytes=weights_bytes(classifier.model), warmup=classifier.example())
     encoder, client = start_encoder(spec.ref, spec.source, spec.kind, worker, device, dtype, max_batch, max_wait_ms)
     log.info("model loaded", model=spec.ref, kind=spec.kind, source=spec.source, device=device,
              load_s=round(time.monotonic() - started, 2), max_batch=max_batch)

@@ -33,6 +33,7 @@ from services.errors import InvalidRequestError, ServiceError
 
 MAX_BODY_BYTES = 64 << 20
 TEXT = {"name": "text", "datatype": "BYTES", "shape": [-1]}
+IMAGE = {"name": "image", "datatype": "BYTES", "shape": [-1]}  # each element an encoded image file (PNG, JPEG, ...)
 
 
 class OipError(BaseModel):
@@ -129,9 +130,11 @@ def signature(model: Any) -> tuple[str, list[dict], list[dict]]:
         return model.platform, model.inputs, model.outputs
     if kind_of(model) == "embed":
         return "galley_embed", [TEXT], [{"name": "embedding", "datatype": "FP32", "shape": [-1, model.dimensions]}]
-    if kind_of(model) == "classify":
-        return "galley_classify", [TEXT], [{"name": "label", "datatype": "BYTES", "shape": [-1]},
-                                           {"name": "scores", "datatype": "FP32", "shape": [-1, len(model.labels)]}]
+    if kind_of(model) in ("classify", "image-classify"):
+        image = kind_of(model) == "image-classify"
+        outputs = [{"name": "label", "datatype": "BYTES", "shape": [-1]},
+                   {"name": "scores", "datatype": "FP32", "shape": [-1, len(model.labels)]}]
+        return f"galley_{kind_of(model).replace('-', '_')}", [IMAGE if image else TEXT], outputs
     return "galley_generate", [{"name": "text_input", "datatype": "BYTES", "shape": [1]}], [
         {"name": "text_output", "datatype": "BYTES", "shape": [1]}]
 
@@ -189,28 +192,38 @@ async def run_model(request: web.Request, model: Any, tensors: dict[str, np.ndar
         out = await encoders.infer(caller, model, tensors)
         return [(spec["name"], spec["datatype"], out[spec["name"]]) for spec in model.outputs]
     _, inputs, _ = signature(model)
-    texts = text_input(tensors, inputs[0]["name"])
+    if kind_of(model) == "image-classify":
+        images = [bytes(x) for x in bytes_input(tensors, "image")]
+        return prediction_tensors(model, await encoders.classify_images(caller, model, images))
+    texts = [x.decode() for x in bytes_input(tensors, inputs[0]["name"])]
     if kind_of(model) == "embed":
         outputs = await encoders.embed(caller, model, texts, None)
         return [("embedding", "FP32", np.array([o.values for o in outputs], dtype=np.float32))]
     if kind_of(model) == "classify":
-        results = await encoders.classify(caller, model, texts, None)
-        return [("label", "BYTES", np.array([r["prediction"].encode() for r in results], dtype=object)),
-                ("scores", "FP32", np.array([[r["scores"][label] for label in model.labels] for r in results],
-                                            dtype=np.float32))]
+        return prediction_tensors(model, await encoders.classify(caller, model, texts, None))
     if len(texts) != 1:
         raise InvalidRequestError("text_input takes one prompt per request", param="inputs")
     answer, _ = await generate_text(request, model.ref, texts[0], parameters)
     return [("text_output", "BYTES", np.array([answer.encode()], dtype=object))]
 
 
-def text_input(tensors: dict[str, np.ndarray], name: str) -> list[str]:
+def bytes_input(tensors: dict[str, np.ndarray], name: str) -> list[bytes]:
     if set(tensors) != {name} or tensors[name].dtype != object:
         raise InvalidRequestError(f"this model takes one BYTES input, `{name}`", param="inputs")
-    try:
-        return [x.decode() for x in tensors[name].reshape(-1)]
-    except UnicodeDecodeError as exc:
-        raise InvalidRequestError(f"`{name}` must be UTF-8 text", param="inputs") from exc
+    items = list(tensors[name].reshape(-1))
+    if name != "image":
+        try:
+            [x.decode() for x in items]
+        except UnicodeDecodeError as exc:
+            raise InvalidRequestError(f"`{name}` must be UTF-8 text", param="inputs") from exc
+    return items
+
+
+def prediction_tensors(model: Any, results: list[dict]) -> list[tuple[str, str, np.ndarray]]:
+    """A classifier's predictions as `label` (BYTES) and `scores` (FP32, by label index)."""
+    return [("label", "BYTES", np.array([r["prediction"].encode() for r in results], dtype=object)),
+            ("scores", "FP32", np.array([[r["scores"][label] for label in model.labels] for r in results],
+                                        dtype=np.float32))]
 
 
 def generation_body(text: str, parameters: dict) -> GenerateRequest:

@@ -119,4 +119,4 @@ def estimated_tokens(item: Any) -> int:
         return len(item) // 4 + 2
     if isinstance(item, tuple):
         return sum(len(text) // 4 + 2 for text in item)
-    return 0 if isinstance(item, dict) else len(item)
+    return len(item) if isinstance(item, list) else 0  # tensors (a dict of arrays) and images read no tokens

@@ -47,7 +47,7 @@ async def predict(request: web.Request) -> web.Response:
     body = await parse_body(request, PredictRequest if name is None else NamedPredictRequest)
     params = body.params or PredictParams()
     ref = (name or body.model) if params.version is None else f"{(name or body.model).split('@')[0]}@{params.version}"
-    model = await resolve_model(request, ref, user=body.user, kinds=("classify", "tabular"))
+    model = await resolve_model(request, ref, user=body.user, kinds=("classify", "tabular", "image-classify"))
     results = await services(request).encoders.predict(caller_of(request), model, body.items(),
                                                        cache_flag(request, body.galley), params.function_to_apply,
                                                        params.top_k)

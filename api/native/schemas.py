@@ -41,12 +41,16 @@ class TextIn(Strict):
     text: Text
 
 
+class ImageIn(Strict):
+    image: str = Field(min_length=1, description="An image, base64 or a data: URL (remote URLs are not fetched).")
+
+
 class FeaturesIn(Strict):
     features: Annotated[list[float], Field(min_length=1, max_length=1 << 16)] = Field(
         description="One row of a tabular model's features, in its order.")
 
 
-PredictItem = Text | TextIn | FeaturesIn
+PredictItem = Text | TextIn | FeaturesIn | ImageIn
 
 
 class PredictParams(Strict):
@@ -64,8 +68,8 @@ class PredictRequest(Strict):
     model_config = ConfigDict(json_schema_extra={"oneOf": [{"required": ["input"]}, {"required": ["inputs"]}]})
 
     model: str = Field(min_length=1, max_length=MAX_NAME_CHARS)
-    input: PredictItem = Field(None, description="A text (a string or `{\"text\"}`), or `{\"features\": [...]}` "
-                               "for a tabular model.")
+    input: PredictItem = Field(None, description="A text (a string or `{\"text\"}`), `{\"features\": [...]}` "
+                               "for a tabular model, or `{\"image\"}` for an image classifier.")
     inputs: Annotated[list[PredictItem], Field(min_length=1, max_length=MAX_INPUTS)] = None
     params: PredictParams | None = None
     user: str | None = Field(None, max_length=256,
@@ -78,10 +82,11 @@ class PredictRequest(Strict):
             raise ValueError("give exactly one of `input` or `inputs` (a list)")
         return self
 
-    def items(self) -> list[str | list[float]]:
-        """Each input as a text or a row of features."""
+    def items(self) -> list[str | list[float] | dict]:
+        """Each input as a text, a row of features, or `{"image": ...}`."""
         given = [self.input] if self.input is not None else self.inputs
-        return [x if isinstance(x, str) else x.text if isinstance(x, TextIn) else x.features for x in given]
+        return [x if isinstance(x, str) else x.text if isinstance(x, TextIn) else x.features
+                if isinstance(x, FeaturesIn) else {"image": x.image} for x in given]
 
 
 class NamedPredictRequest(PredictRequest):

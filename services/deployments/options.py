@@ -14,10 +14,10 @@ from typing import Any
 
 from services.sampling import check_sampling_defaults
 
-KINDS = ("generate", "embed", "classify", "onnx", "tabular")
+KINDS = ("generate", "embed", "classify", "onnx", "tabular", "image-classify")
 GENERATE = ("generate",)
-BATCHED = ("embed", "classify", "onnx", "tabular")  # behind the dynamic batcher
-TORCH = ("generate", "embed", "classify")  # torch models: their weights have a dtype
+BATCHED = ("embed", "classify", "onnx", "tabular", "image-classify")  # behind the dynamic batcher
+TORCH = ("generate", "embed", "classify", "image-classify")  # torch models: their weights have a dtype
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 TOOL_PARSERS = ("hermes", "llama3_json", "mistral")  # services.answers.tool_parser's formats
 REASONING_PARSERS = ("qwen3", "deepseek_r1", "none")  # services.answers.reasoning's

@@ -16,6 +16,7 @@ from services.admission import Admission
 from services.cache.response_cache import ResponseCache
 from services.deployments.shadow import ShadowMirror
 from services.errors import InvalidRequestError
+from services.inference.images import decode_images
 from services.observability.metrics import Metrics
 from services.tenancy import Caller
 
@@ -51,6 +52,12 @@ class Encoders:
             if not all(isinstance(item, str) for item in items):
                 raise InvalidRequestError(f"`{model.name}` is a text classifier: its inputs are texts", param="inputs")
             return await self.classify(caller, model, items, use_cache, function_to_apply, top_k)
+        if model.kind == "image-classify":
+            if not all(isinstance(item, dict) and "image" in item for item in items):
+                raise InvalidRequestError(f"`{model.name}` classifies images: its inputs are {{\"image\": base64}}",
+                                          param="inputs")
+            return await self.classify_images(caller, model, [item["image"] for item in items], function_to_apply,
+                                              top_k)
         if model.kind != "tabular" or not all(isinstance(item, list) for item in items):
             raise InvalidRequestError(f"`{model.name}` is a `{model.kind}` model: predict takes texts for a classifier "
                                       "or `features` for a tabular model (tensor models: /v2/models/{name}/infer)",
@@ -66,6 +73,14 @@ class Encoders:
             ranked = sorted(zip(model.labels, row.tolist()), key=lambda pair: -pair[1])
             results.append({"prediction": ranked[0][0], "confidence": ranked[0][1], "scores": dict(ranked[:top_k])})
         return results
+
+    async def classify_images(self, caller: Caller, model: ServedEncoder, images: list[str | bytes],
+                              function_to_apply: str | None = None, top_k: int | None = None) -> list[dict]:
+        """One prediction per image (base64, a data: URL, or raw bytes), decoded off the event loop."""
+        decoded = await decode_images(images, "inputs")
+        limits, _ = caller.limits()
+        outputs = await self.admission.encode(model, decoded, limits)
+        return [prediction(model, out.values, function_to_apply, top_k) for out in outputs]
 
     async def score(self, caller: Caller, model: ServedEncoder, pairs: list[tuple[str, str]],
                     use_cache: bool | None) -> tuple[list[float], int]:
