@@ -77,7 +77,7 @@ class ModelSpec:
 
     name: str
     path: str
-    kind: str = "generate"  # generate | embed | classify
+    kind: str = "generate"  # one of MODEL_KINDS
     version: str = "1"  # registry version; several entries may share a name with different versions
     install_hint: str = ""  # set: a missing source is a warning naming this, and the server serves the rest
     options: dict[str, Any] = field(default_factory=dict)

@@ -112,9 +112,15 @@ def checkpoint_bytes(folder: Path) -> int:
     return sum(f.stat().st_size for f in files)
 
 
-def check_source(source: str, kind: str) -> None:
-    """ModelLoadError unless the source of a `kind` model can be found (see `check_model_source`)."""
-    if kind in TENSOR_KINDS:
+def check_source(source: str, kind: str, options: dict | None = None) -> None:
+    """ModelLoadError unless the source of a `kind` model can be found (see `check_model_source`); a LoRA
+    adapter's (options with a `base`) must be an adapter folder galley can serve."""
+    if "base" in (options or {}):
+        try:
+            check_adapter_folder(source)
+        except AdapterError as exc:
+            raise ModelLoadError(str(exc)) from exc
+    elif kind in TENSOR_KINDS:
         predictor_path(source)
     elif kind != "generate" and source.startswith("pkg:"):
         resolve_encoder_path(source)
@@ -146,13 +152,10 @@ class EngineLoader:
 
     def registration_problem(self, spec: ModelVersion) -> str | None:
         """Why `spec` could not load here (its source or device), found without loading it; None: it could."""
-        if "base" in spec.options:
-            try:
-                check_adapter_folder(spec.source)
-            except AdapterError as exc:
-                return str(exc)
-            return None
         try:
+            if "base" in spec.options:  # an adapter runs on its base's devices
+                check_source(spec.source, spec.kind, spec.options)
+                return None
             self.devices_for(spec)
             check_source(spec.source, spec.kind)
             if spec.kind == "generate" and (draft := model_engine_config(self.cfg, spec).speculative.model):

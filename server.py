@@ -85,7 +85,7 @@ def model_source_problem(cfg: GalleyConfig) -> str | None:
     """The first configured model whose source cannot be found, said before anything starts."""
     for model in cfg.models:
         try:
-            check_source(model.path, model.kind)
+            check_source(model.path, model.kind, model.options)
         except ModelLoadError as exc:
             return f"model `{model.name}` ([[models]] or --model): {exc}"
     return None
@@ -98,7 +98,7 @@ def without_missing_optional_models(cfg: GalleyConfig) -> GalleyConfig:
     for model in cfg.models:
         if model.install_hint:
             try:
-                check_source(model.path, model.kind)
+                check_source(model.path, model.kind, model.options)
             except ModelLoadError as exc:
                 log.warning("model not served: its source is missing", model=model.name, reason=str(exc),
                             install=model.install_hint)

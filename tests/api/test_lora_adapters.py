@@ -138,3 +138,18 @@ async def test_what_cannot_be_served_is_refused_naming_why(make_stack, tiny_mode
     assert shown["state"] == "failed" and "trained for another model" in shown["error"]
     assert await complete(sdk, "tiny") == expected(tiny_models["llama"], None)  # the base is unharmed
     await sdk.close()
+
+
+def test_a_config_file_serves_an_adapter_and_names_a_bad_one(tiny_models, adapters, tmp_path):
+    """`base = ...` in a [[models]] entry: the start-up check takes an adapter folder where a model folder
+    would be refused, and names what is wrong with one it cannot serve."""
+    from config import load_config
+    from server import model_source_problem
+
+    toml = (f'[[models]]\nname = "tiny"\npath = "{tiny_models["llama"]}"\n'
+            f'[[models]]\nname = "tuned"\npath = "{adapters["a"]}"\nbase = "tiny"\n')
+    (tmp_path / "c.toml").write_text(toml)
+    cfg = load_config(tmp_path / "c.toml")
+    assert [m.options for m in cfg.models] == [{}, {"base": "tiny"}] and model_source_problem(cfg) is None
+    (tmp_path / "c.toml").write_text(toml.replace(str(adapters["a"]), str(tiny_models["llama"])))
+    assert "adapter_config.json" in model_source_problem(load_config(tmp_path / "c.toml"))
