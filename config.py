@@ -38,6 +38,7 @@ class ConfigError(ValueError):
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
+    grpc_port: int = 8001  # the Open Inference Protocol over gRPC (Triton's port); 0: off
     data_dir: str = "data"
     drain_seconds: float = 30.0
     log_format: str = "json"  # json | console

@@ -26,6 +26,7 @@ from aiohttp import web
 
 from api.app import begin_drain, create_app, interrupt
 from api.auth import is_loopback
+from api.oip_grpc.service import start_grpc
 from api.services import SERVICES
 from config import ConfigError, GalleyConfig, load_config, with_overrides
 from engine.host_memory import keep_freed_memory
@@ -49,6 +50,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--config", help="path to a config.toml (default: embedded defaults)")
     p.add_argument("--host", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="port (default 8000)")
+    p.add_argument("--grpc-port", type=int, help="gRPC port of the Open Inference Protocol (default 8001; 0: off; "
+                   "env GALLEY_GRPC_PORT)")
     p.add_argument("--auth", action="store_true", default=None,
                    help="require API keys on /v1 and /api (needed to bind beyond loopback)")
     p.add_argument("--model", action="append", default=[], metavar="PATH_OR_HF_ID|NAME=PATH",
@@ -71,7 +74,8 @@ def build_config(args: argparse.Namespace) -> GalleyConfig:
     devices = tuple(d.strip() for d in args.device.split(",")) if args.device else None
     return with_overrides(
         cfg,
-        server={"host": args.host, "port": args.port, "data_dir": args.data_dir, "log_format": args.log_format},
+        server={"host": args.host, "port": args.port, "data_dir": args.data_dir, "log_format": args.log_format,
+                "grpc_port": args.grpc_port if args.grpc_port is not None else env_int("GALLEY_GRPC_PORT")},
         engine={"devices": devices, "dtype": args.dtype, "max_num_seqs": args.max_num_seqs,
                 "max_num_batched_tokens": args.max_num_batched_tokens},
         cache={"kv_cache_gib": args.kv_cache_gib},
@@ -79,6 +83,16 @@ def build_config(args: argparse.Namespace) -> GalleyConfig:
         model_options=args.model_option,
         auth={"enabled": args.auth},
     )
+
+
+def env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigError(f"{name}={value!r} is not a port number") from None
 
 
 def model_source_problem(cfg: GalleyConfig) -> str | None:
@@ -167,6 +181,16 @@ async def serve(cfg: GalleyConfig, db: Database, admin_key_hash: str) -> int:
     site = web.TCPSite(runner, cfg.server.host, cfg.server.port)
     await site.start()
     log.info("listening", url=f"http://{cfg.server.host}:{cfg.server.port}", models=[m.name for m in cfg.models])
+    try:
+        grpc_server = await start_grpc(app[SERVICES], cfg.server.host, cfg.server.grpc_port) \
+            if cfg.server.grpc_port else None
+    except OSError as exc:
+        log.error("cannot start the gRPC server (--grpc-port 0 turns it off)", error=str(exc))
+        await runner.cleanup()
+        stop_workers(workers)
+        return 2
+    if grpc_server is not None:
+        log.info("listening (gRPC, Open Inference Protocol)", address=f"{cfg.server.host}:{cfg.server.grpc_port}")
 
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -177,6 +201,7 @@ async def serve(cfg: GalleyConfig, db: Database, admin_key_hash: str) -> int:
     done, _ = await asyncio.wait([loading, asyncio.ensure_future(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
     if loading not in done:
         loading.cancel()
+        await stop_grpc(grpc_server)
         await runner.cleanup()
         stop_workers(workers)
         return 0
@@ -184,6 +209,7 @@ async def serve(cfg: GalleyConfig, db: Database, admin_key_hash: str) -> int:
         loading.result()
     except Exception as exc:
         log.error("model loading failed", error=str(exc))
+        await stop_grpc(grpc_server)
         await runner.cleanup()
         stop_workers(workers)
         return 1
@@ -195,10 +221,16 @@ async def serve(cfg: GalleyConfig, db: Database, admin_key_hash: str) -> int:
 
     await stop.wait()
     await drain(app, router, cfg.server.drain_seconds)
+    await stop_grpc(grpc_server)
     await runner.cleanup()
     stop_workers(workers)
     log.info("stopped")
     return 0
+
+
+async def stop_grpc(server) -> None:
+    if server is not None:
+        await server.stop(grace=1.0)  # its calls were drained with the HTTP ones
 
 
 async def drain(app: web.Application, router: Router, drain_seconds: float) -> None:

@@ -30,6 +30,8 @@ from api.versions import resolve_model
 from services.answers import generation_failed
 from services.deployments import KINDS
 from services.errors import InvalidRequestError, ServiceError
+from services.tenancy import Caller
+from services.wiring import Services
 
 MAX_BODY_BYTES = 64 << 20
 TEXT = {"name": "text", "datatype": "BYTES", "shape": [-1]}
@@ -156,13 +158,17 @@ async def ready(request: web.Request) -> web.Response:
     return web.json_response({} if state == "ok" else {"error": state}, status=200 if state == "ok" else 503)
 
 
+def model_metadata_of(svc: Services, model: Any) -> dict:
+    """A served version's metadata: its model's versions, platform, inputs and outputs (REST and gRPC)."""
+    platform, inputs, outputs = signature(model)
+    versions = sorted(v for n, v, _ in svc.models.states() if n == model.name)
+    return {"name": model.name, "versions": versions, "platform": platform, "inputs": inputs, "outputs": outputs}
+
+
 @oip
 async def model_metadata(request: web.Request) -> web.Response:
     model = await resolve_model(request, model_ref(request), kinds=KINDS)
-    platform, inputs, outputs = signature(model)
-    versions = sorted(v for n, v, _ in services(request).models.states() if n == model.name)
-    return web.json_response({"name": model.name, "versions": versions, "platform": platform, "inputs": inputs,
-                              "outputs": outputs})
+    return web.json_response(model_metadata_of(services(request), model))
 
 
 @oip
@@ -179,15 +185,15 @@ async def infer(request: web.Request) -> web.Response:
     InferRequest.model_validate(header)  # the header's types (a 400 naming the field), before reading tensors
     tensors = read_inputs(header, binary)
     model = await resolve_model(request, model_ref(request), kinds=KINDS)
-    outputs = await run_model(request, model, tensors, header.get("parameters") or {})
+    outputs = await run_model(services(request), caller_of(request), model, tensors, header.get("parameters") or {})
     body, headers = response_body(header, outputs, {"model_name": model.name, "model_version": model.version})
     return web.Response(body=body, headers=headers)
 
 
-async def run_model(request: web.Request, model: Any, tensors: dict[str, np.ndarray],
+async def run_model(svc: Services, caller: Caller, model: Any, tensors: dict[str, np.ndarray],
                     parameters: dict) -> list[tuple[str, str, np.ndarray]]:
-    """One service call for the model's kind; its outputs as (name, datatype, array)."""
-    caller, encoders = caller_of(request), services(request).encoders
+    """One service call for the model's kind; its outputs as (name, datatype, array). REST and gRPC share it."""
+    encoders = svc.encoders
     if kind_of(model) in ("onnx", "tabular"):
         out = await encoders.infer(caller, model, tensors)
         return [(spec["name"], spec["datatype"], out[spec["name"]]) for spec in model.outputs]
@@ -203,7 +209,7 @@ async def run_model(request: web.Request, model: Any, tensors: dict[str, np.ndar
         return prediction_tensors(model, await encoders.classify(caller, model, texts, None))
     if len(texts) != 1:
         raise InvalidRequestError("text_input takes one prompt per request", param="inputs")
-    answer, _ = await generate_text(request, model.ref, texts[0], parameters)
+    answer, _ = await generate_text(svc, caller, model.ref, texts[0], parameters)
     return [("text_output", "BYTES", np.array([answer.encode()], dtype=object))]
 
 
@@ -232,17 +238,18 @@ def generation_body(text: str, parameters: dict) -> GenerateRequest:
     return GenerateRequest.model_validate({"model": "-", **fields, "prompt": text})
 
 
-async def generate_text(request: web.Request, ref: str, text: str, parameters: dict) -> tuple[str, Any]:
+async def generate_text(svc: Services, caller: Caller, ref: str, text: str, parameters: dict) -> tuple[str, Any]:
     """The text and the version that generated it."""
-    generated = await services(request).inference.generate(
-        caller_of(request), prompt_input(generation_body(text, parameters), ref), stream=False, cache_asked=None)
+    generated = await svc.inference.generate(caller, prompt_input(generation_body(text, parameters), ref),
+                                             stream=False, cache_asked=None)
     return generated.result["text"], generated.model
 
 
 @oip
 async def generate(request: web.Request) -> web.Response:
     body = GenerateBody.model_validate_json(await request.read())
-    text, model = await generate_text(request, model_ref(request), body.text_input, body.parameters or {})
+    text, model = await generate_text(services(request), caller_of(request), model_ref(request), body.text_input,
+                                      body.parameters or {})
     return web.json_response({"model_name": model.name, "model_version": model.version, "text_output": text})
 
 

@@ -8,6 +8,10 @@ import threading
 import aiohttp.web_app
 import pytest
 
+# servers the tests start (python server.py) serve no gRPC unless a test asks: two on one machine would both
+# want port 8001
+os.environ.setdefault("GALLEY_GRPC_PORT", "0")
+
 from storage.db import Database
 from tests.models import FAMILIES, GENERIC_FAMILIES, save_generic_model, save_tiny_model
 
