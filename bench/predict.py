@@ -1,9 +1,10 @@
 """Light models at fixed request rates: a tabular model (XGBoost on iris) and an ONNX graph served over the
-Open Inference Protocol's REST `infer` (JSON tensors, one row a request) at 100, 500 and 1000 requests/s
-on loopback, open loop (requests leave on schedule whether or not earlier ones have answered): achieved
-rate, p50 and p99 latency, errors; beside the same model called in-process one row at a time (the floor).
+Open Inference Protocol's REST `infer` (JSON tensors, one row a request) and its gRPC `ModelInfer` (raw
+tensor bytes) at 100, 500 and 1000 requests/s on loopback, open loop (requests leave on schedule whether or
+not earlier ones have answered): achieved rate, p50 and p99 latency, errors; beside the same model called
+in-process one row at a time (the floor).
 
-The client (aiohttp, one process) shares the 2 cores with the server, so at the higher rates part of
+The client (aiohttp or grpc.aio, one process) shares the 2 cores with the server, so at the higher rates part of
 what is measured is the client's own cost; the in-process column has neither HTTP nor batching.
 
     python bench/predict.py
@@ -99,6 +100,41 @@ async def at_rate(url: str, name: str, tensor: str, datatype: str, rows: list, r
             "p99_ms": percentile_ms(latencies, 99), "errors": errors}
 
 
+async def grpc_at_rate(address: str, name: str, tensor: str, rows: list, rate: float, seconds: float) -> dict:
+    import grpc
+
+    from api.oip_grpc import inference_pb2 as pb
+    from api.oip_grpc import inference_pb2_grpc
+
+    array = np.array(rows, dtype=np.float32)
+    request = pb.ModelInferRequest(model_name=name, raw_input_contents=[array.tobytes()])
+    request.inputs.add(name=tensor, datatype="FP32", shape=list(array.shape))
+    latencies, errors = [], 0
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = inference_pb2_grpc.GRPCInferenceServiceStub(channel)
+
+        async def one() -> None:
+            nonlocal errors
+            started = time.perf_counter()
+            try:
+                await stub.ModelInfer(request)
+            except grpc.aio.AioRpcError:
+                errors += 1
+                return
+            latencies.append(time.perf_counter() - started)
+
+        tasks, begin, total = [], time.perf_counter(), int(rate * seconds)
+        for i in range(total):
+            delay = begin + i / rate - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.ensure_future(one()))
+        await asyncio.gather(*tasks)
+        elapsed = time.perf_counter() - begin
+    return {"offered": rate, "achieved": len(latencies) / elapsed, "p50_ms": percentile_ms(latencies, 50),
+            "p99_ms": percentile_ms(latencies, 99), "errors": errors}
+
+
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rates", default="100,500,1000")
@@ -113,27 +149,32 @@ async def main() -> None:
         config = "".join(f'[[models]]\nname = "{name}"\npath = "{path}"\nkind = "{kind}"\nmax_batch = 64\n'
                          f"max_wait_ms = {args.max_wait_ms}\n\n" for name, (path, kind, _) in models.items())
         config += "[response_cache]\nenabled = false\n"
-        port = free_port()
-        proc = start_server(root, ["--data-dir", str(root / "data"), "--log-format", "console"], port,
-                            root / "server.log", config_text=config, model_flag=False)
+        port, grpc_port = free_port(), free_port()
+        proc = start_server(root, ["--data-dir", str(root / "data"), "--log-format", "console", "--grpc-port",
+                                   str(grpc_port)], port, root / "server.log", config_text=config, model_flag=False)
         try:
             await wait_ready(f"http://127.0.0.1:{port}", proc)
             for name, (path, kind, rows) in models.items():
                 floor = in_process(path, kind, rows)
                 tensor = "input" if kind == "tabular" else "x"
                 for rate in map(float, args.rates.split(",")):
-                    measured = await at_rate(f"http://127.0.0.1:{port}", name, tensor, "FP32", rows, rate, args.seconds)
-                    row = {"model": name, **measured, "in_process_p50_ms": floor["p50_ms"],
-                           "in_process_p99_ms": floor["p99_ms"], "in_process_rate": floor["rate"]}
-                    rows_out.append(row)
-                    print(json.dumps(row), flush=True)
+                    for protocol in ("REST", "gRPC"):
+                        measured = (await at_rate(f"http://127.0.0.1:{port}", name, tensor, "FP32", rows, rate,
+                                                  args.seconds) if protocol == "REST" else
+                                    await grpc_at_rate(f"127.0.0.1:{grpc_port}", name, tensor, rows, rate,
+                                                       args.seconds))
+                        row = {"model": name, "protocol": protocol, **measured, "in_process_p50_ms": floor["p50_ms"],
+                               "in_process_p99_ms": floor["p99_ms"], "in_process_rate": floor["rate"]}
+                        rows_out.append(row)
+                        print(json.dumps(row), flush=True)
         finally:
             stop_server(proc)
-    print("\n| model | offered req/s | achieved req/s | p50 ms | p99 ms | errors | in-process p50 / p99 ms |")
-    print("|---|---|---|---|---|---|---|")
+    print("\n| model | protocol | offered req/s | achieved req/s | p50 ms | p99 ms | errors | "
+          "in-process p50 / p99 ms |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows_out:
-        print(f"| {r['model']} | {r['offered']:.0f} | {r['achieved']:.0f} | {r['p50_ms']:.1f} | {r['p99_ms']:.1f} | "
-              f"{r['errors']} | {r['in_process_p50_ms']:.3f} / {r['in_process_p99_ms']:.3f} |")
+        print(f"| {r['model']} | {r['protocol']} | {r['offered']:.0f} | {r['achieved']:.0f} | {r['p50_ms']:.1f} | "
+              f"{r['p99_ms']:.1f} | {r['errors']} | {r['in_process_p50_ms']:.3f} / {r['in_process_p99_ms']:.3f} |")
     if args.json:
         args.json.write_text(json.dumps(rows_out, indent=1))
 
