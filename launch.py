@@ -44,7 +44,7 @@ from storage.registry import ModelVersion
 
 log = structlog.get_logger(__name__)
 
-TENSOR_KINDS = ("onnx", "tabular")  # models of tensors in and out (engine/predictors.py)
+TENSOR_KINDS = ("onnx", "tabular", "torch")  # models of tensors in and out (engine/predictors.py)
 
 
 @dataclass(frozen=True)

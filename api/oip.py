@@ -35,6 +35,7 @@ from services.wiring import Services
 
 MAX_BODY_BYTES = 64 << 20
 TEXT = {"name": "text", "datatype": "BYTES", "shape": [-1]}
+TENSOR_KINDS = ("onnx", "tabular", "torch")  # models of declared tensors in and out
 IMAGE = {"name": "image", "datatype": "BYTES", "shape": [-1]}  # each element an encoded image file (PNG, JPEG, ...)
 
 
@@ -128,7 +129,7 @@ def kind_of(model: Any) -> str:
 
 def signature(model: Any) -> tuple[str, list[dict], list[dict]]:
     """(platform, inputs, outputs) of a served version, as its metadata shows them."""
-    if kind_of(model) in ("onnx", "tabular"):
+    if kind_of(model) in TENSOR_KINDS:
         return model.platform, model.inputs, model.outputs
     if kind_of(model) == "embed":
         return "galley_embed", [TEXT], [{"name": "embedding", "datatype": "FP32", "shape": [-1, model.dimensions]}]
@@ -194,7 +195,7 @@ async def run_model(svc: Services, caller: Caller, model: Any, tensors: dict[str
                     parameters: dict) -> list[tuple[str, str, np.ndarray]]:
     """One service call for the model's kind; its outputs as (name, datatype, array). REST and gRPC share it."""
     encoders = svc.encoders
-    if kind_of(model) in ("onnx", "tabular"):
+    if kind_of(model) in TENSOR_KINDS:
         out = await encoders.infer(caller, model, tensors)
         return [(spec["name"], spec["datatype"], out[spec["name"]]) for spec in model.outputs]
     _, inputs, _ = signature(model)

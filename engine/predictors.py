@@ -1,5 +1,6 @@
-"""Models that map tensors to tensors: ONNX graphs (`onnx`) and gradient-boosted trees (`tabular`:
-XGBoost `.json`/`.ubj`, LightGBM `.txt`), behind the same dynamic batcher as the encoders.
+"""Models that map tensors to tensors: ONNX graphs (`onnx`), `torch.export` programs (`torch`) and
+gradient-boosted trees (`tabular`: XGBoost `.json`/`.ubj`, LightGBM `.txt`), behind the same dynamic
+batcher as the encoders.
 
 A predictor declares its inputs and outputs (`TensorSpec`: name, Open Inference Protocol datatype,
 shape with -1 for a free dimension) and runs a batch of requests, each a dict of named arrays
@@ -114,6 +115,52 @@ class OnnxPredictor(Predictor):
         return {spec.name: np.asarray(value) for spec, value in zip(self.outputs, values)}
 
 
+TORCH_TYPES = {"torch.bool": "BOOL", "torch.uint8": "UINT8", "torch.int8": "INT8", "torch.int16": "INT16",
+               "torch.int32": "INT32", "torch.int64": "INT64", "torch.float16": "FP16", "torch.float32": "FP32",
+               "torch.float64": "FP64"}
+
+
+class TorchPredictor(Predictor):
+    """A `torch.export` program (`.pt2`, read by `torch.export.load`): its inputs are its forward's
+    arguments, named and shaped as the program recorded them (a dynamic dimension is -1), its outputs
+    `output__0`, `output__1`, ... (Triton's PyTorch backend names them so). TorchScript and pickled
+    modules are not loaded."""
+
+    platform = "pytorch_torch_export"
+
+    def __init__(self, path: Path, device: str = "cpu") -> None:
+        import torch
+
+        try:
+            program = torch.export.load(str(path))
+        except Exception as exc:  # torch raises many types for a file that is not a program
+            raise ModelLoadError(f"torch.export cannot load {path.name}: {exc}") from exc
+        self.device = torch.device(device)
+        self.module = program.module().to(self.device)
+        names = [spec.arg.name for spec in program.graph_signature.input_specs if spec.kind.name == "USER_INPUT"]
+        values = {node.name: node.meta.get("val") for node in program.graph.nodes if node.op == "placeholder"}
+        output = next(node for node in program.graph.nodes if node.op == "output")
+        results = output.args[0] if isinstance(output.args[0], (list, tuple)) else [output.args[0]]
+        self.inputs = [self._spec(name, values.get(name)) for name in names]
+        self.outputs = [self._spec(f"output__{i}", getattr(r, "meta", {}).get("val")) for i, r in enumerate(results)]
+
+    @staticmethod
+    def _spec(name: str, value) -> TensorSpec:
+        if value is None or str(getattr(value, "dtype", "")) not in TORCH_TYPES:
+            raise ModelLoadError(f"the program's {name!r} is not a tensor of a type galley serves")
+        shape = tuple(d if isinstance(d, int) else -1 for d in value.shape)
+        return TensorSpec(name, TORCH_TYPES[str(value.dtype)], shape)
+
+    def predict(self, tensors: Tensors) -> Tensors:
+        import torch
+
+        with torch.inference_mode():
+            args = [torch.from_numpy(np.ascontiguousarray(tensors[spec.name])).to(self.device) for spec in self.inputs]
+            out = self.module(*args)
+        out = out if isinstance(out, (list, tuple)) else [out]
+        return {spec.name: value.cpu().numpy() for spec, value in zip(self.outputs, out)}
+
+
 class TabularPredictor(Predictor):
     """A gradient-boosted tree model, read by its own library from its own format (no pickle):
     input `input` [rows, features]; outputs `predict` (a class index, or a value) and, for a
@@ -185,13 +232,18 @@ class TabularPredictor(Predictor):
 def load_predictor(path: Path, kind: str, device: str = "cpu") -> Predictor:
     """An `onnx` or `tabular` model from its file (or a folder holding exactly one)."""
     if path.is_dir():
-        suffixes = (".onnx",) if kind == "onnx" else (".json", ".ubj", ".txt")
+        suffixes = {"onnx": (".onnx",), "torch": (".pt2",)}.get(kind, (".json", ".ubj", ".txt"))
         files = [f for f in path.iterdir() if f.suffix.lower() in suffixes and f.name != "config.json"]
         if len(files) != 1:
             raise ModelLoadError(f"{path} holds {len(files)} {'/'.join(suffixes)} files; point the source at one")
         path = files[0]
     if not path.is_file():
         raise ModelLoadError(f"model file {path} does not exist")
+    if kind == "torch":
+        if path.suffix.lower() != ".pt2":
+            raise ModelLoadError(f"{path.name}: a torch model is a torch.export program (.pt2); TorchScript and "
+                                 "pickled modules are not loaded")
+        return TorchPredictor(path, device)
     return OnnxPredictor(path, device) if kind == "onnx" else TabularPredictor(path)
 
 

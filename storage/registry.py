@@ -26,7 +26,7 @@ from storage.tenants import utc_now
 if TYPE_CHECKING:
     from storage.db import Database  # storage.db imports this module for its migrations
 
-KINDS = ("generate", "embed", "classify", "onnx", "tabular", "image-classify")
+KINDS = ("generate", "embed", "classify", "onnx", "tabular", "image-classify", "torch")
 STATES = ("unloaded", "loading", "ready", "failed")
 EVENT_KINDS = ("deploy", "traffic", "rollback", "auto_rollback")
 

@@ -58,7 +58,7 @@ class ModelCreate(Strict):
     version: Name = "1"
     source: str = Field(min_length=1, description="A local model folder or a Hugging Face hub id; with `base`, a "
                         "PEFT LoRA adapter folder.")
-    kind: Literal["generate", "embed", "classify", "onnx", "tabular", "image-classify"] = "generate"
+    kind: Literal["generate", "embed", "classify", "onnx", "tabular", "image-classify", "torch"] = "generate"
     base: str | None = Field(None, min_length=1, description="Makes this version a LoRA adapter over this generate "
                              "model's weights (`name` or `name@version`): the same as `options.base`.")
     options: VersionOptions = VersionOptions()

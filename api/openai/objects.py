@@ -27,7 +27,7 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "galley"
-    kind: Literal["generate", "embed", "classify", "onnx", "tabular", "image-classify"] = "generate"
+    kind: Literal["generate", "embed", "classify", "onnx", "tabular", "image-classify", "torch"] = "generate"
     max_model_len: int | None  # context (generate) or longest input (encoders), in tokens; null until loaded
     sampling_defaults: dict[str, float | int] | None = Field(
         None, description="galley extension: what a request that leaves a sampling field (or max_tokens) out "

@@ -14,9 +14,9 @@ from typing import Any
 
 from services.sampling import check_sampling_defaults
 
-KINDS = ("generate", "embed", "classify", "onnx", "tabular", "image-classify")
+KINDS = ("generate", "embed", "classify", "onnx", "tabular", "image-classify", "torch")
 GENERATE = ("generate",)
-BATCHED = ("embed", "classify", "onnx", "tabular", "image-classify")  # behind the dynamic batcher
+BATCHED = ("embed", "classify", "onnx", "tabular", "image-classify", "torch")  # behind the dynamic batcher
 TORCH = ("generate", "embed", "classify", "image-classify")  # torch models: their weights have a dtype
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 TOOL_PARSERS = ("hermes", "llama3_json", "mistral")  # services.answers.tool_parser's formats

@@ -11,6 +11,7 @@ import asyncio
 import aiohttp
 import numpy as np
 import pytest
+import torch
 import tritonclient.http as httpclient
 import tritonclient.http.aio as aioclient
 from tritonclient.utils import InferenceServerException
@@ -52,7 +53,28 @@ def tensor_models(tmp_path_factory):
     lgbm = LGBMClassifier(n_estimators=8, verbose=-1).fit(x, y)
     lgbm.booster_.save_model(str(root / "iris-lgbm.txt"))
     w, b = save_onnx(root / "tiny.onnx")
-    return {"root": root, "x": x, "xgb": xgb, "lgbm": lgbm, "w": w, "b": b}
+    module = save_torch_program(root / "tiny.pt2")
+    return {"root": root, "x": x, "xgb": xgb, "lgbm": lgbm, "w": w, "b": b, "module": module}
+
+
+class Scaled(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.relu(self.linear(x)) * scale, x.sum(dim=1)
+
+
+def save_torch_program(path) -> torch.nn.Module:
+    """A `torch.export` program of two inputs and two outputs over a free batch dimension."""
+    torch.manual_seed(0)
+    module = Scaled().eval()
+    batch = torch.export.Dim("batch")
+    program = torch.export.export(module, (torch.randn(2, 4), torch.randn(2, 1)),
+                                  dynamic_shapes={"x": {0: batch}, "scale": {0: batch}})
+    torch.export.save(program, str(path))
+    return module
 
 
 @pytest.fixture
@@ -62,6 +84,7 @@ async def stack(make_stack, tensor_models, tiny_models):  # noqa: F811
                              ModelVersion("onnx-tiny", "1", str(root / "tiny.onnx"), "onnx"),
                              ModelVersion("iris-xgb", "1", str(root / "iris-xgb.json"), "tabular"),
                              ModelVersion("iris-lgbm", "1", str(root / "iris-lgbm.txt"), "tabular"),
+                             ModelVersion("torch-tiny", "1", str(root / "tiny.pt2"), "torch"),
                              ModelVersion("minilm", "1", MINILM, "embed")])
 
 
@@ -256,3 +279,24 @@ async def test_a_tabular_model_rolls_out_rolls_back_and_loads_cold(stack, tensor
 
 def datatype_of(dtype) -> str:
     return "FP32" if dtype == np.float32 else "FP64"
+
+
+async def test_a_torch_export_program_answers_as_the_module(stack, tensor_models):
+    client = aioclient.InferenceServerClient(url_of(stack))
+    auth = {"Authorization": f"Bearer {stack.key}"}
+    try:
+        metadata = await client.get_model_metadata("torch-tiny", headers=dict(auth))
+        assert metadata["platform"] == "pytorch_torch_export" and [i["name"] for i in metadata["inputs"]] == [
+            "x", "scale"] and metadata["inputs"][0]["shape"] == [-1, 4]
+        x = np.random.default_rng(3).normal(size=(3, 4)).astype(np.float32)
+        scale = np.array([[1.0], [2.0], [0.5]], dtype=np.float32)
+        result = await client.infer("torch-tiny", [tensor("x", x, "FP32"), tensor("scale", scale, "FP32")],
+                                    headers=dict(auth))
+        with torch.inference_mode():
+            want = tensor_models["module"](torch.from_numpy(x), torch.from_numpy(scale))
+        assert np.allclose(result.as_numpy("output__0"), want[0].numpy(), atol=1e-6)
+        assert np.allclose(result.as_numpy("output__1"), want[1].numpy(), atol=1e-6)
+        with pytest.raises(InferenceServerException, match="missing"):
+            await client.infer("torch-tiny", [tensor("x", x, "FP32")], headers=dict(auth))
+    finally:
+        await client.close()
