@@ -16,6 +16,7 @@ from pydantic import BaseModel, Field, field_validator
 
 from api.auth import caller_of, tenant_of
 from api.errors import json_response
+from api.native.schemas import FeaturesIn, ImageIn
 from api.openai.fields import (
     MAX_CONTEXT_TOKENS,
     MAX_NAME_CHARS,
@@ -62,14 +63,16 @@ class BatchParams(Strict):
                                                 "model's vocabulary size.")
 
 
-BatchInput = Annotated[str, Field(min_length=1)] | Annotated[list[ChatMessage], Field(min_length=1)]
+BatchInput = (Annotated[str, Field(min_length=1)] | Annotated[list[ChatMessage], Field(min_length=1)] | ImageIn
+              | FeaturesIn)
 
 
 class BatchCreate(Strict):
     model: str = Field(min_length=1, max_length=MAX_NAME_CHARS)
     inputs: list[BatchInput] = Field(min_length=1, max_length=MAX_INPUTS,
                                      description="Prompts (strings) or chat conversations (lists of messages); "
-                                     "texts (strings) for embed and classify models.")
+                                     "texts (strings) for embed and classify models; `{\"image\"}` (base64) for "
+                                     "an image classifier, `{\"features\": [...]}` for a tabular model.")
     params: BatchParams | None = Field(None, description="Generative models only.")
     callback_url: str | None = Field(None, max_length=2048, pattern=r"^[Hh][Tt][Tt][Pp][Ss]?://[^/?#]",
                                      description="http(s) URL that gets the job summary by POST when it ends, "
@@ -95,7 +98,7 @@ class BatchCreated(BaseModel):
     object: Literal["batch"] = "batch"
     status: JobStatus
     model: str
-    kind: Literal["generate", "embed", "classify"]
+    kind: Literal["generate", "embed", "classify", "image-classify", "tabular"]
     num_inputs: int
     estimated_time: float = Field(description="Rough seconds until the job completes.")
     callback_secret: str | None = Field(description="The key that signs this job's callback; shown only here "
@@ -120,7 +123,7 @@ class BatchOut(BaseModel):
     batch_id: str
     object: Literal["batch"] = "batch"
     model: str
-    kind: Literal["generate", "embed", "classify"]
+    kind: Literal["generate", "embed", "classify", "image-classify", "tabular"]
     status: JobStatus
     progress: BatchProgress
     error: str | None
@@ -143,7 +146,8 @@ class BatchItemOut(BaseModel):
     usage: Usage | None
     error: str | None
     embedding: list[float] | None = Field(None, description="Embed models: the input's embedding.")
-    prediction: str | None = Field(None, description="Classify models: the top label ...")
+    prediction: str | float | None = Field(None, description="Classify models: the top label (a tabular "
+                                           "regressor's: its value) ...")
     confidence: float | None = Field(None, description="... its score ...")
     scores: dict[str, float] | None = Field(None, description="... and every label's score.")
 
@@ -160,8 +164,8 @@ class BatchResults(BaseModel):
 
 async def create_batch(request: web.Request) -> web.Response:
     body = await parse_body(request, BatchCreate)
-    inputs = [value if isinstance(value, str) else [{"role": "system" if m.role == "developer" else m.role,
-                                                     "content": m.text()} for m in value]
+    inputs = [value if isinstance(value, str) else value.model_dump() if isinstance(value, ImageIn | FeaturesIn)
+              else [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in value]
               for value in body.inputs]
     created = await services(request).batch.create(caller_of(request), body.model, inputs,
                                               (body.params or BatchParams()).model_dump(),

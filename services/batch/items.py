@@ -20,11 +20,14 @@ from scheduling.router import RequestStream, Router, Served, ServedModel
 from services.admission import Admission
 from services.batch.jobs import BatchConfig, JobRun, encoder_result
 from services.errors import InvalidRequestError, QueueFullError, RateLimitError, ServiceError, ServiceUnavailableError
+from services.inference.encoders import features_request, tabular_predictions
+from services.inference.images import decode_image, image_bytes
 from services.inference.prompts import encode_chat, encode_text
 from services.observability.metrics import Metrics
 from services.sampling import SAMPLING_FIELDS, SamplingOptions, sampling_params
 from services.server_state import ServerState
 from services.tenancy import limits_of
+from storage import batches
 from storage.batches import BatchItem, BatchJob, ItemResult, ItemStatus
 from storage.tenants import Tenant
 
@@ -156,9 +159,22 @@ class ItemRunner:
         self.retries_total.labels(reason).inc()
         return None, max(self.config.retry_seconds, delay_s)
 
-    async def encode(self, run: JobRun, model: ServedEncoder, texts: list[str]) -> list[ItemResult] | None:
-        """One result per text, waiting out refusals (tenant limits, the batcher's bound) as `_submit` does;
-        a version unloaded meanwhile (keep_alive, memory budget, rollout) is routed again."""
+    async def encode(self, run: JobRun, model: ServedEncoder, inputs: list[Any]) -> list[ItemResult] | None:
+        """One result per input (a text; `{"image"}` for an image classifier, `{"features"}` for a tabular
+        model), waiting out refusals (tenant limits, the batcher's bound) as `_submit` does; a version
+        unloaded meanwhile (keep_alive, memory budget, rollout) is routed again. An image that does not
+        decode fails its own item only."""
+        if model.kind == "image-classify":
+            decoded = await asyncio.to_thread(decode_each, [item["image"] for item in inputs])
+            good = [image for image in decoded if not isinstance(image, ItemResult)]
+            results = await self._encode(run, model, good) if good else []
+            if results is None:
+                return None
+            done = iter(results)
+            return [image if isinstance(image, ItemResult) else next(done) for image in decoded]
+        return await self._encode(run, model, inputs)
+
+    async def _encode(self, run: JobRun, model: ServedEncoder, texts: list[Any]) -> list[ItemResult] | None:
         while not (run.cancelled or self.state.draining):
             tenant = self.tenants(run.job.tenant)
             if tenant is None:
@@ -171,6 +187,11 @@ class ItemRunner:
                     return [ItemResult(ItemStatus.FAILED.value, error=error)] * len(texts)
                 model = found
             try:  # the low class, as generations
+                if model.kind == "tabular":  # the rows as one request of the model's input tensor
+                    request = features_request(model, [x["features"] for x in texts])
+                    [out] = await self.admission.encode(model, [request], limits_of(tenant), low=True, counted=False)
+                    return [ItemResult(ItemStatus.COMPLETED.value, output=batches.dumps(value), prompt_tokens=0,
+                                       completion_tokens=0) for value in tabular_predictions(model, out)]
                 outputs = await self.admission.encode(model, texts, limits_of(tenant), low=True, counted=False)
             except QueueFullError:  # the batcher's bound
                 await asyncio.sleep(self.config.retry_seconds)
@@ -188,3 +209,14 @@ class ItemRunner:
     def observe_item(self, model: str, seconds: float) -> None:
         old = self.item_seconds.get(model)
         self.item_seconds[model] = seconds if old is None else 0.8 * old + 0.2 * seconds
+
+
+def decode_each(images: list[str]) -> list[Any]:
+    """Each image decoded, or the failed result of its item (the 400 a request would have got, as its error)."""
+    decoded: list[Any] = []
+    for i, data in enumerate(images):
+        try:
+            decoded.append(decode_image(image_bytes(data, f"inputs.{i}"), f"inputs.{i}"))
+        except InvalidRequestError as exc:
+            decoded.append(ItemResult(ItemStatus.FAILED.value, error=exc.message))
+    return decoded

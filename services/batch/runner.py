@@ -42,6 +42,7 @@ from services.batch.jobs import BatchConfig, Created, JobRun, batch_not_found, c
 from services.batch.webhooks import CallbackRefused, WebhookClient, new_secret
 from services.deployments.manager import ModelManager
 from services.errors import InvalidRequestError, rate_limited
+from services.inference.encoders import features_request
 from services.observability.metrics import Metrics
 from services.server_state import ServerState
 from services.tenancy import Caller, limits_of
@@ -50,7 +51,9 @@ from storage.tenants import Tenant
 
 log = structlog.get_logger(__name__)
 
-BATCH_KINDS = ("generate", "embed", "classify")  # models whose inputs are texts
+BATCH_KINDS = ("generate", "embed", "classify", "image-classify", "tabular")  # not yet: onnx and torch (tensors)
+INPUT_SHAPES = {"embed": (str, "texts (strings)"), "classify": (str, "texts (strings)"),
+                "image-classify": (dict, "{\"image\": base64}"), "tabular": (dict, "{\"features\": [...]}")}
 T = TypeVar("T")
 
 DEFAULT_SECONDS_PER_TOKEN = 0.02  # for estimated_time until a model has finished items
@@ -103,8 +106,12 @@ class BatchRunner:
             if params_given:
                 raise InvalidRequestError(f"params apply to generative models; `{model.name}` is a `{kind}` model",
                                           param="params")
-            if not all(isinstance(value, str) for value in inputs):
-                raise InvalidRequestError(f"inputs of a `{kind}` model are texts (strings)", param="inputs")
+            shape, said = INPUT_SHAPES[kind]
+            key = {"image-classify": "image", "tabular": "features"}.get(kind)
+            if not all(isinstance(value, shape) and (key is None or key in value) for value in inputs):
+                raise InvalidRequestError(f"inputs of a `{kind}` model are {said}", param="inputs")
+            if kind == "tabular":
+                features_request(model, [value["features"] for value in inputs])  # each of the model's width
         else:
             kind = "generate"
             check_params(caller.tenant, params, model.vocab_size)

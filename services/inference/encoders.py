@@ -62,17 +62,8 @@ class Encoders:
             raise InvalidRequestError(f"`{model.name}` is a `{model.kind}` model: predict takes texts for a classifier "
                                       "or `features` for a tabular model (tensor models: /v2/models/{name}/infer)",
                                       param="inputs")
-        [spec] = model.inputs
-        if any(len(item) != spec["shape"][1] for item in items):
-            raise InvalidRequestError(f"`{model.name}` takes {spec['shape'][1]} features per input", param="inputs")
-        out = await self.infer(caller, model, {spec["name"]: np.array(items, dtype=NUMPY_DTYPES[spec["datatype"]])})
-        if "predict_proba" not in out:
-            return [{"prediction": float(value), "confidence": None, "scores": {}} for value in out["predict"]]
-        results = []
-        for row in out["predict_proba"]:
-            ranked = sorted(zip(model.labels, row.tolist()), key=lambda pair: -pair[1])
-            results.append({"prediction": ranked[0][0], "confidence": ranked[0][1], "scores": dict(ranked[:top_k])})
-        return results
+        out = await self.infer(caller, model, features_request(model, items))
+        return tabular_predictions(model, out, top_k)
 
     async def classify_images(self, caller: Caller, model: ServedEncoder, images: list[str | bytes],
                               function_to_apply: str | None = None, top_k: int | None = None) -> list[dict]:
@@ -180,6 +171,25 @@ def check_tensors(model: ServedEncoder, tensors: dict[str, np.ndarray]) -> None:
         raise InvalidRequestError(f"the inputs have different numbers of rows: {sorted(rows)}", param="inputs")
     if 0 in rows:
         raise InvalidRequestError("the inputs have no rows", param="inputs")
+
+
+def features_request(model: ServedEncoder, rows: list[list[float]]) -> dict[str, np.ndarray]:
+    """A tabular model's one request for rows of features (400 unless each has the model's count)."""
+    [spec] = model.inputs
+    if any(len(row) != spec["shape"][1] for row in rows):
+        raise InvalidRequestError(f"`{model.name}` takes {spec['shape'][1]} features per input", param="inputs")
+    return {spec["name"]: np.array(rows, dtype=NUMPY_DTYPES[spec["datatype"]])}
+
+
+def tabular_predictions(model: ServedEncoder, out: dict[str, np.ndarray], top_k: int | None = None) -> list[dict]:
+    """Per row: a classifier's label, its probability and the labels' (the `top_k` best), or a regressor's value."""
+    if "predict_proba" not in out:
+        return [{"prediction": float(value), "confidence": None, "scores": {}} for value in out["predict"]]
+    results = []
+    for row in out["predict_proba"]:
+        ranked = sorted(zip(model.labels, row.tolist()), key=lambda pair: -pair[1])
+        results.append({"prediction": ranked[0][0], "confidence": ranked[0][1], "scores": dict(ranked[:top_k])})
+    return results
 
 
 def cosine(a: list[float], b: list[float]) -> float:

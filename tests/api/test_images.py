@@ -123,3 +123,34 @@ async def test_an_image_of_too_many_pixels_is_refused_before_it_is_decoded(stack
                                 headers={"Authorization": f"Bearer {stack.key}"}) as resp:
             body = await resp.json()
     assert resp.status == 400 and "40x40" in body["error"]["message"], body
+
+
+async def test_a_batch_job_over_images_fails_only_the_bad_one(stack, vit):
+    """The seed's batch job over an image classifier: every good image classified as the model does, the
+    undecodable one failed with the reason, the job completed."""
+    from tests.helpers import wait_until
+
+    pictures = images()[:3]
+    want = reference(vit, pictures)
+    inputs = [{"image": base64.b64encode(encoded(p)).decode()} for p in pictures]
+    inputs.insert(1, {"image": base64.b64encode(b"not an image").decode()})
+    headers = {"Authorization": f"Bearer {stack.key}"}
+    async with aiohttp.ClientSession(base_url=str(stack.client.session._base_url)) as session:
+        async with session.post("/api/v1/batch", json={"model": "vit", "inputs": inputs}, headers=headers) as resp:
+            created = await resp.json()
+        assert resp.status == 200 and created["kind"] == "image-classify", created
+
+        async def finished():
+            async with session.get(f"/api/v1/batch/{created['batch_id']}", headers=headers) as resp:
+                summary = await resp.json()
+            return summary if summary["status"] in ("completed", "failed") else None
+
+        summary = await wait_until(finished, timeout_s=60, what="the job to end")
+        async with session.get(f"/api/v1/batch/{created['batch_id']}/results", headers=headers) as resp:
+            results = (await resp.json())["results"]
+    assert summary["status"] == "completed", summary
+    assert [r["status"] for r in results] == ["completed", "failed", "completed", "completed"]
+    assert "cannot be decoded" in results[1]["error"]
+    good = [r for r in results if r["status"] == "completed"]
+    assert [r["prediction"] for r in good] == [LABELS[i] for i in want.argmax(axis=1)]
+    assert np.allclose([[r["scores"][LABELS[i]] for i in range(3)] for r in good], want, atol=1e-5)

@@ -300,3 +300,27 @@ async def test_a_torch_export_program_answers_as_the_module(stack, tensor_models
             await client.infer("torch-tiny", [tensor("x", x, "FP32")], headers=dict(auth))
     finally:
         await client.close()
+
+
+async def test_a_batch_job_over_a_tabular_model(stack, tensor_models):
+    from tests.helpers import wait_until
+
+    x = tensor_models["x"]
+    headers = {"Authorization": f"Bearer {stack.key}"}
+    async with aiohttp.ClientSession(base_url=f"http://{url_of(stack)}") as session:
+        body = {"model": "iris-lgbm", "inputs": [{"features": row} for row in x[:5].tolist()]}
+        async with session.post("/api/v1/batch", json=body, headers=headers) as resp:
+            created = await resp.json()
+        assert resp.status == 200 and created["kind"] == "tabular", created
+        async with session.post("/api/v1/batch", json={"model": "iris-lgbm", "inputs": [{"features": [1.0]}]},
+                                headers=headers) as resp:
+            assert resp.status == 400 and "4 features" in (await resp.json())["error"]["message"]
+
+        async def results():
+            async with session.get(f"/api/v1/batch/{created['batch_id']}/results", headers=headers) as resp:
+                found = await resp.json()
+            return found["results"] if found["status"] == "completed" else None
+
+        done = await wait_until(results, timeout_s=60, what="the job to complete")
+    assert [r["prediction"] for r in done] == [str(c) for c in tensor_models["lgbm"].predict(x[:5])]
+    assert np.allclose([r["confidence"] for r in done], tensor_models["lgbm"].predict_proba(x[:5]).max(axis=1))
