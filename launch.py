@@ -306,7 +306,8 @@ def load_encoder(spec: ModelVersion, device: str, dtype: str, worker: DeviceWork
     started = time.monotonic()
     max_batch, max_wait_ms = spec.options.get("max_batch", 32), spec.options.get("max_wait_ms", 5.0)
     if spec.kind in TENSOR_KINDS:
-        predictor, client = start_predictor(spec.ref, spec.source, spec.kind, worker, device, max_batch, max_wait_ms)
+        predictor, client = start_predictor(spec.ref, spec.source, spec.kind, worker, device, max_batch, max_wait_ms,
+                                            tuple(spec.options.get("trusted_types", ())))
         log.info("model loaded", model=spec.ref, kind=spec.kind, source=spec.source, device=device,
                  load_s=round(time.monotonic() - started, 2), max_batch=max_batch, platform=predictor.platform)
         return ServedEncoder(

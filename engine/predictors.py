@@ -162,25 +162,30 @@ class TorchPredictor(Predictor):
 
 
 class TabularPredictor(Predictor):
-    """A gradient-boosted tree model, read by its own library from its own format (no pickle):
-    input `input` [rows, features]; outputs `predict` (a class index, or a value) and, for a
-    classifier, `predict_proba` [rows, classes], as scikit-learn's estimators name them."""
+    """A tabular model read by its own library from its own format (no pickle): XGBoost, LightGBM, or a
+    scikit-learn estimator in skops' format (`.skops`: types outside skops' own trusted set load only if
+    the model's `trusted_types` option names them). Input `input` [rows, features]; outputs `predict`
+    (a class index, or a value) and, for a classifier, `predict_proba` [rows, classes], as scikit-learn's
+    estimators name them."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, trusted_types: tuple[str, ...] = ()) -> None:
         suffix = path.suffix.lower()
         if suffix in (".json", ".ubj"):
             self._load_xgboost(path)
         elif suffix == ".txt":
             self._load_lightgbm(path)
+        elif suffix == ".skops":
+            self._load_skops(path, trusted_types)
         else:
-            raise ModelLoadError(f"{path.name}: a tabular model is an XGBoost .json/.ubj or a LightGBM .txt file"
+            raise ModelLoadError(f"{path.name}: a tabular model is an XGBoost .json/.ubj, a LightGBM .txt or a "
+                                 "scikit-learn .skops file"
                                  + (" (pickles are never loaded: save the model in its library's own format, or "
                                     "convert it to ONNX)" if suffix in PICKLES else ""))
         self.inputs = [TensorSpec("input", self.input_type, (-1, self.num_features))]
         self.outputs = [TensorSpec("predict", "INT64" if self.num_classes else "FP64", (-1,))]
         if self.num_classes:
             self.outputs.append(TensorSpec("predict_proba", "FP64", (-1, self.num_classes)))
-            self.labels = [str(i) for i in range(self.num_classes)]
+            self.labels = getattr(self, "class_labels", None) or [str(i) for i in range(self.num_classes)]
 
     def _load_xgboost(self, path: Path) -> None:
         import xgboost
@@ -217,8 +222,34 @@ class TabularPredictor(Predictor):
                             else int(header.get("num_class", "1")) if objective in ("multiclass", "multiclassova")
                             else 0)
 
+    def _load_skops(self, path: Path, trusted_types: tuple[str, ...]) -> None:
+        import skops.io
+
+        try:
+            untrusted = [t for t in skops.io.get_untrusted_types(file=path) if t not in trusted_types]
+            if untrusted:
+                raise ModelLoadError(f"{path.name} holds types skops does not trust: {', '.join(untrusted)}; an admin "
+                                     "who has reviewed them may list them in the model's `trusted_types` option")
+            self.estimator = skops.io.load(path, trusted=list(trusted_types) or None)
+        except ModelLoadError:
+            raise
+        except Exception as exc:  # skops raises many types for a file it cannot read
+            raise ModelLoadError(f"skops cannot load {path.name}: {exc}") from exc
+        if not hasattr(self.estimator, "predict") or not hasattr(self.estimator, "n_features_in_"):
+            raise ModelLoadError(f"{path.name} is not a fitted scikit-learn estimator")
+        classes = getattr(self.estimator, "classes_", None)
+        self.platform, self.input_type, self.num_features = "sklearn", "FP64", int(self.estimator.n_features_in_)
+        self.objective = "skops"
+        self.num_classes = len(classes) if classes is not None and hasattr(self.estimator, "predict_proba") else 0
+        self.class_labels = [str(c) for c in classes] if self.num_classes else []
+
     def predict(self, tensors: Tensors) -> Tensors:
         x = tensors["input"]
+        if self.platform == "sklearn":
+            if not self.num_classes:
+                return {"predict": np.asarray(self.estimator.predict(x), dtype=np.float64)}
+            proba = np.asarray(self.estimator.predict_proba(x), dtype=np.float64)
+            return {"predict": proba.argmax(axis=1).astype(np.int64), "predict_proba": proba}
         raw = (self.booster.inplace_predict(x) if self.platform == "xgboost" else self.booster.predict(x))
         raw = np.asarray(raw, dtype=np.float64)
         if not self.num_classes:
@@ -229,10 +260,10 @@ class TabularPredictor(Predictor):
         return {"predict": proba.argmax(axis=1).astype(np.int64), "predict_proba": proba}
 
 
-def load_predictor(path: Path, kind: str, device: str = "cpu") -> Predictor:
+def load_predictor(path: Path, kind: str, device: str = "cpu", trusted_types: tuple[str, ...] = ()) -> Predictor:
     """An `onnx` or `tabular` model from its file (or a folder holding exactly one)."""
     if path.is_dir():
-        suffixes = {"onnx": (".onnx",), "torch": (".pt2",)}.get(kind, (".json", ".ubj", ".txt"))
+        suffixes = {"onnx": (".onnx",), "torch": (".pt2",)}.get(kind, (".json", ".ubj", ".txt", ".skops"))
         files = [f for f in path.iterdir() if f.suffix.lower() in suffixes and f.name != "config.json"]
         if len(files) != 1:
             raise ModelLoadError(f"{path} holds {len(files)} {'/'.join(suffixes)} files; point the source at one")
@@ -244,7 +275,7 @@ def load_predictor(path: Path, kind: str, device: str = "cpu") -> Predictor:
             raise ModelLoadError(f"{path.name}: a torch model is a torch.export program (.pt2); TorchScript and "
                                  "pickled modules are not loaded")
         return TorchPredictor(path, device)
-    return OnnxPredictor(path, device) if kind == "onnx" else TabularPredictor(path)
+    return OnnxPredictor(path, device) if kind == "onnx" else TabularPredictor(path, trusted_types)
 
 
 def predictor_path(source: str) -> Path:
@@ -261,11 +292,11 @@ def predictor_path(source: str) -> Path:
 
 
 def start_predictor(predictor_id: str, source: str, kind: str, worker, device: str, max_batch: int,
-                    max_wait_ms: float):
+                    max_wait_ms: float, trusted_types: tuple[str, ...] = ()):
     """Load a tensor model and attach its batcher to the device's worker (blocking: off the event loop)."""
     from engine.batcher import DynamicBatcher
 
-    predictor = load_predictor(predictor_path(source), kind, device)
+    predictor = load_predictor(predictor_path(source), kind, device, trusted_types)
     predictor.run([predictor.example()])  # the first run is slow: pay for it before serving
     return predictor, worker.attach_encoder(predictor_id, DynamicBatcher(predictor_id, predictor.run, max_batch,
                                                                          max_wait_ms))

@@ -30,7 +30,7 @@ SPECULATIVE_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "pr
 @dataclass(frozen=True)
 class Option:
     name: str
-    type: type  # bool, int, float (an int is taken too), str or dict
+    type: type  # bool, int, float (an int is taken too), str, dict or list (of strings)
     help: str
     kinds: tuple[str, ...] = KINDS  # the model kinds it means something for
     choices: tuple[str, ...] = ()
@@ -42,6 +42,8 @@ class Option:
         types = (int, float) if self.type is float else (self.type,)
         if not isinstance(value, types) or (isinstance(value, bool) and self.type is not bool):
             return f"must be {'a number' if self.type is float else self.type.__name__}"
+        if self.type is list and not all(isinstance(item, str) and item for item in value):
+            return "must be a list of non-empty strings"
         if self.choices and value not in self.choices:
             return f"must be one of {', '.join(self.choices)}"
         if self.ge is not None and value < self.ge:
@@ -79,6 +81,8 @@ OPTIONS: dict[str, Option] = {option.name: option for option in (
            "generation_config.json", GENERATE),
     Option("base", str, "makes this version a LoRA adapter (its source a PEFT adapter folder) served over the "
            "weights of this generate model (`name`: its stable version at load; or `name@version`)", GENERATE),
+    Option("trusted_types", list, "a tabular .skops model: the types beyond skops' own trusted set that an admin "
+           "has reviewed and lets it load (e.g. mypackage.MyTransformer)", ("tabular",)),
     Option("max_batch", int, "most inputs (requests of a tensor model) in one forward (default 32)", BATCHED, ge=1,
            le=65536),
     Option("max_wait_ms", float, "how long a batch waits to fill (default 5)", BATCHED, ge=0, le=1000),

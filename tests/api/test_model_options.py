@@ -24,6 +24,7 @@ EXAMPLES = {  # one valid value of every option; a new option must add one here
     "backend": "generic", "quantization": "int8", "speculative": {"method": "ngram", "num_speculative_tokens": 3},
     "sampling_defaults": {"temperature": 0.0, "max_tokens": 5}, "max_batch": 8, "max_wait_ms": 2.0,
     "base": "tiny",  # a LoRA adapter over `tiny` (its source an adapter folder)
+    "trusted_types": ["mypackage.MyTransformer"],
 }
 KIND_OF = {name: option.kinds[0] for name, option in OPTIONS.items()}
 

@@ -324,3 +324,52 @@ async def test_a_batch_job_over_a_tabular_model(stack, tensor_models):
         done = await wait_until(results, timeout_s=60, what="the job to complete")
     assert [r["prediction"] for r in done] == [str(c) for c in tensor_models["lgbm"].predict(x[:5])]
     assert np.allclose([r["confidence"] for r in done], tensor_models["lgbm"].predict_proba(x[:5]).max(axis=1))
+
+
+def test_a_skops_model_serves_with_its_class_labels_and_untrusted_types_need_the_admin(tmp_path):
+    """scikit-learn through skops' format: predictions equal the estimator's own, labelled with its classes;
+    a file holding a type skops does not trust is refused, naming it, until `trusted_types` lists it."""
+    import skops.io
+    from sklearn.datasets import load_iris
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.pipeline import make_pipeline
+    from sklearn.preprocessing import StandardScaler
+
+    from engine.loader import ModelLoadError
+    from engine.predictors import load_predictor
+
+    x, y = load_iris(return_X_y=True)
+    names = np.array(["setosa", "versicolor", "virginica"])[y]
+    model = make_pipeline(StandardScaler(), LogisticRegression(max_iter=300)).fit(x, names)
+    skops.io.dump(model, tmp_path / "iris.skops")
+    predictor = load_predictor(tmp_path / "iris.skops", "tabular")
+    assert predictor.labels == ["setosa", "versicolor", "virginica"] and predictor.inputs[0].shape == (-1, 4)
+    [out] = predictor.run([{"input": x[:6]}])
+    assert np.allclose(out["predict_proba"], model.predict_proba(x[:6]))
+    assert [predictor.labels[i] for i in out["predict"]] == list(model.predict(x[:6]))
+
+    custom = make_pipeline(Halve(), LogisticRegression(max_iter=300)).fit(x, y)
+    skops.io.dump(custom, tmp_path / "custom.skops")
+    untrusted = skops.io.get_untrusted_types(file=tmp_path / "custom.skops")
+    assert untrusted == ["tests.api.test_oip.Halve"]
+    with pytest.raises(ModelLoadError, match="does not trust"):
+        load_predictor(tmp_path / "custom.skops", "tabular")
+    trusted = load_predictor(tmp_path / "custom.skops", "tabular", trusted_types=tuple(untrusted))
+    assert np.allclose(trusted.run([{"input": x[:3]}])[0]["predict_proba"], custom.predict_proba(x[:3]))
+
+
+class Halve:
+    """A transformer of our own: a type skops does not trust until an admin says so."""
+
+    def fit(self, x, y=None):
+        self.n_features_in_ = x.shape[1]
+        return self
+
+    def transform(self, x):
+        return x / 2
+
+    def get_params(self, deep=True):
+        return {}
+
+    def set_params(self, **params):
+        return self
