@@ -16,12 +16,10 @@ from typing import Any
 import numpy as np
 import orjson
 
+from engine.types import TENSOR_DATATYPES
 from services.errors import InvalidRequestError
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
-DATATYPES = {"BOOL": np.bool_, "UINT8": np.uint8, "UINT16": np.uint16, "UINT32": np.uint32, "UINT64": np.uint64,
-             "INT8": np.int8, "INT16": np.int16, "INT32": np.int32, "INT64": np.int64, "FP16": np.float16,
-             "FP32": np.float32, "FP64": np.float64, "BYTES": np.object_}
 MAX_ELEMENTS = 1 << 26  # per tensor
 
 
@@ -47,8 +45,8 @@ def read_inputs(header: dict, binary: bytes) -> dict[str, np.ndarray]:
         if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
             raise InvalidRequestError(f"{where} must be an object with a `name`", param=where)
         name, datatype, shape = spec["name"], spec.get("datatype"), spec.get("shape")
-        if datatype not in DATATYPES:
-            raise InvalidRequestError(f"{where}.datatype must be one of {', '.join(DATATYPES)}", param=where)
+        if datatype not in TENSOR_DATATYPES:
+            raise InvalidRequestError(f"{where}.datatype must be one of {', '.join(TENSOR_DATATYPES)}", param=where)
         if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
                                                   for d in shape):
             raise InvalidRequestError(f"{where}.shape must be a list of sizes >= 0", param=where)
@@ -78,7 +76,7 @@ def from_json(data: Any, datatype: str, shape: list[int], where: str) -> np.ndar
                 raise ValueError("BYTES elements must be strings")
             array = np.array([x.encode() for x in flat] if len(flat) else [], dtype=object)
         else:
-            array = np.asarray(data, dtype=DATATYPES[datatype]).reshape(-1)
+            array = np.asarray(data, dtype=TENSOR_DATATYPES[datatype]).reshape(-1)
             if datatype == "BOOL" and array.dtype != np.bool_:
                 raise ValueError("BOOL elements must be true or false")
         return array.reshape(shape)
@@ -90,7 +88,7 @@ def from_json(data: Any, datatype: str, shape: list[int], where: str) -> np.ndar
 def from_bytes(raw: bytes, datatype: str, shape: list[int], where: str) -> np.ndarray:
     count = int(np.prod(shape, dtype=np.int64))
     if datatype != "BYTES":
-        dtype = np.dtype(DATATYPES[datatype])
+        dtype = np.dtype(TENSOR_DATATYPES[datatype])
         if len(raw) != count * dtype.itemsize:
             raise InvalidRequestError(f"{where} has {len(raw)} bytes of data; shape {shape} of {datatype} needs "
                                       f"{count * dtype.itemsize}", param=where)
@@ -112,7 +110,7 @@ def to_bytes(array: np.ndarray, datatype: str) -> bytes:
     if datatype == "BYTES":
         return b"".join(struct.pack("<I", len(x)) + x for x in (v if isinstance(v, bytes) else str(v).encode()
                                                                   for v in array.reshape(-1)))
-    return np.ascontiguousarray(array, dtype=np.dtype(DATATYPES[datatype]).newbyteorder("<")).tobytes()
+    return np.ascontiguousarray(array, dtype=np.dtype(TENSOR_DATATYPES[datatype]).newbyteorder("<")).tobytes()
 
 
 def to_json_data(array: np.ndarray, datatype: str) -> list:

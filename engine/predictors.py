@@ -12,17 +12,15 @@ scikit-learn model is served as ONNX (skl2onnx), and `.pkl`/`.joblib` files are 
 from __future__ import annotations
 
 import json
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from engine.loader import ModelLoadError
+from engine.types import TENSOR_DATATYPES
 
-# the Open Inference Protocol's datatypes and numpy's
-DATATYPES = {"BOOL": np.bool_, "UINT8": np.uint8, "UINT16": np.uint16, "UINT32": np.uint32, "UINT64": np.uint64,
-             "INT8": np.int8, "INT16": np.int16, "INT32": np.int32, "INT64": np.int64, "FP16": np.float16,
-             "FP32": np.float32, "FP64": np.float64, "BYTES": np.object_}
 ONNX_TYPES = {"tensor(bool)": "BOOL", "tensor(uint8)": "UINT8", "tensor(uint16)": "UINT16", "tensor(uint32)": "UINT32",
               "tensor(uint64)": "UINT64", "tensor(int8)": "INT8", "tensor(int16)": "INT16", "tensor(int32)": "INT32",
               "tensor(int64)": "INT64", "tensor(float16)": "FP16", "tensor(float)": "FP32", "tensor(double)": "FP64",
@@ -33,7 +31,7 @@ Tensors = dict[str, np.ndarray]
 
 def datatype_of(array: np.ndarray) -> str:
     """The OIP datatype of a numpy array."""
-    for name, dtype in DATATYPES.items():
+    for name, dtype in TENSOR_DATATYPES.items():
         if array.dtype == dtype:
             return name
     raise ValueError(f"no Open Inference Protocol datatype for numpy {array.dtype}")
@@ -42,14 +40,14 @@ def datatype_of(array: np.ndarray) -> str:
 @dataclass(frozen=True)
 class TensorSpec:
     name: str
-    datatype: str  # one of DATATYPES
+    datatype: str  # one of TENSOR_DATATYPES
     shape: tuple[int, ...]  # -1: any size
 
     def as_json(self) -> dict:
         return {"name": self.name, "datatype": self.datatype, "shape": list(self.shape)}
 
 
-class Predictor:
+class Predictor(ABC):
     """Runs batches of requests (`run`); subclasses set `inputs`, `outputs`, `platform` and `predict`."""
 
     inputs: list[TensorSpec]
@@ -64,7 +62,7 @@ class Predictor:
 
     def example(self) -> Tensors:
         """One row of zeros of every input (a warm-up request)."""
-        return {spec.name: np.zeros([1 if d == -1 else d for d in spec.shape] or [1], DATATYPES[spec.datatype])
+        return {spec.name: np.zeros([1 if d == -1 else d for d in spec.shape] or [1], TENSOR_DATATYPES[spec.datatype])
                 for spec in self.inputs}
 
     def run(self, requests: list[Tensors]) -> list[Tensors]:
@@ -77,8 +75,9 @@ class Predictor:
         bounds = np.cumsum([0, *rows])
         return [{name: value[start:end] for name, value in out.items()} for start, end in zip(bounds, bounds[1:])]
 
+    @abstractmethod
     def predict(self, tensors: Tensors) -> Tensors:
-        raise NotImplementedError
+        """One run of the model over named input arrays: its named output arrays."""
 
 
 class OnnxPredictor(Predictor):

@@ -11,6 +11,8 @@ import time
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+import numpy as np
+
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
@@ -276,3 +278,10 @@ class EngineStats:
 
 # Upper bounds of the per-step batch token histogram (`galley_batch_tokens`).
 BATCH_TOKEN_BOUNDS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+
+# The Open Inference Protocol's tensor datatypes and the numpy dtypes that hold them (BYTES: objects, each bytes),
+# for the tensor models (engine.predictors) and the protocol's wire formats (api.oip_tensors, api.oip_grpc)
+TENSOR_DATATYPES = {"BOOL": np.bool_, "UINT8": np.uint8, "UINT16": np.uint16, "UINT32": np.uint32, "UINT64": np.uint64,
+                    "INT8": np.int8, "INT16": np.int16, "INT32": np.int32, "INT64": np.int64, "FP16": np.float16,
+                    "FP32": np.float32, "FP64": np.float64, "BYTES": np.object_}

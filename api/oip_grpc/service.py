@@ -24,8 +24,9 @@ from api.native.generate import prompt_input
 from api.oip import generation_body, model_metadata_of, run_model
 from api.oip_grpc import inference_pb2 as pb
 from api.oip_grpc import inference_pb2_grpc
-from api.oip_tensors import DATATYPES, from_bytes, to_bytes
+from api.oip_tensors import from_bytes, to_bytes
 from api.routes import VERSION
+from engine.types import TENSOR_DATATYPES
 from services.answers import generation_failed
 from services.deployments import KINDS
 from services.errors import AuthenticationError, InvalidRequestError, ServiceError
@@ -58,9 +59,9 @@ def request_tensors(request: pb.ModelInferRequest) -> dict[str, np.ndarray]:
     tensors = {}
     for i, tensor in enumerate(request.inputs):
         where, shape = f"inputs.{i}", [int(d) for d in tensor.shape]
-        if tensor.datatype not in DATATYPES or tensor.datatype == "FP16" and not request.raw_input_contents:
-            raise InvalidRequestError(f"{where}.datatype {tensor.datatype!r} is not one of {', '.join(DATATYPES)}",
-                                      param=where)
+        if tensor.datatype not in TENSOR_DATATYPES or tensor.datatype == "FP16" and not request.raw_input_contents:
+            raise InvalidRequestError(f"{where}.datatype {tensor.datatype!r} is not one of "
+                                      f"{', '.join(TENSOR_DATATYPES)}", param=where)
         if any(d < 0 for d in shape) or tensor.name in tensors:
             raise InvalidRequestError(f"{where}: negative sizes, or a name given twice", param=where)
         if request.raw_input_contents:
@@ -70,7 +71,7 @@ def request_tensors(request: pb.ModelInferRequest) -> dict[str, np.ndarray]:
         count = int(np.prod(shape, dtype=np.int64))
         if len(values) != count:
             raise InvalidRequestError(f"{where} has {len(values)} values; shape {shape} needs {count}", param=where)
-        dtype = DATATYPES[tensor.datatype]
+        dtype = TENSOR_DATATYPES[tensor.datatype]
         tensors[tensor.name] = np.array(values, dtype=dtype).reshape(shape)
     return tensors
 

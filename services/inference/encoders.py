@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from engine.types import TENSOR_DATATYPES
 from scheduling.encoders import ServedEncoder
 from services.admission import Admission
 from services.cache.response_cache import ResponseCache
@@ -142,9 +143,6 @@ def check_token_ids(model: ServedEncoder, items: list[str | list[int]]) -> None:
                                           f"{model.max_seq_len}", param="input", code="context_length_exceeded")
 
 
-NUMPY_DTYPES = {"BOOL": np.bool_, "UINT8": np.uint8, "UINT16": np.uint16, "UINT32": np.uint32, "UINT64": np.uint64,
-                "INT8": np.int8, "INT16": np.int16, "INT32": np.int32, "INT64": np.int64, "FP16": np.float16,
-                "FP32": np.float32, "FP64": np.float64, "BYTES": np.object_}
 
 
 def check_tensors(model: ServedEncoder, tensors: dict[str, np.ndarray]) -> None:
@@ -160,7 +158,7 @@ def check_tensors(model: ServedEncoder, tensors: dict[str, np.ndarray]) -> None:
         if name not in tensors:
             raise InvalidRequestError(f"input {name!r} is missing", param="inputs")
         array = tensors[name]
-        if array.dtype != NUMPY_DTYPES[spec["datatype"]]:
+        if array.dtype != TENSOR_DATATYPES[spec["datatype"]]:
             raise InvalidRequestError(f"input {name!r} must be {spec['datatype']}", param="inputs")
         if array.ndim != len(shape) or any(want not in (-1, got) for want, got in zip(shape, array.shape)):
             raise InvalidRequestError(f"input {name!r} has shape {list(array.shape)}; `{model.name}` takes {shape} "
@@ -178,7 +176,7 @@ def features_request(model: ServedEncoder, rows: list[list[float]]) -> dict[str,
     [spec] = model.inputs
     if any(len(row) != spec["shape"][1] for row in rows):
         raise InvalidRequestError(f"`{model.name}` takes {spec['shape'][1]} features per input", param="inputs")
-    return {spec["name"]: np.array(rows, dtype=NUMPY_DTYPES[spec["datatype"]])}
+    return {spec["name"]: np.array(rows, dtype=TENSOR_DATATYPES[spec["datatype"]])}
 
 
 def tabular_predictions(model: ServedEncoder, out: dict[str, np.ndarray], top_k: int | None = None) -> list[dict]:
