@@ -59,10 +59,6 @@ class PeftAdapter:
     base_model: str  # adapter_config.json's base_model_name_or_path (what it was trained on; informative)
 
     @property
-    def rank(self) -> int:
-        return max(a.shape[0] for a, _, _ in self.modules.values())
-
-    @property
     def num_bytes(self) -> int:
         return sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b, _ in self.modules.values())
 
@@ -150,7 +146,7 @@ class LoraWeights:
     expand: torch.Tensor  # [rank, out_features]
 
 
-def fused_weights(parts: list[tuple[slice, torch.Tensor, torch.Tensor, float]], out_features: int,
+def stack_parts(parts: list[tuple[slice, torch.Tensor, torch.Tensor, float]], out_features: int,
                   device: torch.device, dtype: torch.dtype) -> LoraWeights:
     """`parts`: (output rows of the fused linear, A, B, scale) of each adapted part."""
     rank = sum(a.shape[0] for _, a, _, _ in parts)

@@ -28,7 +28,7 @@ from torch import nn
 from transformers import AttentionInterface, PreTrainedModel
 
 from engine.attention import AttentionMetadata, build_metadata, paged_attention, softcapped_attention
-from engine.lora import AdapterError, LoraStep, LoraWeights, PeftAdapter, check_shape, fused_weights
+from engine.lora import AdapterError, LoraStep, LoraWeights, PeftAdapter, check_shape, stack_parts
 from engine.packed_linear import linear
 
 ATTENTION = "galley_paged"  # the attn_implementation name the model is loaded with
@@ -189,7 +189,7 @@ class GenericCausalLM(nn.Module):
                                    "layers only")
             inner = module.inner if isinstance(module, FlatLinear) else module
             check_shape(name, a, b, inner.in_features, inner.out_features)
-            weights[name] = fused_weights([(slice(0, inner.out_features), a, b, scale)], inner.out_features, device,
+            weights[name] = stack_parts([(slice(0, inner.out_features), a, b, scale)], inner.out_features, device,
                                           dtype)
         for name in weights.keys() - self.lora_hooked:
             self.hf.get_submodule(name).register_forward_hook(partial(self._add_lora, name))

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionMetadata, paged_attention
-from engine.lora import AdapterError, LoraStep, LoraWeights, PeftAdapter, check_shape, fused_weights
+from engine.lora import AdapterError, LoraStep, LoraWeights, PeftAdapter, check_shape, stack_parts
 from engine.packed_linear import PackedLinear, linear
 
 SUPPORTED_ARCHITECTURES = (
@@ -300,7 +300,7 @@ class LlamaForCausalLM(nn.Module):
 
     def lora_weights(self, adapter: PeftAdapter, device: torch.device, dtype: torch.dtype) -> dict[str, LoraWeights]:
         """An adapter's weights in this layout: q/k/v parts into the fused qkv rows, gate/up into gate_up
-        (`fused_weights`), keyed `{layer}.{qkv|o|gate_up|down}`; AdapterError for a module we do not have."""
+        (`engine.lora.stack_parts`), keyed `{layer}.{qkv|o|gate_up|down}`; AdapterError for a module we do not have."""
         s = self.shape
         q, kv, inter = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim, s.intermediate_size
         places = {"self_attn.q_proj": ("qkv", slice(0, q)), "self_attn.k_proj": ("qkv", slice(q, q + kv)),
@@ -319,7 +319,7 @@ class LlamaForCausalLM(nn.Module):
             fused, rows = places[match[2]]
             check_shape(module, a, b, inputs[fused], rows.stop - rows.start)
             parts.setdefault(f"{match[1]}.{fused}", []).append((rows, a, b, scale))
-        return {key: fused_weights(p, outputs[key.split(".")[1]], device, dtype) for key, p in parts.items()}
+        return {key: stack_parts(p, outputs[key.split(".")[1]], device, dtype) for key, p in parts.items()}
 
     def fused_weights(self) -> list[tuple] | None:
         """Each layer's weights for the fused op, gathered on first use (they do not change once
