@@ -14,6 +14,7 @@ from pathlib import Path
 
 import structlog
 
+from engine.batcher import Batching
 from engine.draft_model import DraftModelProposer, load_draft, num_target_blocks
 from engine.encoders import resolve_encoder_path, start_encoder
 from engine.engine import LLMEngine
@@ -121,7 +122,7 @@ def check_source(source: str, kind: str, options: dict | None = None) -> None:
         except AdapterError as exc:
             raise ModelLoadError(str(exc)) from exc
     elif kind in TENSOR_KINDS:
-        predictor_path(source)
+        predictor_path(source, (options or {}).get("allow_pickle", False))
     elif kind != "generate" and source.startswith("pkg:"):
         resolve_encoder_path(source)
     else:
@@ -157,7 +158,7 @@ class EngineLoader:
                 check_source(spec.source, spec.kind, spec.options)
                 return None
             self.devices_for(spec)
-            check_source(spec.source, spec.kind)
+            check_source(spec.source, spec.kind, spec.options)
             if spec.kind == "generate" and (draft := model_engine_config(self.cfg, spec).speculative.model):
                 check_model_source(draft)
         except ModelLoadError as exc:
@@ -173,7 +174,7 @@ class EngineLoader:
             return 2 * file.stat().st_size if file.is_file() else 0
         if spec.kind in TENSOR_KINDS:
             try:
-                path = predictor_path(spec.source)
+                path = predictor_path(spec.source, spec.options.get("allow_pickle", False))
             except ModelLoadError:
                 return 0  # loading will fail and say why
             return path.stat().st_size if path.is_file() else sum(f.stat().st_size for f in path.iterdir())
@@ -298,33 +299,45 @@ def start_workers(cfg: EngineConfig, emit: Emit) -> list[DeviceWorker]:
     return workers
 
 
+def batching_of(options: dict) -> Batching:
+    """A batched model's options as its batcher's: `max_batch` (32), the wait as `max_wait_ms` (5) or
+    Triton's `max_queue_delay_microseconds`, and `preferred_batch_size` (none)."""
+    if "max_queue_delay_microseconds" in options:
+        wait_ms = options["max_queue_delay_microseconds"] / 1000
+    else:
+        wait_ms = options.get("max_wait_ms", 5.0)
+    return Batching(options.get("max_batch", 32), wait_ms, tuple(options.get("preferred_batch_size", ())))
+
+
 def load_encoder(spec: ModelVersion, device: str, dtype: str, worker: DeviceWorker,
                  max_waiting: int = 1024) -> ServedEncoder:
     """Load one encoder version onto the device's worker (blocking: run it off the event loop).
 
-    Batching from the options `max_batch` (32) and `max_wait_ms` (5)."""
+    Batching from the options (`batching_of`)."""
     started = time.monotonic()
-    max_batch, max_wait_ms = spec.options.get("max_batch", 32), spec.options.get("max_wait_ms", 5.0)
+    batching = batching_of(spec.options)
+    max_batch = batching.max_batch
     if spec.kind in TENSOR_KINDS:
-        predictor, client = start_predictor(spec.ref, spec.source, spec.kind, worker, device, max_batch, max_wait_ms,
-                                            tuple(spec.options.get("trusted_types", ())))
+        predictor, client = start_predictor(spec.ref, spec.source, spec.kind, worker, device, batching,
+                                            tuple(spec.options.get("trusted_types", ())),
+                                            spec.options.get("allow_pickle", False))
         log.info("model loaded", model=spec.ref, kind=spec.kind, source=spec.source, device=device,
                  load_s=round(time.monotonic() - started, 2), max_batch=max_batch, platform=predictor.platform)
         return ServedEncoder(
             name=spec.name, kind=spec.kind, handle=client, dimensions=0, max_seq_len=0, vocab_size=0,
             labels=predictor.labels, max_waiting=max_waiting, version=spec.version, created=int(time.time()),
-            mem_bytes=predictor_path(spec.source).stat().st_size, inputs=[t.as_json() for t in predictor.inputs],
+            mem_bytes=predictor_path(spec.source, spec.options.get("allow_pickle", False)).stat().st_size, inputs=[t.as_json() for t in predictor.inputs],
             outputs=[t.as_json() for t in predictor.outputs], platform=predictor.platform, warmup=predictor.example())
     if spec.kind == "image-classify":
         classifier, client = start_image_classifier(spec.ref, resolve_encoder_path(spec.source), worker, device, dtype,
-                                                    max_batch, max_wait_ms)
+                                                    batching)
         log.info("model loaded", model=spec.ref, kind=spec.kind, source=spec.source, device=device,
                  load_s=round(time.monotonic() - started, 2), max_batch=max_batch)
         return ServedEncoder(
             name=spec.name, kind=spec.kind, handle=client, dimensions=0, max_seq_len=0, vocab_size=0,
             labels=classifier.labels, max_waiting=max_waiting, version=spec.version, created=int(time.time()),
             mem_bytes=weights_bytes(classifier.model), warmup=classifier.example())
-    encoder, client = start_encoder(spec.ref, spec.source, spec.kind, worker, device, dtype, max_batch, max_wait_ms)
+    encoder, client = start_encoder(spec.ref, spec.source, spec.kind, worker, device, dtype, batching)
     log.info("model loaded", model=spec.ref, kind=spec.kind, source=spec.source, device=device,
              load_s=round(time.monotonic() - started, 2), max_batch=max_batch)
     return ServedEncoder(

@@ -3,9 +3,11 @@
 Callers on any thread submit a list of inputs through the worker (`engine.worker.EncoderClient`)
 and get a `concurrent.futures.Future` of the list of outputs (`scheduling.encoders.submit`
 turns it into an event-loop future). The worker thread hands each request to `add`, and whenever `due`
-(`max_batch` inputs waiting, or the oldest has waited `max_wait_ms`) calls `run_once`: ONE
-call of `run_batch` over the oldest inputs (interactive requests first; `low` ones, batch jobs
-and shadow copies, fill the room left), whose outputs are split back to their requests.
+(`max_batch` inputs waiting, a preferred batch size can be filled, or the oldest has waited
+`max_wait_ms`) calls `run_once`: ONE call of `run_batch` over the oldest inputs (interactive
+requests first; `low` ones, batch jobs and shadow copies, fill the room left), whose outputs are
+split back to their requests. Preferred sizes work as Triton's `preferred_batch_size`: the largest
+one the waiting inputs fill runs at once; when the wait expires, whatever is waiting runs.
 A request larger than `max_batch` is cut into several batches. There is no thread here: the
 encoders of a device run on that device's worker thread, between engine steps, because a
 second long-lived thread running torch ops makes libgomp throttle both threads' OpenMP teams
@@ -28,6 +30,19 @@ import structlog
 log = structlog.get_logger(__name__)
 
 RunBatch = Callable[[list[Any]], list[Any]]
+
+
+@dataclass(frozen=True)
+class Batching:
+    """A model's batching options (`max_batch`, `max_wait_ms` or Triton's `max_queue_delay_microseconds`,
+    `preferred_batch_size`)."""
+
+    max_batch: int = 32
+    max_wait_ms: float = 5.0
+    preferred: tuple[int, ...] = ()
+
+    def batcher(self, name: str, run_batch: RunBatch) -> DynamicBatcher:
+        return DynamicBatcher(name, run_batch, self.max_batch, self.max_wait_ms, self.preferred)
 
 
 @dataclass
@@ -69,13 +84,15 @@ class DynamicBatcher:
     """Invariant: every added request's future completes exactly once (result or exception).
     All methods but `stats` run on the owning worker's thread."""
 
-    def __init__(self, name: str, run_batch: RunBatch, max_batch: int, max_wait_ms: float) -> None:
-        if max_batch < 1 or max_wait_ms < 0:
-            raise ValueError("max_batch must be >= 1 and max_wait_ms >= 0")
+    def __init__(self, name: str, run_batch: RunBatch, max_batch: int, max_wait_ms: float,
+                 preferred: tuple[int, ...] = ()) -> None:
+        if max_batch < 1 or max_wait_ms < 0 or any(not 1 <= size <= max_batch for size in preferred):
+            raise ValueError("max_batch must be >= 1, max_wait_ms >= 0 and preferred sizes in 1..max_batch")
         self.name = name
         self.run_batch = run_batch
         self.max_batch = max_batch
         self.max_wait_s = max_wait_ms / 1000
+        self.preferred = tuple(sorted(set(preferred), reverse=True))  # largest first
         self.stats = BatcherStats()
         self.item_s: float | None = None  # moving average of a batch's seconds per input
         self._waiting: collections.deque[_Slice] = collections.deque()  # interactive requests, oldest first
@@ -95,7 +112,7 @@ class DynamicBatcher:
         oldest = [line[0].pending.arrival_s for line in (self._waiting, self._low) if line]
         if not oldest:
             return None
-        if self._num_waiting >= self.max_batch:
+        if self._num_waiting >= self.max_batch or self._preferred_size(self._num_waiting):
             return 0.0
         return min(oldest) + self.max_wait_s
 
@@ -104,10 +121,19 @@ class DynamicBatcher:
         return deadline is not None and deadline <= now
 
     def run_once(self, limit: int | None = None) -> None:
-        """Run one batch of the oldest inputs: up to `max_batch`, or `limit` (see `items_for`)."""
-        batch = self._take_batch(min(limit or self.max_batch, self.max_batch))
+        """Run one batch of the oldest inputs: up to `max_batch`, or `limit` (see `items_for`); before
+        the oldest input's wait expires, the largest preferred size that fits."""
+        limit = min(limit or self.max_batch, self.max_batch)
+        oldest = [line[0].pending.arrival_s for line in (self._waiting, self._low) if line]
+        if oldest and time.monotonic() < min(oldest) + self.max_wait_s:
+            limit = self._preferred_size(min(limit, self._num_waiting)) or limit
+        batch = self._take_batch(limit)
         if batch:
             self._run_one(batch)
+
+    def _preferred_size(self, available: int) -> int | None:
+        """The largest preferred batch size at most `available`, or None."""
+        return next((size for size in self.preferred if size <= available), None)
 
     def items_for(self, seconds: float) -> int:
         """How many inputs one batch may take to run for about `seconds` (at least one), by the
@@ -121,6 +147,7 @@ class DynamicBatcher:
             while line:
                 self._fail(line.popleft().pending, exc)
         self._num_waiting = 0
+
     def _take_batch(self, limit: int) -> list[_Slice]:
         """Up to `limit` inputs: interactive requests oldest first, then `low` ones in the room
         left; whole requests where they fit (a request that does not fit an empty batch is cut);

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModel, AutoModelForSequenceClassification, AutoTokenizer
 
-from engine.batcher import DynamicBatcher
+from engine.batcher import Batching
 from engine.length_groups import GroupCost, length_groups
 from engine.loader import ModelLoadError, max_token_chars, resolve_dtype, resolve_model_path
 from engine.models.bert import PackedBatch, PackedBert, supports_packed
@@ -272,8 +272,8 @@ class Encoder:
 
 
 def start_encoder(encoder_id: str, source: str, kind: str, worker: DeviceWorker, device: str, dtype: str,
-                  max_batch: int, max_wait_ms: float) -> tuple[Encoder, EncoderClient]:
+                  batching: Batching) -> tuple[Encoder, EncoderClient]:
     """Load an encoder and attach it to the device's worker (blocking: run it off the event loop)."""
     encoder = Encoder(resolve_encoder_path(source), kind, device, dtype)
     encoder.run(["warm up"])  # the first forward is slow: pay for it before serving
-    return encoder, worker.attach_encoder(encoder_id, DynamicBatcher(encoder_id, encoder.run, max_batch, max_wait_ms))
+    return encoder, worker.attach_encoder(encoder_id, batching.batcher(encoder_id, encoder.run))

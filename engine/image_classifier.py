@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from engine.batcher import Batching
 from engine.encoders import EncoderOutput
 from engine.loader import ModelLoadError, resolve_dtype
 
@@ -52,12 +53,8 @@ class ImageClassifier:
         return Image.new("RGB", (32, 32))
 
 
-def start_image_classifier(encoder_id: str, path: Path, worker, device: str, dtype: str, max_batch: int,
-                           max_wait_ms: float):
+def start_image_classifier(encoder_id: str, path: Path, worker, device: str, dtype: str, batching: Batching):
     """Load an image classifier and attach its batcher to the device's worker (blocking: off the event loop)."""
-    from engine.batcher import DynamicBatcher
-
     classifier = ImageClassifier(path, device, dtype)
     classifier.run([classifier.example()])  # the first forward is slow: pay for it before serving
-    return classifier, worker.attach_encoder(encoder_id, DynamicBatcher(encoder_id, classifier.run, max_batch,
-                                                                        max_wait_ms))
+    return classifier, worker.attach_encoder(encoder_id, batching.batcher(encoder_id, classifier.run))

@@ -5,8 +5,8 @@ batcher as the encoders.
 A predictor declares its inputs and outputs (`TensorSpec`: name, Open Inference Protocol datatype,
 shape with -1 for a free dimension) and runs a batch of requests, each a dict of named arrays
 whose first dimension counts its rows: requests are concatenated along that dimension (where the
-model's first dimension is free), run as one, and split back. Nothing here unpickles: a
-scikit-learn model is served as ONNX (skl2onnx), and `.pkl`/`.joblib` files are refused.
+model's first dimension is free), run as one, and split back. `.pkl`/`.joblib` files are refused
+unless an admin opted in (`allow_pickle`), and then go through `engine.unpickle`'s restricted loader.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from engine.batcher import Batching
 from engine.loader import ModelLoadError
 from engine.types import TENSOR_DATATYPES
 
@@ -26,6 +27,8 @@ ONNX_TYPES = {"tensor(bool)": "BOOL", "tensor(uint8)": "UINT8", "tensor(uint16)"
               "tensor(int64)": "INT64", "tensor(float16)": "FP16", "tensor(float)": "FP32", "tensor(double)": "FP64",
               "tensor(string)": "BYTES"}
 PICKLES = (".pkl", ".pickle", ".joblib")
+PICKLE_REFUSAL = ("pickles load only where an admin set the model's `allow_pickle` option; better, save it in its "
+                  "library's own format (skops .skops, XGBoost .json/.ubj, LightGBM .txt) or convert it to ONNX")
 Tensors = dict[str, np.ndarray]
 
 
@@ -161,13 +164,14 @@ class TorchPredictor(Predictor):
 
 
 class TabularPredictor(Predictor):
-    """A tabular model read by its own library from its own format (no pickle): XGBoost, LightGBM, or a
-    scikit-learn estimator in skops' format (`.skops`: types outside skops' own trusted set load only if
-    the model's `trusted_types` option names them). Input `input` [rows, features]; outputs `predict`
-    (a class index, or a value) and, for a classifier, `predict_proba` [rows, classes], as scikit-learn's
-    estimators name them."""
+    """A tabular model read by its own library from its own format: XGBoost, LightGBM, or a scikit-learn
+    estimator in skops' format (`.skops`: types outside skops' own trusted set load only if the
+    model's `trusted_types` option names them), or pickled, where an admin allowed it (`allow_pickle`,
+    through `engine.unpickle`). Input `input` [rows, features]; outputs `predict` (a class index, or
+    a value) and, for a classifier, `predict_proba` [rows, classes], as scikit-learn's estimators
+    name them."""
 
-    def __init__(self, path: Path, trusted_types: tuple[str, ...] = ()) -> None:
+    def __init__(self, path: Path, trusted_types: tuple[str, ...] = (), allow_pickle: bool = False) -> None:
         suffix = path.suffix.lower()
         if suffix in (".json", ".ubj"):
             self._load_xgboost(path)
@@ -175,11 +179,13 @@ class TabularPredictor(Predictor):
             self._load_lightgbm(path)
         elif suffix == ".skops":
             self._load_skops(path, trusted_types)
+        elif suffix in PICKLES and allow_pickle:
+            from engine.unpickle import restricted_load
+
+            self._adopt_estimator(restricted_load(path, trusted_types), path)
         else:
             raise ModelLoadError(f"{path.name}: a tabular model is an XGBoost .json/.ubj, a LightGBM .txt or a "
-                                 "scikit-learn .skops file"
-                                 + (" (pickles are never loaded: save the model in its library's own format, or "
-                                    "convert it to ONNX)" if suffix in PICKLES else ""))
+                                 "scikit-learn .skops file" + (f" ({PICKLE_REFUSAL})" if suffix in PICKLES else ""))
         self.inputs = [TensorSpec("input", self.input_type, (-1, self.num_features))]
         self.outputs = [TensorSpec("predict", "INT64" if self.num_classes else "FP64", (-1,))]
         if self.num_classes:
@@ -229,11 +235,16 @@ class TabularPredictor(Predictor):
             if untrusted:
                 raise ModelLoadError(f"{path.name} holds types skops does not trust: {', '.join(untrusted)}; an admin "
                                      "who has reviewed them may list them in the model's `trusted_types` option")
-            self.estimator = skops.io.load(path, trusted=list(trusted_types) or None)
+            estimator = skops.io.load(path, trusted=list(trusted_types) or None)
         except ModelLoadError:
             raise
         except Exception as exc:  # skops raises many types for a file it cannot read
             raise ModelLoadError(f"skops cannot load {path.name}: {exc}") from exc
+        self._adopt_estimator(estimator, path)
+
+    def _adopt_estimator(self, estimator: object, path: Path) -> None:
+        """Serve a fitted scikit-learn estimator (or pipeline): its features, and its classes if it has them."""
+        self.estimator = estimator
         if not hasattr(self.estimator, "predict") or not hasattr(self.estimator, "n_features_in_"):
             raise ModelLoadError(f"{path.name} is not a fitted scikit-learn estimator")
         classes = getattr(self.estimator, "classes_", None)
@@ -259,10 +270,12 @@ class TabularPredictor(Predictor):
         return {"predict": proba.argmax(axis=1).astype(np.int64), "predict_proba": proba}
 
 
-def load_predictor(path: Path, kind: str, device: str = "cpu", trusted_types: tuple[str, ...] = ()) -> Predictor:
-    """An `onnx` or `tabular` model from its file (or a folder holding exactly one)."""
+def load_predictor(path: Path, kind: str, device: str = "cpu", trusted_types: tuple[str, ...] = (),
+                   allow_pickle: bool = False) -> Predictor:
+    """An `onnx`, `torch` or `tabular` model from its file (or a folder holding exactly one)."""
     if path.is_dir():
-        suffixes = {"onnx": (".onnx",), "torch": (".pt2",)}.get(kind, (".json", ".ubj", ".txt", ".skops"))
+        suffixes = {"onnx": (".onnx",), "torch": (".pt2",)}.get(
+            kind, (".json", ".ubj", ".txt", ".skops") + (PICKLES if allow_pickle else ()))
         files = [f for f in path.iterdir() if f.suffix.lower() in suffixes and f.name != "config.json"]
         if len(files) != 1:
             raise ModelLoadError(f"{path} holds {len(files)} {'/'.join(suffixes)} files; point the source at one")
@@ -274,28 +287,24 @@ def load_predictor(path: Path, kind: str, device: str = "cpu", trusted_types: tu
             raise ModelLoadError(f"{path.name}: a torch model is a torch.export program (.pt2); TorchScript and "
                                  "pickled modules are not loaded")
         return TorchPredictor(path, device)
-    return OnnxPredictor(path, device) if kind == "onnx" else TabularPredictor(path, trusted_types)
+    return OnnxPredictor(path, device) if kind == "onnx" else TabularPredictor(path, trusted_types, allow_pickle)
 
 
-def predictor_path(source: str) -> Path:
+def predictor_path(source: str, allow_pickle: bool = False) -> Path:
     """A tensor model's file or folder (`pkg:` inside a package, as encoders' sources); ModelLoadError if absent."""
     from engine.encoders import resolve_encoder_path
 
     path = resolve_encoder_path(source) if source.startswith("pkg:") else Path(source).expanduser()
     if not path.exists():
         raise ModelLoadError(f"model file {source!r} does not exist")
-    if path.is_file() and path.suffix.lower() in PICKLES:
-        raise ModelLoadError(f"{path.name} is a pickle, which galley never loads: save the model in its library's "
-                             "own format (XGBoost .json/.ubj, LightGBM .txt) or convert it to ONNX")
+    if path.is_file() and path.suffix.lower() in PICKLES and not allow_pickle:
+        raise ModelLoadError(f"{path.name} is a pickle: {PICKLE_REFUSAL}")
     return path
 
 
-def start_predictor(predictor_id: str, source: str, kind: str, worker, device: str, max_batch: int,
-                    max_wait_ms: float, trusted_types: tuple[str, ...] = ()):
+def start_predictor(predictor_id: str, source: str, kind: str, worker, device: str, batching: Batching,
+                    trusted_types: tuple[str, ...] = (), allow_pickle: bool = False):
     """Load a tensor model and attach its batcher to the device's worker (blocking: off the event loop)."""
-    from engine.batcher import DynamicBatcher
-
-    predictor = load_predictor(predictor_path(source), kind, device, trusted_types)
+    predictor = load_predictor(predictor_path(source, allow_pickle), kind, device, trusted_types, allow_pickle)
     predictor.run([predictor.example()])  # the first run is slow: pay for it before serving
-    return predictor, worker.attach_encoder(predictor_id, DynamicBatcher(predictor_id, predictor.run, max_batch,
-                                                                         max_wait_ms))
+    return predictor, worker.attach_encoder(predictor_id, batching.batcher(predictor_id, predictor.run))

@@ -7,6 +7,7 @@ Refusals become domain errors with a retry hint (`RateLimitError`/`QueueFullErro
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Sequence
 from typing import Any
@@ -59,7 +60,7 @@ class Admission:
 
         `counted=False`: a caller that waits out refusals and tries again (batch items): kept out of
         the request metrics and the failure log (it logs its own), and a busy batcher charges nothing."""
-        estimate = sum(estimated_tokens(x) for x in items)
+        estimate, started = sum(estimated_tokens(x) for x in items), time.monotonic()
         ticket = self._admit(model.name, limits, estimate, counted)
         used = estimate
         try:
@@ -75,13 +76,14 @@ class Admission:
                 outputs = await future
             except Exception as exc:
                 if counted:
-                    self.metrics.encoder_requests.labels(model.name, "error").inc()
+                    self.metrics.encoder_requests.labels(model.name, model.kind, "error").inc()
                     log.error("encoder failed", model=model.ref, exc_info=exc)  # the client gets no exception text
                 raise ServiceError(f"the {model.kind} model failed on these inputs (internal error)",
                                    code="model_failed") from exc
             used = sum(getattr(out, "num_tokens", 0) for out in outputs)  # tensor models read no tokens
             if counted:
-                self.metrics.encoder_requests.labels(model.name, "ok").inc()
+                self.metrics.encoder_requests.labels(model.name, model.kind, "ok").inc()
+                self.metrics.encoder_duration.labels(model.name, model.kind).observe(time.monotonic() - started)
             return outputs
         finally:
             self.router.admission.release(ticket, used)

@@ -1,4 +1,5 @@
-// The admin page: plain JS over the /admin/api/* JSON endpoints (and /api/v1/deployments, /ws/chat).
+// The admin page: plain JS over the /admin/api/* JSON endpoints (and /api/v1/deployments, /ws/chat; the try-a-model
+// panel, predict.js, calls the models' own endpoints).
 // The admin key lives in sessionStorage only; every call sends it as a Bearer token.
 "use strict";
 
@@ -162,7 +163,7 @@ function onStats(s) {
 async function loadModels() {
   let versions = null;
   try {
-    const data = await api("GET", "/admin/api/models");
+    const [data] = await Promise.all([api("GET", "/admin/api/models"), loadSignatures()]);
     versions = Array.isArray(data) ? data : data.data;
   } catch (err) {
     if (err.status !== 404 && err.status !== 405) return;
@@ -187,6 +188,7 @@ async function loadModels() {
       ? `loading ${Math.round(100 * v.load_progress)}% (${v.load_phase})` : v.state;
     return el("tr", { dataset: { model: v.name, version: v.version } },
       el("td", {}, v.name), el("td", {}, v.version), el("td", {}, v.kind || "generate"),
+      signatureCell(`${v.name}@${v.version}`),
       el("td", {}, el("span", { class: pillClass(v.draining ? "draining" : v.state), title: v.error || "" }, stateText)),
       el("td", {}, (v.devices || []).join(", ") || "–"), el("td", { class: "num" }, bytes(v.mem_bytes)),
       el("td", { class: "num" }, v.num_in_flight ?? "–"), el("td", { class: "num" }, kv),
@@ -348,6 +350,10 @@ document.addEventListener("DOMContentLoaded", () => {
   $("profile-button").addEventListener("click", recordProfile);
   $("play-form").addEventListener("submit", sendChat);
   $("play-new").addEventListener("click", newChat);
+  $("try-model").addEventListener("change", () => chooseTry($("try-model").value, false));
+  $("try-example").addEventListener("click", () => chooseTry($("try-model").value, false));
+  $("try-image").addEventListener("change", useImageFile);
+  $("try-send").addEventListener("click", sendTry);
   const saved = sessionStorage.getItem(KEY_STORAGE);
   if (saved) signIn(saved); else $("login").hidden = false;
 });

@@ -1,6 +1,6 @@
 """The admin page (`GET /admin`, files in static/) and the `/admin/api/*` JSON it reads:
-stats for the live charts, recent requests, alerts, conversations across tenants (profiling:
-api/admin/profiling.py).
+stats for the live charts, loaded models' inputs and outputs, recent requests, alerts,
+conversations across tenants (profiling: api/admin/profiling.py).
 
 Also wires the observability parts into the app (`setup`): the request-record sinks (log
 line, recent-requests ring, spans), the alert loop and the profiler. The page itself only
@@ -12,12 +12,13 @@ no data; the page asks for the key).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from aiohttp import web
 from pydantic import BaseModel, Field
 
 from api.errors import json_response
+from api.oip import TensorMetadata, signature
 from api.routes import Route
 from api.services import services
 from api.validation import parse_params
@@ -42,6 +43,36 @@ async def admin_page(request: web.Request) -> web.FileResponse:
 
 async def admin_stats(request: web.Request) -> web.Response:
     return json_response(services(request).status.stats())
+
+
+# ---- loaded models' inputs and outputs -------------------------------------------------
+
+
+class ModelSignature(BaseModel):
+    name: str
+    version: str
+    kind: str
+    platform: str
+    inputs: list[TensorMetadata]
+    outputs: list[TensorMetadata]
+
+
+class SignatureList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelSignature]
+
+
+def signature_json(model: Any) -> dict[str, Any]:
+    platform, inputs, outputs = signature(model)
+    return {"name": model.name, "version": model.version, "kind": model.kind, "platform": platform,
+            "inputs": inputs, "outputs": outputs}
+
+
+async def admin_signatures(request: web.Request) -> web.Response:
+    """What /v2/models/{name} says of each loaded version but generate ones, read with the admin key
+    (/v2 takes a tenant key) and without loading a cold version, as /v2 would."""
+    loaded = sorted(services(request).models.router.served_encoders(), key=lambda m: (m.name, m.version))
+    return json_response({"object": "list", "data": [signature_json(m) for m in loaded]})
 
 
 # ---- recent requests, alerts -----------------------------------------------------------
@@ -96,6 +127,8 @@ ROUTES = [
     Route("GET", "/admin", admin_page, "The admin page (HTML; it asks for the admin key)", content_type="text/html"),
     Route("GET", "/admin/api/stats", admin_stats,
           "Live summary for the charts: tokens, TTFT p50/p99, queues, KV, models (admin key)"),
+    Route("GET", "/admin/api/signatures", admin_signatures, "Each loaded version's inputs and outputs (every kind "
+          "but generate), as its Open Inference Protocol metadata gives them (admin key)", response=SignatureList),
     Route("GET", "/admin/api/requests", admin_requests, "Recent generation requests, newest first (admin key)",
           query=RequestsQuery),
     Route("GET", "/admin/api/alerts", admin_alerts, "Alert rules, their state, firing alerts and recent transitions "

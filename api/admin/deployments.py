@@ -43,6 +43,8 @@ def option_type(option: Option) -> Any:
         return SamplingDefaults
     if option.name == "speculative":
         return dict[Literal[SPECULATIVE_KEYS], Any]
+    if option.type is list and option.item is int:
+        return Annotated[list[Annotated[int, Field(strict=True, ge=option.ge, le=option.le)]], Field(min_length=1)]
     if option.type is list:
         return list[Annotated[str, Field(min_length=1)]]
     return Annotated[option.type, Field(strict=option.type is bool, ge=option.ge, le=option.le)]

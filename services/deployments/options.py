@@ -30,26 +30,32 @@ SPECULATIVE_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "pr
 @dataclass(frozen=True)
 class Option:
     name: str
-    type: type  # bool, int, float (an int is taken too), str, dict or list (of strings)
+    type: type  # bool, int, float (an int is taken too), str, dict or list (of `item`)
     help: str
     kinds: tuple[str, ...] = KINDS  # the model kinds it means something for
     choices: tuple[str, ...] = ()
     ge: float | None = None
     le: float | None = None
+    item: type = str  # a list's items: non-empty strings, or ints within ge..le
 
     def problem(self, value: Any) -> str | None:
         """Why `value` is not one of this option's, or None."""
         types = (int, float) if self.type is float else (self.type,)
         if not isinstance(value, types) or (isinstance(value, bool) and self.type is not bool):
             return f"must be {'a number' if self.type is float else self.type.__name__}"
-        if self.type is list and not all(isinstance(item, str) and item for item in value):
-            return "must be a list of non-empty strings"
+        if self.type is list:
+            if self.item is int:
+                if not value or not all(isinstance(item, int) and not isinstance(item, bool) for item in value):
+                    return "must be a non-empty list of integers"
+            elif not all(isinstance(item, str) and item for item in value):
+                return "must be a list of non-empty strings"
         if self.choices and value not in self.choices:
             return f"must be one of {', '.join(self.choices)}"
-        if self.ge is not None and value < self.ge:
-            return f"must be >= {self.ge:g}"
-        if self.le is not None and value > self.le:
-            return f"must be <= {self.le:g}"
+        for number in (value if self.type is list and self.item is int else [value]):
+            if self.ge is not None and number < self.ge:
+                return f"must be >= {self.ge:g}"
+            if self.le is not None and number > self.le:
+                return f"must be <= {self.le:g}"
         if self.name == "speculative":
             unknown = sorted(set(value) - set(SPECULATIVE_KEYS))
             return f"unknown key(s) {unknown}; known: {', '.join(SPECULATIVE_KEYS)}" if unknown else None
@@ -81,11 +87,17 @@ OPTIONS: dict[str, Option] = {option.name: option for option in (
            "generation_config.json", GENERATE),
     Option("base", str, "makes this version a LoRA adapter (its source a PEFT adapter folder) served over the "
            "weights of this generate model (`name`: its stable version at load; or `name@version`)", GENERATE),
-    Option("trusted_types", list, "a tabular .skops model: the types beyond skops' own trusted set that an admin "
-           "has reviewed and lets it load (e.g. mypackage.MyTransformer)", ("tabular",)),
+    Option("trusted_types", list, "a tabular .skops model (or allowed pickle): the types beyond skops' own trusted "
+           "set that an admin has reviewed and lets it load (e.g. mypackage.MyTransformer)", ("tabular",)),
+    Option("allow_pickle", bool, "an admin's opt-in for a scikit-learn .pkl/.pickle/.joblib file: loaded through a "
+           "restricted unpickler that builds only scikit-learn classes, numpy arrays and trusted_types", ("tabular",)),
     Option("max_batch", int, "most inputs (requests of a tensor model) in one forward (default 32)", BATCHED, ge=1,
            le=65536),
     Option("max_wait_ms", float, "how long a batch waits to fill (default 5)", BATCHED, ge=0, le=1000),
+    Option("max_queue_delay_microseconds", int, "Triton's name for the wait: max_wait_ms in microseconds", BATCHED,
+           ge=0, le=10**6),
+    Option("preferred_batch_size", list, "batch sizes run as soon as enough inputs wait, largest first, as Triton's "
+           "dynamic batcher does (each at most max_batch)", BATCHED, ge=1, le=65536, item=int),
 )}
 
 
@@ -101,6 +113,8 @@ def check_options(options: Mapping[str, Any], kind: str | None = None) -> dict[s
             raise ValueError(f"options.{set_here[0]}: an adapter runs on its base's engine; set it on the base")
         if not isinstance(options["base"], str) or not options["base"].strip("@") or options["base"].count("@") > 1:
             raise ValueError("options.base: must be a model name or name@version")
+    if "max_wait_ms" in options and "max_queue_delay_microseconds" in options:
+        raise ValueError("options.max_queue_delay_microseconds: set the wait once, as it or as max_wait_ms")
     for name, value in options.items():
         option = OPTIONS.get(name)
         if option is None:
@@ -109,4 +123,7 @@ def check_options(options: Mapping[str, Any], kind: str | None = None) -> dict[s
             raise ValueError(f"options.{name}: {problem}")
         if kind is not None and kind not in option.kinds:
             raise ValueError(f"options.{name}: only for {' and '.join(option.kinds)} models, not {kind}")
+    if max(options.get("preferred_batch_size") or [0]) > options.get("max_batch", 32):
+        raise ValueError(f"options.preferred_batch_size: each size must be at most max_batch "
+                         f"({options.get('max_batch', 32)})")
     return dict(options)

@@ -18,6 +18,7 @@ from services.cache.response_cache import ResponseCache
 from services.deployments.shadow import ShadowMirror
 from services.errors import InvalidRequestError
 from services.inference.images import decode_images
+from services.inference.tensors import to_json_data
 from services.observability.metrics import Metrics
 from services.tenancy import Caller
 
@@ -114,7 +115,7 @@ class Encoders:
         outputs = self.cache.lookup_many(caller, model.name, keys)
         hit = all(out is not None for out in outputs)
         if hit:
-            self.metrics.encoder_requests.labels(model.name, "cached").inc()
+            self.metrics.encoder_requests.labels(model.name, model.kind, "cached").inc()
             return outputs
         return await self._compute(caller, model, items, outputs, keys)
 
@@ -188,6 +189,12 @@ def tabular_predictions(model: ServedEncoder, out: dict[str, np.ndarray], top_k:
         ranked = sorted(zip(model.labels, row.tolist()), key=lambda pair: -pair[1])
         results.append({"prediction": ranked[0][0], "confidence": ranked[0][1], "scores": dict(ranked[:top_k])})
     return results
+
+
+def tensor_outputs(model: ServedEncoder, out: dict[str, np.ndarray]) -> list[dict]:
+    """A tensor model's outputs as /v2's infer answers them in JSON: name, datatype, shape and flat data."""
+    return [{"name": spec["name"], "datatype": spec["datatype"], "shape": list(out[spec["name"]].shape),
+             "data": to_json_data(out[spec["name"]], spec["datatype"])} for spec in model.outputs]
 
 
 def cosine(a: list[float], b: list[float]) -> float:

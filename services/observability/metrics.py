@@ -19,6 +19,7 @@ from scheduling.router import RequestStream, Router, ServedModel
 from services.observability.telemetry import SUCCESS, RequestRecord
 
 BURST_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+FAST_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10)  # light models answer in ms
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 STATUS = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.ABORT: "cancelled",
           FinishReason.ERROR: "error"}
@@ -162,21 +163,23 @@ class EncoderCollector:
         self.router = router
 
     def collect(self):
-        sizes = HistogramMetricFamily("galley_encoder_batch_size", "Inputs per encoder batch", labels=["model"])
-        inputs = CounterMetricFamily("galley_encoder_inputs", "Inputs run through encoder models", labels=["model"])
-        busy = CounterMetricFamily("galley_encoder_busy_seconds", "Seconds encoder batches ran on their device "
-                                   "(its share of the device beside engine steps)", labels=["model"])
-        by_name: dict[str, list] = {}
+        labels = ["model", "kind"]
+        sizes = HistogramMetricFamily("galley_encoder_batch_size", "Inputs per batch of a batched model (every kind "
+                                      "but generate)", labels=labels)
+        inputs = CounterMetricFamily("galley_encoder_inputs", "Inputs run through batched models", labels=labels)
+        busy = CounterMetricFamily("galley_encoder_busy_seconds", "Seconds batched models' batches ran on their "
+                                   "device (its share of the device beside engine steps)", labels=labels)
+        by_name: dict[tuple[str, str], list] = {}
         for model in self.router.served_encoders():
-            by_name.setdefault(model.name, []).append(model.handle.stats)
+            by_name.setdefault((model.name, model.kind), []).append(model.handle.stats)
         for name, stats in sorted(by_name.items()):
             buckets = [(str(bound), sum(n for s in stats for size, n in s.batch_sizes.items() if size <= bound))
                        for bound in BATCH_SIZE_BUCKETS]
             buckets.append(("+Inf", sum(s.num_batches for s in stats)))
             num_items = sum(s.num_items for s in stats)
-            sizes.add_metric([name], buckets, sum_value=num_items)
-            inputs.add_metric([name], num_items)
-            busy.add_metric([name], sum(s.busy_s for s in stats))
+            sizes.add_metric(list(name), buckets, sum_value=num_items)
+            inputs.add_metric(list(name), num_items)
+            busy.add_metric(list(name), sum(s.busy_s for s in stats))
         yield sizes
         yield inputs
         yield busy
@@ -210,8 +213,12 @@ class Metrics:
                                   ["model"], registry=r)
         self.cache_misses = Counter("galley_response_cache_misses", "Response cache misses (encoders: per input)",
                                     ["model"], registry=r)
-        self.encoder_requests = Counter("galley_encoder_requests", "Embedding and classification requests",
-                                        ["model", "status"], registry=r)
+        self.encoder_requests = Counter("galley_encoder_requests", "Requests to batched models (every kind but "
+                                        "generate) by how they ended: ok, cached, error", ["model", "kind", "status"],
+                                        registry=r)
+        self.encoder_duration = Histogram("galley_encoder_request_duration_seconds", "Admission to answer of "
+                                          "requests to batched models that ran", ["model", "kind"],
+                                          buckets=FAST_BUCKETS, registry=r)
         self.log_prompts = False
         self.registry.register(EngineCollector(router))
         self.registry.register(EncoderCollector(router))

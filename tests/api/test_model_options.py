@@ -24,7 +24,8 @@ EXAMPLES = {  # one valid value of every option; a new option must add one here
     "backend": "generic", "quantization": "int8", "speculative": {"method": "ngram", "num_speculative_tokens": 3},
     "sampling_defaults": {"temperature": 0.0, "max_tokens": 5}, "max_batch": 8, "max_wait_ms": 2.0,
     "base": "tiny",  # a LoRA adapter over `tiny` (its source an adapter folder)
-    "trusted_types": ["mypackage.MyTransformer"],
+    "trusted_types": ["mypackage.MyTransformer"], "max_queue_delay_microseconds": 500, "preferred_batch_size": [4, 8],
+    "allow_pickle": True,
 }
 KIND_OF = {name: option.kinds[0] for name, option in OPTIONS.items()}
 
@@ -51,7 +52,9 @@ async def test_every_option_registers_through_the_admin_api_and_reads_back(make_
     bad = [{"quantization": "fp8"}, {"max_model_len": 0}, {"speculative": {"methd": "ngram"}},
            {"sampling_defaults": {"temperature": 3}}, {"sampling_defaults": {"top_q": 0.5}},
            {"sampling_defaults": {"repetition_penalty": 0}}, {"tool_parser": "qwen"}, {"color": 1},
-           {"keep_alive": -1}, {"preload": "no"}]
+           {"keep_alive": -1}, {"preload": "no"}, {"preferred_batch_size": [0]}, {"preferred_batch_size": []},
+           {"preferred_batch_size": [64]},  # over the default max_batch, 32
+           {"max_queue_delay_microseconds": 100, "max_wait_ms": 1.0}]  # one wait, set twice
     for options in bad:
         status, body = await stack.client.admin("POST", "/models", json={
             "name": "bad", "source": versions["1"], "options": options})

@@ -39,11 +39,12 @@ def recorder():
     return Recorder()
 
 
-def make(recorder: Recorder, max_batch: int = 4, max_wait_ms: float = 50.0) -> EncoderClient:
+def make(recorder: Recorder, max_batch: int = 4, max_wait_ms: float = 50.0,
+         preferred: tuple[int, ...] = ()) -> EncoderClient:
     """An encoder on a worker of its own (stopped with it), as tests.helpers.load_encoder_alone does."""
     worker = DeviceWorker("cpu#test", emit=lambda events: None)
     worker.start()
-    client = worker.attach_encoder("m", DynamicBatcher("m", recorder, max_batch, max_wait_ms))
+    client = worker.attach_encoder("m", DynamicBatcher("m", recorder, max_batch, max_wait_ms, preferred))
     client.owns_worker = True
     return client
 
@@ -83,6 +84,23 @@ def test_a_full_batch_runs_before_the_wait_expires(recorder):
     assert [f.result(5) for f in futures] == [[0], [2], [4], [6]]
     assert time.monotonic() - started < 5
     assert recorder.batches == [[0, 1, 2, 3]]
+    batcher.stop()
+
+
+def test_the_largest_preferred_size_runs_at_once_and_the_rest_waits(recorder):
+    recorder.gate.clear()
+    batcher = make(recorder, max_batch=8, max_wait_ms=1500, preferred=(2, 4))
+    first = batcher.submit([0, 1])  # fills the preferred 2: runs at once, held in run_batch
+    assert recorder.entered.wait(5)
+    rest = [batcher.submit([i]) for i in range(2, 7)]
+    released = time.monotonic()
+    recorder.gate.set()
+    assert first.result(5) == [0, 2] and [f.result(5) for f in rest[:4]] == [[4], [6], [8], [10]]
+    assert time.monotonic() - released < 1.0  # the four ran as a preferred batch, not after the wait
+    assert rest[4].result(5) == [12] and time.monotonic() - released >= 1.4  # the fifth waited it out
+    assert recorder.batches == [[0, 1], [2, 3, 4, 5], [6]]
+    with pytest.raises(ValueError):
+        DynamicBatcher("m", recorder, 4, 1.0, preferred=(8,))
     batcher.stop()
 
 
