@@ -149,7 +149,17 @@ class EngineLoader:
             labels = [label for label, device in zip(labels, self.cfg.devices) if device == wanted]
         if not labels:
             raise ModelLoadError(f"device {wanted!r} is not configured; [engine] devices = {list(self.cfg.devices)}")
-        return labels if spec.kind == "generate" else labels[:1]
+        count = spec.options.get("replicas", len(labels)) if spec.kind == "generate" else 1
+        if count > len(labels):
+            raise ModelLoadError(f"asks for {count} replicas; [engine] devices = {list(self.cfg.devices)} has "
+                                 f"{len(labels)} {'of ' + repr(wanted) if wanted else 'in all'} (list a device more "
+                                 "than once to run more replicas on it)")
+        return labels[:count]
+
+    def device_names(self, spec: ModelVersion) -> list[str]:
+        """The configured devices (`cpu`, `cuda:0`, ...) `spec` loads on, one per replica."""
+        names = {worker.device: device for worker, device in zip(self.workers, self.cfg.devices)}
+        return [names[label] for label in self.devices_for(spec)]
 
     def registration_problem(self, spec: ModelVersion) -> str | None:
         """Why `spec` could not load here (its source or device), found without loading it; None: it could."""

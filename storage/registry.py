@@ -213,6 +213,14 @@ def set_state(db: sqlite_utils.Database, name: str, version: str, state: str,
     return get_version(db, name, version)
 
 
+def set_options(db: sqlite_utils.Database, name: str, version: str, options: Mapping[str, Any]) -> ModelVersion:
+    cursor = db.execute("UPDATE model_versions SET options = ?, updated_at = ? WHERE name = ? AND version = ?",
+                        [json.dumps(dict(options), sort_keys=True), utc_now(), name, version])
+    if cursor.rowcount == 0:
+        raise VersionNotFoundError(f"{name}@{version}")
+    return get_version(db, name, version)
+
+
 def reset_states(db: sqlite_utils.Database) -> None:
     """At startup nothing is loaded yet: every version is unloaded (failures keep their error)."""
     db.execute("UPDATE model_versions SET state = 'unloaded', updated_at = ? WHERE state IN ('loading', 'ready')",
@@ -350,6 +358,9 @@ class RegistryStore:
 
     def set_state(self, name: str, version: str, state: str, error: str | None = None) -> Future[ModelVersion]:
         return self.db.write(lambda db: set_state(db, name, version, state, error))
+
+    def set_options(self, name: str, version: str, options: Mapping[str, Any]) -> Future[ModelVersion]:
+        return self.db.write(lambda db: set_options(db, name, version, options))
 
     def save_deployment(self, deployment: Deployment, kind: str, reason: str | None = None) -> Future[Deployment]:
         return self.db.write(lambda db: save_deployment(db, deployment, kind, reason))

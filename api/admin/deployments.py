@@ -14,7 +14,7 @@ import time
 from typing import Annotated, Any, Literal
 
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict, Field, RootModel, create_model
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, RootModel, StrictStr, create_model
 
 from api.auth import is_admin, tenant_of
 from api.errors import json_response
@@ -22,7 +22,7 @@ from api.openai.fields import Strict, bounded
 from api.routes import Route
 from api.services import services
 from api.validation import parse_body
-from services.deployments import OPTIONS, SPECULATIVE_KEYS, Option, VersionState
+from services.deployments import OPTIONS, SPECULATIVE_KEYS, Option, Resources, VersionState, read_resources
 from services.sampling import DEFAULTABLE
 
 Name = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$",
@@ -100,10 +100,40 @@ class Accepted(BaseModel):
     action: Literal["load", "unload"]
 
 
+Quantity = Annotated[StrictStr | Annotated[float, Field(strict=False, ge=0)], Field(
+    description="A number, or a Kubernetes quantity: `\"500m\"`, `\"2\"`, `\"4Gi\"`, `\"512M\"`.")]
+
+
+class ResourceAmounts(Strict):
+    cpu: Quantity | None = Field(None, description="Cores: at most what this process may use.")
+    memory: Quantity | None = Field(None, description="Bytes per replica: at least the version's estimated size "
+                                    "(weights and KV cache), at most the per-device memory budget.")
+    gpu: int | None = Field(None, strict=True, ge=0, le=64, validation_alias=AliasChoices("gpu", "nvidia.com/gpu"),
+                            description="GPUs per replica (also `nvidia.com/gpu`): 1 needs the version on CUDA "
+                            "devices, 0 on CPU ones; one GPU per replica.")
+
+
+class ResourcesIn(ResourceAmounts):
+    """What the version runs on: checked against this server, refused naming what it cannot give."""
+
+    replicas: int | None = Field(None, strict=True, ge=1, le=1024, description="Device workers it loads on (data "
+                                 "parallel), at most as many as [engine] devices lists; kept as its `replicas` "
+                                 "option. A loaded version must be unloaded to change it.")
+    requests: ResourceAmounts | None = Field(None, description="Kubernetes' form; the larger of a request and a "
+                                             "limit is checked.")
+    limits: ResourceAmounts | None = None
+
+    def read(self) -> Resources:
+        groups = [("resources.", self), ("resources.requests.", self.requests), ("resources.limits.", self.limits)]
+        return read_resources(self.replicas, [(prefix, group.model_dump(exclude={"replicas", "requests", "limits"}))
+                                              for prefix, group in groups if group is not None])
+
+
 class DeploymentCreate(Strict):
     model_name: Name
     version: Name
     traffic_percent: int = Field(ge=1, le=100, description="The version's share; the stable version keeps the rest.")
+    resources: ResourcesIn | None = None
 
 
 class TrafficSplit(RootModel[Annotated[dict[Name, Annotated[int, Field(strict=True, ge=0, le=100)]],
@@ -249,7 +279,8 @@ def accepted(vs: VersionState, action: str) -> web.Response:
 async def create_deployment(request: web.Request) -> web.Response:
     body = await parse_body(request, DeploymentCreate)
     manager = services(request).models
-    await manager.deploy(body.model_name, body.version, body.traffic_percent)
+    await manager.deploy(body.model_name, body.version, body.traffic_percent,
+                         body.resources.read() if body.resources else None)
     return json_response(await deployment_json(request, body.model_name), status=201)
 
 

@@ -1,7 +1,9 @@
-"""The registry view, loading, canaries and shadows; a model version's options (the API's façade)."""
+"""The registry view, loading, canaries and shadows; a model version's options and a deployment's
+resources (the API's façade)."""
 
 from services.deployments.loading import VersionState
 from services.deployments.manager import Served
 from services.deployments.options import KINDS, OPTIONS, SPECULATIVE_KEYS, Option
+from services.deployments.resources import Resources, read_resources
 
-__all__ = ["KINDS", "OPTIONS", "Option", "SPECULATIVE_KEYS", "Served", "VersionState"]
+__all__ = ["KINDS", "OPTIONS", "Option", "Resources", "SPECULATIVE_KEYS", "Served", "VersionState", "read_resources"]

@@ -31,6 +31,7 @@ A model has several types along its way, each for one stage:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from typing import Any
 
 import structlog
@@ -59,6 +60,7 @@ from services.deployments.loading import (
 )
 from services.deployments.offload import in_fresh_thread
 from services.deployments.options import check_options
+from services.deployments.resources import Resources, check_amounts
 from services.deployments.traffic import TrafficSplits
 from services.errors import (
     DRAINING_RETRY_AFTER_S,
@@ -318,9 +320,36 @@ class ModelManager:
         """An operator's new split (see `TrafficSplits.update_traffic`)."""
         await self.traffic.update_traffic(name, traffic)
 
-    async def deploy(self, name: str, version: str, percent: int) -> None:
-        """`percent` of `name`'s traffic to `version` (see `TrafficSplits.deploy`)."""
+    async def deploy(self, name: str, version: str, percent: int, resources: Resources | None = None) -> None:
+        """`percent` of `name`'s traffic to `version` (see `TrafficSplits.deploy`), on the `resources`
+        asked for (`services.deployments.resources`): checked, and its replicas kept with the version."""
+        if resources is not None:
+            await self._place(self.get(name, version), resources)
         await self.traffic.deploy(name, version, percent)
+
+    async def _place(self, vs: VersionState, resources: Resources) -> None:
+        spec, replicas = vs.spec, resources.replicas
+        if replicas is not None and (spec.kind != "generate" or "base" in spec.options) and replicas != 1:
+            raise InvalidRequestError(f"resources.replicas: `{spec.ref}` runs on one device"
+                                      + (" (its base's)" if "base" in spec.options else f" (a {spec.kind} model)"),
+                                      param="resources.replicas", code="resources_unavailable")
+        placed = spec
+        if replicas is not None and spec.kind == "generate" and "base" not in spec.options:
+            placed = dataclasses.replace(spec, options={**spec.options, "replicas": replicas})
+        if self.loader is None:
+            return
+        problem = await asyncio.to_thread(self.loader.registration_problem, placed)
+        if problem is not None:
+            raise InvalidRequestError(f"resources: {problem}", param="resources.replicas" if replicas else "resources",
+                                      code="resources_unavailable")
+        devices = self.loader.device_names(placed)
+        check_amounts(resources, spec.ref, devices, self.loader.estimate_bytes(placed), self.cfg.memory_budget_gib)
+        if placed.options == spec.options:
+            return
+        if vs.served is not None or vs.state == "loading":
+            raise ConflictError(f"`{spec.ref}` is loaded on {len(vs.devices)} replica(s); unload it to deploy it on "
+                                f"{replicas}", param="resources.replicas", code="version_loaded")
+        vs.spec = (await asyncio.wrap_future(self.store.set_options(spec.name, spec.version, placed.options)))
 
     async def rollback(self, name: str, reason: str | None = None, automatic: bool = False) -> bool:
         """Back to the stable (or previous stable) version (see `TrafficSplits.rollback`)."""

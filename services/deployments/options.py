@@ -68,6 +68,8 @@ OPTIONS: dict[str, Option] = {option.name: option for option in (
     Option("dtype", str, "weights' dtype; auto: float32 on CPU, bfloat16 on CUDA", TORCH, choices=DTYPES),
     Option("device", str, "one of the configured devices; default: every configured device "
            "(encoders: the first)"),
+    Option("replicas", int, "how many of its devices' workers it loads on (data parallel); default: all of them. "
+           "POST /api/v1/deployments' resources.replicas sets it", GENERATE, ge=1, le=1024),
     Option("pinned", bool, "stays loaded: never unloaded for idleness or memory"),
     Option("keep_alive", float, "seconds idle before it unloads; 0: never", ge=0, le=10**9),
     Option("preload", bool, "false: loads on its first request instead of at start"),
@@ -102,7 +104,7 @@ OPTIONS: dict[str, Option] = {option.name: option for option in (
 
 
 # what an adapter takes from its base's engine, so cannot set for itself
-BASE_ONLY = ("dtype", "device", "max_model_len", "backend", "quantization", "speculative")
+BASE_ONLY = ("dtype", "device", "replicas", "max_model_len", "backend", "quantization", "speculative")
 
 
 def check_options(options: Mapping[str, Any], kind: str | None = None) -> dict[str, Any]:

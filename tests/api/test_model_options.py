@@ -25,7 +25,7 @@ EXAMPLES = {  # one valid value of every option; a new option must add one here
     "sampling_defaults": {"temperature": 0.0, "max_tokens": 5}, "max_batch": 8, "max_wait_ms": 2.0,
     "base": "tiny",  # a LoRA adapter over `tiny` (its source an adapter folder)
     "trusted_types": ["mypackage.MyTransformer"], "max_queue_delay_microseconds": 500, "preferred_batch_size": [4, 8],
-    "allow_pickle": True,
+    "allow_pickle": True, "replicas": 1,
 }
 KIND_OF = {name: option.kinds[0] for name, option in OPTIONS.items()}
 
