@@ -17,6 +17,7 @@ from pydantic import BaseModel, Field, field_validator
 from api.auth import caller_of, tenant_of
 from api.errors import json_response
 from api.native.schemas import FeaturesIn, ImageIn
+from api.oip import InferTensor
 from api.openai.fields import (
     MAX_CONTEXT_TOKENS,
     MAX_NAME_CHARS,
@@ -63,8 +64,15 @@ class BatchParams(Strict):
                                                 "model's vocabulary size.")
 
 
+class TensorsIn(Strict):
+    """One /v2/models/{name}/infer request's inputs, for an onnx or torch model (JSON `data`: no binary part)."""
+
+    inputs: list[InferTensor] = Field(min_length=1)
+
+
 BatchInput = (Annotated[str, Field(min_length=1)] | Annotated[list[ChatMessage], Field(min_length=1)] | ImageIn
-              | FeaturesIn)
+              | FeaturesIn | TensorsIn)
+Kind = Literal["generate", "embed", "classify", "image-classify", "tabular", "onnx", "torch"]
 
 
 class BatchCreate(Strict):
@@ -72,7 +80,9 @@ class BatchCreate(Strict):
     inputs: list[BatchInput] = Field(min_length=1, max_length=MAX_INPUTS,
                                      description="Prompts (strings) or chat conversations (lists of messages); "
                                      "texts (strings) for embed and classify models; `{\"image\"}` (base64) for "
-                                     "an image classifier, `{\"features\": [...]}` for a tabular model.")
+                                     "an image classifier, `{\"features\": [...]}` for a tabular model, "
+                                     "`{\"inputs\": [{\"name\", \"datatype\", \"shape\", \"data\"}]}` (as "
+                                     "/v2/models/{name}/infer) for an onnx or torch model.")
     params: BatchParams | None = Field(None, description="Generative models only.")
     callback_url: str | None = Field(None, max_length=2048, pattern=r"^[Hh][Tt][Tt][Pp][Ss]?://[^/?#]",
                                      description="http(s) URL that gets the job summary by POST when it ends, "
@@ -98,7 +108,7 @@ class BatchCreated(BaseModel):
     object: Literal["batch"] = "batch"
     status: JobStatus
     model: str
-    kind: Literal["generate", "embed", "classify", "image-classify", "tabular"]
+    kind: Kind
     num_inputs: int
     estimated_time: float = Field(description="Rough seconds until the job completes.")
     callback_secret: str | None = Field(description="The key that signs this job's callback; shown only here "
@@ -123,7 +133,7 @@ class BatchOut(BaseModel):
     batch_id: str
     object: Literal["batch"] = "batch"
     model: str
-    kind: Literal["generate", "embed", "classify", "image-classify", "tabular"]
+    kind: Kind
     status: JobStatus
     progress: BatchProgress
     error: str | None
@@ -150,6 +160,8 @@ class BatchItemOut(BaseModel):
                                            "regressor's: its value) ...")
     confidence: float | None = Field(None, description="... its score ...")
     scores: dict[str, float] | None = Field(None, description="... and every label's score.")
+    outputs: list[InferTensor] | None = Field(None, description="onnx and torch models: the output tensors, as "
+                                              "/v2/models/{name}/infer answers them in JSON.")
 
 
 class BatchResults(BaseModel):
@@ -165,6 +177,7 @@ class BatchResults(BaseModel):
 async def create_batch(request: web.Request) -> web.Response:
     body = await parse_body(request, BatchCreate)
     inputs = [value if isinstance(value, str) else value.model_dump() if isinstance(value, ImageIn | FeaturesIn)
+              else value.model_dump(exclude_unset=True) if isinstance(value, TensorsIn)  # as infer reads them
               else [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in value]
               for value in body.inputs]
     created = await services(request).batch.create(caller_of(request), body.model, inputs,

@@ -22,7 +22,7 @@ from api.auth import caller_of
 from api.errors import status_of, validation_error
 from api.native.generate import prompt_input
 from api.native.schemas import GenerateRequest
-from api.oip_tensors import HEADER_LENGTH, read_inputs, response_body, split_body
+from api.oip_tensors import HEADER_LENGTH, response_body, split_body
 from api.routes import VERSION, Route
 from api.services import services
 from api.sse import serve_sse
@@ -30,6 +30,7 @@ from api.versions import resolve_model
 from services.answers import generation_failed
 from services.deployments import KINDS
 from services.errors import InvalidRequestError, ServiceError
+from services.inference import read_inputs
 from services.tenancy import Caller
 from services.wiring import Services
 

@@ -281,7 +281,7 @@ BATCH_TOKEN_BOUNDS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8
 
 
 # The Open Inference Protocol's tensor datatypes and the numpy dtypes that hold them (BYTES: objects, each bytes),
-# for the tensor models (engine.predictors) and the protocol's wire formats (api.oip_tensors, api.oip_grpc)
+# for the tensor models (engine.predictors) and the protocol's tensors (services.inference.tensors)
 TENSOR_DATATYPES = {"BOOL": np.bool_, "UINT8": np.uint8, "UINT16": np.uint16, "UINT32": np.uint32, "UINT64": np.uint64,
                     "INT8": np.int8, "INT16": np.int16, "INT32": np.int32, "INT64": np.int64, "FP16": np.float16,
                     "FP32": np.float32, "FP64": np.float64, "BYTES": np.object_}

@@ -24,12 +24,12 @@ from api.native.generate import prompt_input
 from api.oip import generation_body, model_metadata_of, run_model
 from api.oip_grpc import inference_pb2 as pb
 from api.oip_grpc import inference_pb2_grpc
-from api.oip_tensors import from_bytes, to_bytes
 from api.routes import VERSION
 from engine.types import TENSOR_DATATYPES
 from services.answers import generation_failed
 from services.deployments import KINDS
 from services.errors import AuthenticationError, InvalidRequestError, ServiceError
+from services.inference import from_bytes, to_bytes
 from services.tenancy import Caller, key_prefix
 from services.wiring import Services
 

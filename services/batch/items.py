@@ -1,7 +1,8 @@
 """One batch item: planned as a /v1 request is (`services.sampling.sampling_params`: the same
 defaults, caps and checks, the same messages), submitted at low priority through the one admission
 path uncounted (a refusal is waited out, never a 429), and run to its stored result. Encoder jobs
-run in chunks, one batcher submit each."""
+run in chunks, one batcher submit each; a tensor model's item is one /v2 infer request's `inputs`,
+read and checked as that endpoint reads them, so a bad one fails alone with the 400's message."""
 
 from __future__ import annotations
 
@@ -20,9 +21,10 @@ from scheduling.router import RequestStream, Router, Served, ServedModel
 from services.admission import Admission
 from services.batch.jobs import BatchConfig, JobRun, encoder_result
 from services.errors import InvalidRequestError, QueueFullError, RateLimitError, ServiceError, ServiceUnavailableError
-from services.inference.encoders import features_request, tabular_predictions
+from services.inference.encoders import check_tensors, features_request, tabular_predictions, tensor_outputs
 from services.inference.images import decode_image, image_bytes
 from services.inference.prompts import encode_chat, encode_text
+from services.inference.tensors import read_inputs
 from services.observability.metrics import Metrics
 from services.sampling import SAMPLING_FIELDS, SamplingOptions, sampling_params
 from services.server_state import ServerState
@@ -34,6 +36,7 @@ from storage.tenants import Tenant
 log = structlog.get_logger(__name__)
 
 DEFAULT_COMPLETION_TOKENS = 16  # as /v1/completions
+INFER_KINDS = ("onnx", "torch")  # tensor models whose items are named input tensors
 
 
 class ItemError(Exception):
@@ -161,18 +164,21 @@ class ItemRunner:
 
     async def encode(self, run: JobRun, model: ServedEncoder, inputs: list[Any]) -> list[ItemResult] | None:
         """One result per input (a text; `{"image"}` for an image classifier, `{"features"}` for a tabular
-        model), waiting out refusals (tenant limits, the batcher's bound) as `_submit` does; a version
-        unloaded meanwhile (keep_alive, memory budget, rollout) is routed again. An image that does not
-        decode fails its own item only."""
+        model, `{"inputs"}` for an onnx or torch one), waiting out refusals (tenant limits, the batcher's
+        bound) as `_submit` does; a version unloaded meanwhile (keep_alive, memory budget, rollout) is
+        routed again. An image that does not decode, or tensors that do not read, fail their own item only."""
         if model.kind == "image-classify":
             decoded = await asyncio.to_thread(decode_each, [item["image"] for item in inputs])
-            good = [image for image in decoded if not isinstance(image, ItemResult)]
-            results = await self._encode(run, model, good) if good else []
-            if results is None:
-                return None
-            done = iter(results)
-            return [image if isinstance(image, ItemResult) else next(done) for image in decoded]
-        return await self._encode(run, model, inputs)
+        elif model.kind in INFER_KINDS:
+            decoded = await asyncio.to_thread(read_each, [item["inputs"] for item in inputs])
+        else:
+            return await self._encode(run, model, inputs)
+        good = [value for value in decoded if not isinstance(value, ItemResult)]
+        results = await self._encode(run, model, good) if good else []
+        if results is None:
+            return None
+        done = iter(results)
+        return [value if isinstance(value, ItemResult) else next(done) for value in decoded]
 
     async def _encode(self, run: JobRun, model: ServedEncoder, texts: list[Any]) -> list[ItemResult] | None:
         while not (run.cancelled or self.state.draining):
@@ -192,6 +198,8 @@ class ItemRunner:
                     [out] = await self.admission.encode(model, [request], limits_of(tenant), low=True, counted=False)
                     return [ItemResult(ItemStatus.COMPLETED.value, output=batches.dumps(value), prompt_tokens=0,
                                        completion_tokens=0) for value in tabular_predictions(model, out)]
+                if model.kind in INFER_KINDS:
+                    return await self._infer(model, texts, tenant)
                 outputs = await self.admission.encode(model, texts, limits_of(tenant), low=True, counted=False)
             except QueueFullError:  # the batcher's bound
                 await asyncio.sleep(self.config.retry_seconds)
@@ -205,6 +213,17 @@ class ItemRunner:
                         ] * len(texts)  # no exception text out
             return [encoder_result(model, out) for out in outputs]
         return None
+
+    async def _infer(self, model: ServedEncoder, requests: list[dict], tenant: Tenant) -> list[ItemResult]:
+        """Each request checked against this version's inputs (as /v2's infer checks it: a bad one fails
+        alone, with that 400's message), the others in one submit; each result the outputs infer answers."""
+        checked = [checked_tensors(model, tensors) for tensors in requests]
+        good = [tensors for tensors in checked if not isinstance(tensors, ItemResult)]
+        outputs = iter(await self.admission.encode(model, good, limits_of(tenant), low=True, counted=False)
+                       if good else [])
+        return [tensors if isinstance(tensors, ItemResult) else ItemResult(
+            ItemStatus.COMPLETED.value, output=batches.dumps({"outputs": tensor_outputs(model, next(outputs))}),
+            prompt_tokens=0, completion_tokens=0) for tensors in checked]
 
     def observe_item(self, model: str, seconds: float) -> None:
         old = self.item_seconds.get(model)
@@ -220,3 +239,23 @@ def decode_each(images: list[str]) -> list[Any]:
         except InvalidRequestError as exc:
             decoded.append(ItemResult(ItemStatus.FAILED.value, error=exc.message))
     return decoded
+
+
+def read_each(requests: list[list[dict]]) -> list[Any]:
+    """Each request's `inputs` as named arrays, or the failed result of its item (infer's 400, as its error)."""
+    read: list[Any] = []
+    for inputs in requests:
+        try:
+            read.append(read_inputs({"inputs": inputs}, b""))
+        except InvalidRequestError as exc:
+            read.append(ItemResult(ItemStatus.FAILED.value, error=exc.message))
+    return read
+
+
+def checked_tensors(model: ServedEncoder, tensors: dict) -> dict | ItemResult:
+    """The tensors if they are `model`'s inputs, else the failed result of their item (infer's 400)."""
+    try:
+        check_tensors(model, tensors)
+    except InvalidRequestError as exc:
+        return ItemResult(ItemStatus.FAILED.value, error=exc.message)
+    return tensors

@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from scheduling.encoders import ServedEncoder
-from scheduling.router import RequestStream
+from scheduling.router import RequestStream, Served
 from services.errors import InvalidRequestError, NotFoundError
-from services.inference.encoders import prediction
+from services.inference.encoders import features_request, prediction
 from storage import batches
 from storage.batches import BatchItem, BatchJob, ItemResult, ItemStatus
 from storage.tenants import Tenant
@@ -91,6 +91,30 @@ def check_params(tenant: Tenant, params: dict[str, Any], vocab_size: int) -> Non
                                   param="params.max_tokens")
     if stop_ids and any(not 0 <= t < vocab_size for t in stop_ids):
         raise InvalidRequestError(f"stop_token_ids must be in [0, {vocab_size})", param="params.stop_token_ids")
+
+
+TENSORS = "{\"inputs\": [{\"name\", \"datatype\", \"shape\", \"data\"}, ...]} (a /v2 infer request's inputs)"
+# a kind's inputs: the key each object input has (None: texts), and how a 400 says so
+INPUT_SHAPES = {"embed": (None, "texts (strings)"), "classify": (None, "texts (strings)"),
+                "image-classify": ("image", "{\"image\": base64}"), "tabular": ("features", "{\"features\": [...]}"),
+                "onnx": ("inputs", TENSORS), "torch": ("inputs", TENSORS)}
+
+
+def check_inputs(model: Served, kind: str, inputs: list[Any]) -> None:
+    """400 unless every input is of the shape the model's kind takes (a tabular row also of its width). What
+    only running can tell (a prompt too long, an image that does not decode, tensors of the wrong name,
+    shape or datatype) fails its own item instead."""
+    if kind == "generate":
+        if not all(isinstance(value, str | list) for value in inputs):
+            raise InvalidRequestError("inputs of a `generate` model are prompts (strings) or chats (lists of "
+                                      "messages)", param="inputs")
+        return
+    key, said = INPUT_SHAPES[kind]
+    if not all(isinstance(value, str) if key is None else isinstance(value, dict) and key in value
+               for value in inputs):
+        raise InvalidRequestError(f"inputs of a `{kind}` model are {said}", param="inputs")
+    if kind == "tabular":
+        features_request(model, [value["features"] for value in inputs])  # each of the model's width
 
 
 @dataclass(frozen=True)

@@ -38,11 +38,19 @@ from services.admission import Admission
 from services.background import BackgroundTasks
 from services.batch.callbacks import Callbacks
 from services.batch.items import DEFAULT_COMPLETION_TOKENS, ItemRunner
-from services.batch.jobs import BatchConfig, Created, JobRun, batch_not_found, check_params, item_view, job_summary
+from services.batch.jobs import (
+    BatchConfig,
+    Created,
+    JobRun,
+    batch_not_found,
+    check_inputs,
+    check_params,
+    item_view,
+    job_summary,
+)
 from services.batch.webhooks import CallbackRefused, WebhookClient, new_secret
 from services.deployments.manager import ModelManager
 from services.errors import InvalidRequestError, rate_limited
-from services.inference.encoders import features_request
 from services.observability.metrics import Metrics
 from services.server_state import ServerState
 from services.tenancy import Caller, limits_of
@@ -51,9 +59,7 @@ from storage.tenants import Tenant
 
 log = structlog.get_logger(__name__)
 
-BATCH_KINDS = ("generate", "embed", "classify", "image-classify", "tabular")  # not yet: onnx and torch (tensors)
-INPUT_SHAPES = {"embed": (str, "texts (strings)"), "classify": (str, "texts (strings)"),
-                "image-classify": (dict, "{\"image\": base64}"), "tabular": (dict, "{\"features\": [...]}")}
+BATCH_KINDS = ("generate", "embed", "classify", "image-classify", "tabular", "onnx", "torch")
 T = TypeVar("T")
 
 DEFAULT_SECONDS_PER_TOKEN = 0.02  # for estimated_time until a model has finished items
@@ -90,7 +96,7 @@ class BatchRunner:
         then one of the tenant's requests (before a cold model loads or inputs are stored), then its
         model (routed by this request; a cold version loads now) and the inputs and params for that
         model's kind. `params` are every sampling field (the defaults where not given); `inputs`
-        are prompts (str) or chat messages ([{"role", "content"}])."""
+        are prompts (str) or chat messages ([{"role", "content"}]), or an encoder's (`check_inputs`)."""
         if len(inputs) > self.config.max_inputs:
             raise InvalidRequestError(f"{len(inputs)} inputs; at most {self.config.max_inputs} per job",
                                       param="inputs")
@@ -106,15 +112,10 @@ class BatchRunner:
             if params_given:
                 raise InvalidRequestError(f"params apply to generative models; `{model.name}` is a `{kind}` model",
                                           param="params")
-            shape, said = INPUT_SHAPES[kind]
-            key = {"image-classify": "image", "tabular": "features"}.get(kind)
-            if not all(isinstance(value, shape) and (key is None or key in value) for value in inputs):
-                raise InvalidRequestError(f"inputs of a `{kind}` model are {said}", param="inputs")
-            if kind == "tabular":
-                features_request(model, [value["features"] for value in inputs])  # each of the model's width
         else:
             kind = "generate"
             check_params(caller.tenant, params, model.vocab_size)
+        check_inputs(model, kind, inputs)
         estimate = self.estimate_seconds(model, len(inputs), params.get("max_tokens"))
         try:
             job = await self.submit(caller.tenant.name, ref, inputs, params, callback_url, kind)

@@ -6,6 +6,7 @@ from services.inference.generation import Generated, Inference, Outcome
 from services.inference.requests import ChatInput, PromptInput
 from services.inference.responses_api import Change, OutputItem, Record, ResponseInput, ResponseRun, Responses
 from services.inference.structured import OutputFormat
+from services.inference.tensors import from_bytes, read_inputs, to_bytes, to_json_data
 from services.inference.tokens import TokenizeInput, detokenize, tokenize
 from services.inference.tools import ToolUse
 
@@ -26,5 +27,9 @@ __all__ = [
     "TokenizeInput",
     "ToolUse",
     "detokenize",
+    "from_bytes",
+    "read_inputs",
+    "to_bytes",
+    "to_json_data",
     "tokenize",
 ]
