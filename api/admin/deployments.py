@@ -14,7 +14,17 @@ import time
 from typing import Annotated, Any, Literal
 
 from aiohttp import web
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, RootModel, StrictStr, create_model
+from pydantic import (
+    AfterValidator,
+    AliasChoices,
+    BaseModel,
+    ConfigDict,
+    Field,
+    RootModel,
+    StrictStr,
+    WithJsonSchema,
+    create_model,
+)
 
 from api.auth import is_admin, tenant_of
 from api.errors import json_response
@@ -22,7 +32,16 @@ from api.openai.fields import Strict, bounded
 from api.routes import Route
 from api.services import services
 from api.validation import parse_body
-from services.deployments import OPTIONS, SPECULATIVE_KEYS, Option, Resources, VersionState, read_resources
+from services.deployments import (
+    OPTIONS,
+    QUANTITY,
+    SPECULATIVE_KEYS,
+    Option,
+    Resources,
+    VersionState,
+    parse_quantity,
+    read_resources,
+)
 from services.sampling import DEFAULTABLE
 
 Name = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$",
@@ -100,8 +119,9 @@ class Accepted(BaseModel):
     action: Literal["load", "unload"]
 
 
-Quantity = Annotated[StrictStr | Annotated[float, Field(strict=False, ge=0)], Field(
-    description="A number, or a Kubernetes quantity: `\"500m\"`, `\"2\"`, `\"4Gi\"`, `\"512M\"`.")]
+Quantity = Annotated[StrictStr | float, AfterValidator(parse_quantity), WithJsonSchema({
+    "anyOf": [{"type": "string", "pattern": QUANTITY.pattern}, {"type": "number", "minimum": 0}],
+    "description": "A number, or a Kubernetes quantity: `\"500m\"`, `\"2\"`, `\"4Gi\"`, `\"512M\"`."})]
 
 
 class ResourceAmounts(Strict):
@@ -124,9 +144,8 @@ class ResourcesIn(ResourceAmounts):
     limits: ResourceAmounts | None = None
 
     def read(self) -> Resources:
-        groups = [("resources.", self), ("resources.requests.", self.requests), ("resources.limits.", self.limits)]
-        return read_resources(self.replicas, [(prefix, group.model_dump(exclude={"replicas", "requests", "limits"}))
-                                              for prefix, group in groups if group is not None])
+        return read_resources(self.replicas, [group.model_dump(exclude={"replicas", "requests", "limits"})
+                                              for group in (self, self.requests, self.limits) if group is not None])
 
 
 class DeploymentCreate(Strict):

@@ -4,6 +4,7 @@ resources (the API's façade)."""
 from services.deployments.loading import VersionState
 from services.deployments.manager import Served
 from services.deployments.options import KINDS, OPTIONS, SPECULATIVE_KEYS, Option
-from services.deployments.resources import Resources, read_resources
+from services.deployments.resources import QUANTITY, Resources, parse_quantity, read_resources
 
-__all__ = ["KINDS", "OPTIONS", "Option", "Resources", "SPECULATIVE_KEYS", "Served", "VersionState", "read_resources"]
+__all__ = ["KINDS", "OPTIONS", "Option", "QUANTITY", "Resources", "SPECULATIVE_KEYS", "Served", "VersionState",
+           "parse_quantity", "read_resources"]

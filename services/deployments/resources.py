@@ -32,32 +32,29 @@ class Resources:
     memory: int | None = None  # bytes per replica
 
 
-def quantity(value: str | float, param: str) -> float:
-    """A Kubernetes quantity ("2", "500m", "1.5", "4Gi", "512M") as a number; 400 naming `param` if it is not one."""
+def parse_quantity(value: str | float) -> float:
+    """A Kubernetes quantity ("2", "500m", "1.5", "4Gi", "512M") or a number, as a number; ValueError if it is not one."""
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         number = float(value)
     elif isinstance(value, str) and (match := QUANTITY.match(value)):
         number = float(match[1]) * SUFFIXES.get(match[2] or "", 1)
     else:
-        raise InvalidRequestError(f"{param}: {value!r} is not a quantity (for example 2, \"500m\", \"4Gi\")",
-                                  param=param)
+        raise ValueError(f"{value!r} is not a quantity (for example 2, \"500m\", \"4Gi\")")
     if number < 0:
-        raise InvalidRequestError(f"{param}: must not be negative", param=param)
+        raise ValueError("must not be negative")
     return number
 
 
-def read_resources(replicas: int | None, amounts: list[tuple[str, dict]]) -> Resources:
-    """`amounts`: (param prefix, {cpu, memory, gpu}) for the flat fields, `requests` and `limits`; the
+def read_resources(replicas: int | None, amounts: list[dict]) -> Resources:
+    """`amounts`: {cpu, memory, gpu} (parsed quantities) of the flat fields, `requests` and `limits`; the
     largest of each counts (a limit above a request is what the version may use)."""
-    cpu = memory = gpu = None
-    for prefix, group in amounts:
-        if group.get("cpu") is not None:
-            cpu = max(cpu or 0.0, quantity(group["cpu"], f"{prefix}cpu"))
-        if group.get("memory") is not None:
-            memory = max(memory or 0, int(quantity(group["memory"], f"{prefix}memory")))
-        if group.get("gpu") is not None:
-            gpu = max(gpu or 0, int(group["gpu"]))
-    return Resources(replicas, gpu, cpu, memory)
+    def largest(key: str) -> float | None:
+        values = [group[key] for group in amounts if group.get(key) is not None]
+        return max(values) if values else None
+
+    memory, gpu = largest("memory"), largest("gpu")
+    return Resources(replicas, None if gpu is None else int(gpu), largest("cpu"),
+                     None if memory is None else int(memory))
 
 
 def usable_cpus() -> int:

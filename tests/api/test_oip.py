@@ -167,7 +167,9 @@ async def test_concurrent_requests_share_batches_and_the_sync_client_works(stack
 
     got = await asyncio.gather(*(asyncio.to_thread(one, i) for i in range(0, 30, 3)))
     assert np.allclose(np.concatenate(got), tensor_models["xgb"].predict_proba(tensor_models["x"][:30]), atol=1e-6)
-    assert stack.metric("galley_encoder_batch_size_count", model="iris-xgb") >= 1
+    assert stack.metric("galley_encoder_batch_size_count", model="iris-xgb", kind="tabular") >= 1
+    assert stack.metric("galley_encoder_requests_total", model="iris-xgb", kind="tabular", status="ok") >= 10
+    assert stack.metric("galley_encoder_request_duration_seconds_count", model="iris-xgb", kind="tabular") >= 10
 
 
 @pytest.mark.parametrize("inputs, why", [

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from engine.batcher import DynamicBatcher, Pending
+from engine.batcher import Batching, DynamicBatcher, Pending
 from engine.worker import DeviceWorker, EncoderClient
 from services.cache.response_cache import CacheEntries, ResponseCacheConfig, cache_key
 
@@ -278,3 +278,12 @@ def test_while_generating_encoders_get_about_the_steps_time(llama_path):
     assert during and set(during) == {1}  # single inputs while generating...
     assert timeline[:last_step].count("step") >= 2 * len(during)  # ...with several steps between them
     assert max(x for x in timeline[last_step:] if x != "step") == 8  # full batches once it finished
+
+
+def test_a_models_options_become_its_batching():
+    from launch import batching_of
+
+    assert batching_of({}) == Batching(32, 5.0, ())
+    assert batching_of({"max_batch": 8, "max_queue_delay_microseconds": 250, "preferred_batch_size": [4, 8]}) == \
+        Batching(8, 0.25, (4, 8))
+    assert Batching(8, 0.25, (4, 8)).batcher("m", lambda items: items).preferred == (8, 4)  # largest first
