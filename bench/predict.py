@@ -1,8 +1,9 @@
 """Light models at fixed request rates: a tabular model (XGBoost on iris) and an ONNX graph served over the
 Open Inference Protocol's REST `infer` (JSON tensors, one row a request) and its gRPC `ModelInfer` (raw
 tensor bytes) at 100, 500 and 1000 requests/s on loopback, open loop (requests leave on schedule whether or
-not earlier ones have answered): achieved rate, p50 and p99 latency, errors; beside the same model called
-in-process one row at a time (the floor).
+not earlier ones have answered): achieved rate, p50 and p99 latency, errors, and the server process's CPU
+time per request (steadier than the tail, which swings run to run once client and server near the 2 cores);
+beside the same model called in-process one row at a time (the floor).
 
 The client (aiohttp or grpc.aio, one process) shares the 2 cores with the server, so at the higher rates part of
 what is measured is the client's own cost; the in-process column has neither HTTP nor batching.
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import tempfile
 import time
@@ -65,6 +67,12 @@ def in_process(path: Path, kind: str, rows: list, n: int = 2000) -> dict:
         predictor.run([request])
         latencies.append(time.perf_counter() - started)
     return {"rate": n / sum(latencies), "p50_ms": percentile_ms(latencies, 50), "p99_ms": percentile_ms(latencies, 99)}
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def open_loop(call, rate: float, seconds: float) -> dict:
@@ -145,22 +153,26 @@ async def main() -> None:
                 tensor = "input" if kind == "tabular" else "x"
                 for rate in map(float, args.rates.split(",")):
                     for protocol in ("REST", "gRPC"):
+                        cpu_before = cpu_seconds(proc.pid)
                         measured = (await at_rate(f"http://127.0.0.1:{port}", name, tensor, "FP32", rows, rate,
                                                   args.seconds) if protocol == "REST" else
                                     await grpc_at_rate(f"127.0.0.1:{grpc_port}", name, tensor, rows, rate,
                                                        args.seconds))
+                        measured["server_cpu_ms"] = (1e3 * (cpu_seconds(proc.pid) - cpu_before)
+                                                     / max(1, rate * args.seconds))
                         row = {"model": name, "protocol": protocol, **measured, "in_process_p50_ms": floor["p50_ms"],
                                "in_process_p99_ms": floor["p99_ms"], "in_process_rate": floor["rate"]}
                         rows_out.append(row)
                         print(json.dumps(row), flush=True)
         finally:
             stop_server(proc)
-    print("\n| model | protocol | offered req/s | achieved req/s | p50 ms | p99 ms | errors | "
+    print("\n| model | protocol | offered req/s | achieved req/s | p50 ms | p99 ms | errors | server CPU ms / req | "
           "in-process p50 / p99 ms |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows_out:
         print(f"| {r['model']} | {r['protocol']} | {r['offered']:.0f} | {r['achieved']:.0f} | {r['p50_ms']:.1f} | "
-              f"{r['p99_ms']:.1f} | {r['errors']} | {r['in_process_p50_ms']:.3f} / {r['in_process_p99_ms']:.3f} |")
+              f"{r['p99_ms']:.1f} | {r['errors']} | {r['server_cpu_ms']:.2f} | "
+              f"{r['in_process_p50_ms']:.3f} / {r['in_process_p99_ms']:.3f} |")
     if args.json:
         args.json.write_text(json.dumps(rows_out, indent=1))
 

@@ -199,6 +199,7 @@ class TabularPredictor(Predictor):
             self.booster = xgboost.Booster(model_file=str(path))
         except xgboost.core.XGBoostError as exc:
             raise ModelLoadError(f"XGBoost cannot load {path.name}: {exc}") from exc
+        self.booster.set_param({"nthread": 1})  # one thread, as ONNX's: OpenMP teams would fight the LLM worker's
         config = json.loads(self.booster.save_config())["learner"]
         objective = config["objective"]["name"]
         classes = int(config["learner_model_param"].get("num_class", "0"))
@@ -260,7 +261,8 @@ class TabularPredictor(Predictor):
                 return {"predict": np.asarray(self.estimator.predict(x), dtype=np.float64)}
             proba = np.asarray(self.estimator.predict_proba(x), dtype=np.float64)
             return {"predict": proba.argmax(axis=1).astype(np.int64), "predict_proba": proba}
-        raw = (self.booster.inplace_predict(x) if self.platform == "xgboost" else self.booster.predict(x))
+        raw = (self.booster.inplace_predict(x) if self.platform == "xgboost"
+               else self.booster.predict(x, num_threads=1))  # one thread, as ONNX's and XGBoost's
         raw = np.asarray(raw, dtype=np.float64)
         if not self.num_classes:
             return {"predict": raw}
