@@ -49,6 +49,7 @@ class LoadedModel:
     architecture: str = ""  # config.json's, e.g. LlamaForCausalLM
     family: str = ""  # its model_type, e.g. llama, qwen3_moe, gemma3_text
     backend: str = "native"  # native | generic
+    processor: Any = None  # a vision-language model's processor (transformers' AutoProcessor): images -> arrays
 
 
 def package_path(source: str) -> Path:
@@ -271,6 +272,14 @@ def finish_load(path: Path, model: LlamaForCausalLM | GenericCausalLM, hf_config
                 device: torch.device, progress: LoadProgress, architecture: str, backend: str) -> LoadedModel:
     progress.enter("loading tokenizer")
     tokenizer = AutoTokenizer.from_pretrained(path)
+    processor = None
+    if getattr(model, "image_token_id", None) is not None:
+        from transformers import AutoProcessor
+
+        try:
+            processor = AutoProcessor.from_pretrained(path)
+        except (OSError, ValueError) as exc:
+            raise ModelLoadError(f"{architecture} takes images, but its processor does not load: {exc}") from exc
     progress.enter("loaded")
     return LoadedModel(
         path=path,
@@ -284,6 +293,7 @@ def finish_load(path: Path, model: LlamaForCausalLM | GenericCausalLM, hf_config
         architecture=architecture,
         family=getattr(hf_config, "model_type", ""),
         backend=backend,
+        processor=processor,
     )
 
 
@@ -292,8 +302,11 @@ def load_generic(source: str, path: Path, gguf_file: Path | None, hf_config, spe
     """The model's own transformers class with our paged attention plugged in (`engine.models.generic`);
     GGUF files through transformers' own GGUF conversion."""
     import transformers  # the generic backend's modelling code: seconds to import
-    from transformers import AutoModelForCausalLM
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+    )
 
     from engine.models.generic import (
         ATTENTION,
@@ -302,12 +315,15 @@ def load_generic(source: str, path: Path, gguf_file: Path | None, hf_config, spe
         check_against_reference,
         check_supported,
         flatten_linears,
+        language_model,
     )
 
     arch = (getattr(hf_config, "architectures", None) or ["unknown"])[0]
-    if arch not in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()):  # what AutoModelForCausalLM builds
+    vision = arch not in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+    if vision and arch not in set(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES.values()):
         raise ModelLoadError(f"architecture {arch} of {source!r} is not a causal language model transformers "
-                             f"knows (AutoModelForCausalLM); native: {', '.join(SUPPORTED_ARCHITECTURES)}")
+                             f"knows (AutoModelForCausalLM, or AutoModelForImageTextToText for vision-language "
+                             f"models); native: {', '.join(SUPPORTED_ARCHITECTURES)}")
     try:
         check_supported(getattr(transformers, arch), hf_config)  # before reading any weight
     except UnsupportedModel as exc:
@@ -315,19 +331,26 @@ def load_generic(source: str, path: Path, gguf_file: Path | None, hf_config, spe
     progress.enter("reading weights")
     where = (gguf_file.parent, {"gguf_file": gguf_file.name}) if gguf_file else (path, {})
     try:
-        hf = AutoModelForCausalLM.from_pretrained(where[0], dtype=dtype, attn_implementation=ATTENTION, **where[1])
+        if vision:  # the vision encoder keeps transformers' attention; the text model gets ours
+            hf = AutoModelForImageTextToText.from_pretrained(where[0], dtype=dtype, attn_implementation="sdpa",
+                                                             **where[1])
+            language_model(hf).set_attn_implementation(ATTENTION)
+        else:
+            hf = AutoModelForCausalLM.from_pretrained(where[0], dtype=dtype, attn_implementation=ATTENTION,
+                                                      **where[1])
         model = GenericCausalLM(hf.to(device).eval())
     except (UnsupportedModel, RuntimeError) as exc:
         raise ModelLoadError(f"{source!r} cannot be served: {exc}") from exc
     except (ValueError, OSError, KeyError, ImportError) as exc:
         raise ModelLoadError(f"transformers could not build {arch} from {source!r}: {exc}") from exc
+    text = language_model(hf) if vision else hf  # a vision encoder runs outside the step: transformers' linears
     if spec is not None:
         progress.enter("quantizing")
-        quantize_model(hf, spec, device=device)
+        quantize_model(text, spec, device=device)
     if can_pack(device, dtype):
         progress.enter("building kernels")
-        pack_linears(hf)
-    flatten_linears(hf, (PackedLinear, Int8Linear, Int4Linear), model.step_kernels)
+        pack_linears(text)
+    flatten_linears(text, (PackedLinear, Int8Linear, Int4Linear), model.step_kernels)
     progress.enter("checking attention")
     try:
         check_against_reference(model, device, dtype, low_precision=spec is not None)

@@ -7,6 +7,7 @@ chunks, so attention can run all decodes as one batched call.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +19,7 @@ from engine.models.llama import LlamaForCausalLM
 from engine.types import ScheduledBatch, ScheduledSeq
 
 GIB = 1024**3
+MAX_HELD_IMAGE_FEATURES = 32  # prompts whose image features wait for their next prefill chunk
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,9 @@ class ModelRunner:
         if self.cpu_kernels is not None:
             self.cpu_kernels.start()
         self.adapters: dict[str, LoraAdapter] = {}  # LoRA adapters over these weights, by name
+        # a prompt's image features, computed at its first chunk with image tokens and held until its last
+        # (a prompt evicted from here by newer ones, or preempted, computes them again)
+        self.image_features: OrderedDict[str, torch.Tensor] = OrderedDict()
 
     def add_adapter(self, name: str, adapter: PeftAdapter) -> LoraAdapter:
         """Load a LoRA adapter onto this replica (AdapterError: it does not fit the model)."""
@@ -92,8 +97,12 @@ class ModelRunner:
         prefills: list[tuple[list[int], int, int]] = []
         bs = self.block_size
         adapter_rows: dict[str, list[tuple[int, int]]] = {}  # adapter -> its slices of the packed rows
+        image_rows: list[int] = []  # packed rows that are image tokens of a prompt, and their features
+        image_parts: list[torch.Tensor] = []
         for item in ordered:
             seq, start, n = item.seq, item.seq.num_computed_tokens, item.num_new_tokens
+            if seq.images is not None and not item.is_decode:
+                self._add_image_rows(seq, start, n, len(input_ids), image_rows, image_parts)
             if seq.adapter:
                 slices, first = adapter_rows.setdefault(seq.adapter, []), len(input_ids)
                 if slices and slices[-1][1] == first:
@@ -118,7 +127,31 @@ class ModelRunner:
         lora = None
         if adapter_rows:  # KeyError for an adapter not loaded here: the engine fails the requests that name it
             lora = LoraStep([(self.adapters[name], slices) for name, slices in adapter_rows.items()])
+        images = (as_tensor(image_rows), torch.cat(image_parts)) if image_rows else None
         logits = self.model(
-            as_tensor(input_ids), as_tensor(positions), self.kv_caches, meta, as_tensor(logits_indices), lora=lora
+            as_tensor(input_ids), as_tensor(positions), self.kv_caches, meta, as_tensor(logits_indices), lora=lora,
+            **({"images": images} if images is not None else {}),
         )
         return sampled, logits
+
+    def _add_image_rows(self, seq, start: int, n: int, offset: int, rows: list[int], parts: list[torch.Tensor]) -> None:
+        """The image tokens among a prefill chunk's prompt tokens (packed from row `offset`) and the
+        features that replace their embeddings: the prompt's k-th image token takes its k-th feature row."""
+        token_id = self.model.image_token_id
+        end = min(start + n, seq.num_prompt_tokens)
+        hits = [i for i in range(start, end) if seq.token_ids[i] == token_id]
+        if not hits:
+            return
+        features = self.image_features.pop(seq.request_id, None)
+        if features is None:
+            features = self.model.image_features(seq.images.arrays)
+            num_tokens = seq.token_ids[:seq.num_prompt_tokens].count(token_id)
+            if features.shape[0] != num_tokens:
+                raise ValueError(f"the prompt has {num_tokens} image tokens for {features.shape[0]} image features")
+        before = seq.token_ids[:start].count(token_id)
+        rows.extend(offset + i - start for i in hits)
+        parts.append(features[before:before + len(hits)])
+        if before + len(hits) < features.shape[0]:  # more image tokens in a later chunk
+            self.image_features[seq.request_id] = features
+            while len(self.image_features) > MAX_HELD_IMAGE_FEATURES:
+                self.image_features.popitem(last=False)

@@ -107,6 +107,16 @@ class SamplingParams:
         )
 
 
+@dataclass(frozen=True)
+class ImageInputs:
+    """A prompt's images as the model's processor made them: the arrays its vision encoder takes
+    (`pixel_values`, and `image_sizes` or masks where the family has them; numpy) and a digest of
+    each image, which keys the prefix cache of the prompt's image tokens."""
+
+    arrays: dict[str, np.ndarray]
+    digests: tuple[str, ...]
+
+
 @dataclass
 class GenerationRequest:
     """What the API hands to an engine: token ids in, token events out."""
@@ -121,6 +131,7 @@ class GenerationRequest:
     resume_token_ids: list[int] = field(default_factory=list)  # output already emitted before a restart
     cache_salt: str = ""  # prefix-cache namespace: only requests with the same salt share cached KV
     adapter: str = ""  # a LoRA adapter loaded on the engine (its name there); "": the base model alone
+    images: ImageInputs | None = None  # a vision-language model's prompt images, one run of image tokens each
 
 
 class Sequence:
@@ -146,7 +157,10 @@ class Sequence:
         self.block_table: list[int] = []
         # an adapter's KV differs from its base's for the same tokens: a namespace of its own
         self.cache_salt = f"lora:{request.adapter}\x00{request.cache_salt}" if request.adapter else request.cache_salt
+        if request.images is not None:  # image tokens are one id whatever the image: the images are the namespace
+            self.cache_salt = f"images:{','.join(request.images.digests)}\x00{self.cache_salt}"
         self.adapter = request.adapter
+        self.images = request.images
         self.block_hashes: list[bytes] = []  # prefix-cache hashes of full blocks, computed as needed
         self.num_cached_blocks = 0  # leading blocks of `block_table` registered in the prefix cache
         self.status = SequenceStatus.WAITING

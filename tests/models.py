@@ -165,3 +165,40 @@ def save_lora_adapter(base: Path, out: Path, target_modules: list[str], r: int =
     lora = LoraConfig(r=r, target_modules=target_modules, init_lora_weights=False, **config)
     get_peft_model(model, lora).save_pretrained(out)
     return out
+
+
+VISION_TEMPLATE = (  # the tests' chat template, with images as content parts (Hugging Face's convention)
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}{{ m['content'] }}"
+    "{% else %}{% for part in m['content'] %}{% if part['type'] == 'image' %}<image>{% else %}{{ part['text'] }}"
+    "{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% endif %}"
+)
+
+
+def save_vision_model(family: str, out: Path, seed: int = 0) -> Path:
+    """A tiny random vision-language model with its processor (32 px images, 8 px patches), saved as
+    an HF folder: `llava` (CLIP encoder, Llama text model: 16 image tokens an image)."""
+    from transformers import CLIPImageProcessor, CLIPVisionConfig, LlavaConfig, LlavaForConditionalGeneration
+    from transformers import LlavaProcessor
+
+    if family != "llava":
+        raise ValueError(family)
+    torch.manual_seed(seed)
+    tokenizer = build_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    tokenizer.chat_template = VISION_TEMPLATE
+    config = LlavaConfig(
+        text_config=LlamaConfig(**dict(COMMON, vocab_size=len(tokenizer)), tie_word_embeddings=False),
+        vision_config=CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                       image_size=32, patch_size=8, projection_dim=32),
+        image_token_index=tokenizer.convert_tokens_to_ids("<image>"), vision_feature_layer=-1,
+        vision_feature_select_strategy="default")
+    model = LlavaForConditionalGeneration(config)
+    model.generation_config.eos_token_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    model.save_pretrained(out)
+    processor = LlavaProcessor(
+        image_processor=CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}),
+        tokenizer=tokenizer, patch_size=8, vision_feature_select_strategy="default", num_additional_image_tokens=1,
+        image_token="<image>", chat_template=VISION_TEMPLATE)
+    processor.save_pretrained(out)
+    return out

@@ -53,17 +53,31 @@ class GenericShape:
     sliding_window: int | None = None  # per layer, from each attention call
 
 
+def language_model(hf_model: PreTrainedModel) -> PreTrainedModel:
+    """The part our attention serves: a vision-language model's text model (its vision encoder keeps
+    its own attention), else the model itself."""
+    return getattr(getattr(hf_model, "model", None), "language_model", None) or hf_model
+
+
+def image_token_id(hf_model: PreTrainedModel) -> int | None:
+    """The placeholder token a vision-language model's image features replace; None for a text model."""
+    if not hasattr(getattr(hf_model, "model", None), "get_image_features"):
+        return None
+    config = hf_model.config
+    return getattr(config, "image_token_id", None) or getattr(config, "image_token_index", None)
+
+
 def probe_shape(hf_model: PreTrainedModel) -> GenericShape:
     """The KV cache's shape as the model's attention layers see it, from one token through them
     (configs name their head counts in too many ways to read them reliably)."""
     seen: dict[int, tuple[int, ...]] = {}
-    hf_model.set_attn_implementation(PROBE)
+    language_model(hf_model).set_attn_implementation(PROBE)
     try:
         with torch.inference_mode():
             hf_model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=hf_model.device), use_cache=False,
                      galley_probe=seen)
     finally:
-        hf_model.set_attn_implementation(ATTENTION)
+        language_model(hf_model).set_attn_implementation(ATTENTION)
     name, config = type(hf_model).__name__, hf_model.config.get_text_config()
     shapes = set(seen.values())
     if not seen or sorted(seen) != list(range(len(seen))):
@@ -156,6 +170,7 @@ class GenericCausalLM(nn.Module):
         self.step_kernels: dict[str, Any] = {}  # FlatLinear reads the step's kernels here
         self.lora: LoraStep | None = None  # the step's adapters, read by the hooks on the linears they adapt
         self.lora_hooked: set[str] = set()
+        self.image_token_id = image_token_id(hf_model)
 
     def forward(
         self,
@@ -165,15 +180,32 @@ class GenericCausalLM(nn.Module):
         meta: AttentionMetadata,
         logits_indices: torch.Tensor,  # [num_samples]
         lora: LoraStep | None = None,
+        images: tuple[torch.Tensor, torch.Tensor] | None = None,  # (rows of the step, their image features)
     ) -> torch.Tensor:  # [num_samples, vocab_size] float32
         self.step_kernels["ops"] = meta.kernels
         self.lora = lora
+        tokens: dict[str, torch.Tensor] = {"input_ids": input_ids[None]}
+        if images is not None:  # as the model's own forward merges them: embeddings, image rows replaced
+            rows, features = images
+            embeds = self.hf.get_input_embeddings()(input_ids)
+            tokens = {"inputs_embeds": embeds.index_copy(0, rows, features.to(embeds.dtype))[None]}
         try:
-            out = self.hf(input_ids=input_ids[None], position_ids=positions[None], use_cache=False,
-                          logits_to_keep=logits_indices, galley_step=Step(kv_caches, meta))
+            out = self.hf(**tokens, position_ids=positions[None], use_cache=False, logits_to_keep=logits_indices,
+                          galley_step=Step(kv_caches, meta))
         finally:
             self.lora = None
         return out.logits[0].float()
+
+    def image_features(self, arrays: dict[str, Any]) -> torch.Tensor:
+        """A prompt's image features, one row per image token, from its processor's arrays (numpy), through
+        the model's own vision encoder and projector (`get_image_features`, as its forward calls it)."""
+        device = self.hf.device
+        kwargs = {name: torch.from_numpy(array).to(device) for name, array in arrays.items()}
+        kwargs["pixel_values"] = kwargs["pixel_values"].to(self.hf.dtype)
+        features = self.hf.model.get_image_features(**kwargs, return_dict=True).pooler_output
+        if isinstance(features, (list, tuple)):
+            features = torch.cat(list(features))
+        return features.reshape(-1, features.shape[-1])
 
     def lora_weights(self, adapter: PeftAdapter, device: torch.device, dtype: torch.dtype) -> dict[str, LoraWeights]:
         """An adapter's weights keyed by the transformers module each adapts (PEFT's own names), each such
@@ -230,11 +262,11 @@ def check_against_reference(model: GenericCausalLM, device: torch.device, dtype:
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, model.shape.vocab_size, (num_tokens,), generator=gen).to(device)
     hf = model.hf
-    hf.set_attn_implementation("eager")
+    language_model(hf).set_attn_implementation("eager")
     try:
         reference = hf(input_ids=ids[None], use_cache=False).logits[0].float()
     finally:
-        hf.set_attn_implementation(ATTENTION)
+        language_model(hf).set_attn_implementation(ATTENTION)
     s = model.shape
     num_blocks = -(-num_tokens // block_size)
     caches = [(torch.zeros(num_blocks * block_size, s.num_kv_heads, s.head_dim, device=device, dtype=dtype),

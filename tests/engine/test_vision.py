@@ -1,0 +1,110 @@
+"""Vision-language models on the generic backend (issue 35): the text model over our paged cache, the
+vision encoder through the model's own `get_image_features`, image features replacing the prompt's
+image-token embeddings chunk by chunk. Greedy tokens equal HF `generate` with the same processor's
+inputs, batched with text-only requests, chunked through the image tokens, and with prefix hits that
+never cross images."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+
+import numpy as np
+import pytest
+import torch
+
+from engine.loader import load_model
+from engine.types import GenerationRequest, ImageInputs, SamplingParams
+from launch import EngineConfig, build_engine
+from tests.helpers import assert_all_blocks_free
+from tests.models import save_vision_model
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llava(tmp_path_factory):
+    return save_vision_model("llava", tmp_path_factory.mktemp("llava") / "model")
+
+
+def pictures(n: int, seed: int = 0) -> list:
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    return [Image.fromarray(rng.integers(0, 255, (30 + 9 * i, 44 - 4 * i, 3), dtype=np.uint8)) for i in range(n)]
+
+
+def conversation(images: list, text: str) -> list[dict]:
+    return [{"role": "user", "content": [*({"type": "image", "image": im} for im in images),
+                                          {"type": "text", "text": text}]}]
+
+
+def processed(processor, images: list, text: str) -> dict:
+    return processor.apply_chat_template(conversation(images, text), add_generation_prompt=True, tokenize=True,
+                                         return_dict=True, return_tensors="np")
+
+
+def request(request_id: str, encoded: dict, images: list) -> GenerationRequest:
+    arrays = {k: v for k, v in encoded.items() if k not in ("input_ids", "attention_mask")}
+    digests = tuple(hashlib.sha256(png(im)).hexdigest() for im in images)
+    return GenerationRequest(request_id, encoded["input_ids"][0].tolist(), GREEDY,
+                             images=ImageInputs(arrays, digests) if images else None)
+
+
+def png(image) -> bytes:
+    out = io.BytesIO()
+    image.save(out, format="PNG")
+    return out.getvalue()
+
+
+def hf_greedy(path, encoded: dict) -> list[int]:
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(path).eval()
+    inputs = {k: torch.from_numpy(v) for k, v in encoded.items()}
+    with torch.inference_mode():
+        out = model.generate(**inputs, max_new_tokens=GREEDY.max_tokens, do_sample=False, eos_token_id=None)
+    return out[0, inputs["input_ids"].shape[1]:].tolist()
+
+
+def run(engine, requests: list[GenerationRequest]) -> dict[str, list[int]]:
+    outputs = {r.request_id: [] for r in requests}
+    for r in requests:
+        engine.add_request(r)
+    while engine.has_work():
+        for event in engine.step():
+            outputs[event.request_id].extend(event.token_ids)
+    return outputs
+
+
+def test_image_prompts_match_hf_batched_chunked_and_beside_text_prompts(llava):
+    loaded = load_model(str(llava))
+    assert loaded.backend == "generic" and loaded.processor is not None
+    engine = build_engine(loaded, EngineConfig(max_num_batched_tokens=12), num_blocks=128)  # chunks cut image runs
+    images = pictures(3)
+    cases = {"one": ([images[0]], "What is in the picture?"), "two": (images[1:], "Compare them."),
+             "none": ([], "Just text, no image here."), "other": ([images[2]], "What is in the picture?")}
+    encoded = {name: processed(loaded.processor, ims, text) for name, (ims, text) in cases.items()}
+    got = run(engine, [request(name, encoded[name], cases[name][0]) for name in cases])
+    for name in cases:
+        assert got[name] == hf_greedy(llava, encoded[name]), name
+    assert got["one"] != got["other"]  # the same text, another image: the image is seen
+    assert_all_blocks_free(engine.scheduler.kv)
+    assert not engine.runner.image_features  # nothing held once the prompts are in the cache
+
+
+def test_prefix_hits_stay_within_the_same_images(llava):
+    """Image tokens are one id whatever the image: a cached prompt with another image must not be
+    reused, and one with the same image must be (and still give HF's tokens)."""
+    loaded = load_model(str(llava))
+    engine = build_engine(loaded, EngineConfig(), num_blocks=128)
+    first, second = pictures(2, seed=1)
+    text = "Describe this image in a few words, please."
+    a, b = processed(loaded.processor, [first], text), processed(loaded.processor, [second], text)
+    assert (a["input_ids"] == b["input_ids"]).all()  # the same tokens: only the images differ
+    run(engine, [request("a", a, [first])])
+    assert engine.scheduler.kv.num_hit_tokens == 0
+    got = run(engine, [request("b", b, [second])])
+    assert got["b"] == hf_greedy(llava, b) and engine.scheduler.kv.num_hit_tokens == 0  # a's blocks not reused
+    got = run(engine, [request("a2", a, [first])])
+    assert got["a2"] == hf_greedy(llava, a) and engine.scheduler.kv.num_hit_tokens > 0  # the same image: reused
