@@ -88,6 +88,7 @@ class ServedModel:
     backend: str = "native"  # how the engine runs it: native (our fused decoder) | generic (transformers' code)
     adapter: str = ""  # a LoRA adapter: its name on the base's engines (the replicas are the base's); "": none
     base: str = ""  # a LoRA adapter: the ref (name@version) of the base version it runs over
+    processor: Any = None  # a vision-language model's (transformers' AutoProcessor): it takes images
 
     @property
     def ref(self) -> str:

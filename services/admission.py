@@ -14,7 +14,7 @@ from typing import Any
 
 import structlog
 
-from engine.types import GenerationRequest, Priority, SamplingParams
+from engine.types import GenerationRequest, ImageInputs, Priority, SamplingParams
 from scheduling.encoders import EncoderBusy, ServedEncoder
 from scheduling.limiter import Rejected, TenantLimits
 from scheduling.router import ModelUnavailable, QueueFull, RequestStream, Router, ServedModel
@@ -31,12 +31,13 @@ class Admission:
 
     def generation(self, model: ServedModel, prompt_ids: list[int], params: SamplingParams,
                    limits: TenantLimits, weight: float, priority: str, request_id: str | None = None, *,
-                   counted: bool = True, cache_salt: str = "") -> RequestStream:
+                   counted: bool = True, cache_salt: str = "", images: ImageInputs | None = None) -> RequestStream:
         """Admit a generation to `model`'s queue (tenant limits, then the queue bound) and start it.
 
         `counted=False`: an internal copy (shadow traffic), kept out of the request metrics."""
         generation = GenerationRequest(request_id or uuid.uuid4().hex, prompt_ids, params, tenant=limits.name,
-                                       priority=Priority[priority.upper()], weight=weight, cache_salt=cache_salt)
+                                       priority=Priority[priority.upper()], weight=weight, cache_salt=cache_salt,
+                                       images=images)
         try:
             stream = self.router.submit(model, generation, limits)
         except QueueFull as exc:

@@ -104,7 +104,7 @@ class Conversations:
         the conversation was deleted meanwhile."""
         try:
             await asyncio.wrap_future(self.store.add_messages(
-                conversation_id, [(m["role"], m.get("content") or "", stored_extra(m)) for m in messages]))
+                conversation_id, [(m["role"], stored_text(m), stored_extra(m)) for m in messages]))
         except ConversationNotFoundError as exc:
             raise not_found_in_chat(conversation_id) from exc
 
@@ -125,10 +125,19 @@ class Conversations:
 TEMPLATE_FIELDS = ("tool_calls", "tool_call_id", "name")  # thoughts are never sent back to the model
 
 
+def stored_text(message: dict[str, Any]) -> str:
+    """A message's text: its content, or the text of its parts (a message with images)."""
+    content = message.get("content") or ""
+    return content if isinstance(content, str) else "".join(p.get("text") or "" for p in content)
+
+
 def stored_extra(message: dict[str, Any]) -> dict[str, Any]:
     """A chat message's fields beyond role and content, as stored: tool calls in OpenAI's shape
-    (arguments as JSON text, whatever the template was given)."""
+    (arguments as JSON text, whatever the template was given), and a message with images' parts in
+    order (`content_parts`: its images as sent, so a later turn sees them again)."""
     extra = {name: message[name] for name in TEMPLATE_FIELDS if message.get(name) is not None}
+    if isinstance(message.get("content"), list):
+        extra["content_parts"] = message["content"]
     if "tool_calls" in extra:
         extra["tool_calls"] = [{**call, "function": {**call["function"], "arguments": as_text(
             call["function"]["arguments"])}} for call in extra["tool_calls"]]
@@ -138,8 +147,8 @@ def stored_extra(message: dict[str, Any]) -> dict[str, Any]:
 def template_message(message: Message) -> dict[str, Any]:
     """A stored message as chat templates read it (as `api.openai.messages.ChatMessage.for_template`:
     a call's arguments an object when they parse as JSON)."""
-    out: dict[str, Any] = {"role": message.role, "content": message.content}
     extra = message.extra or {}
+    out: dict[str, Any] = {"role": message.role, "content": extra.get("content_parts") or message.content}
     out.update({name: extra[name] for name in TEMPLATE_FIELDS if name in extra})
     if "tool_calls" in out:
         out["tool_calls"] = [{**call, "function": {**call["function"], "arguments": parsed_arguments(

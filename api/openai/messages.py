@@ -24,7 +24,21 @@ class RefusalPart(Strict):
     refusal: str
 
 
-ContentPart = Annotated[TextPart | RefusalPart, Field(discriminator="type")]
+class ImageUrl(Strict):
+    url: str = Field(min_length=1, description="A `data:image/...;base64,` URL or bare base64; remote URLs are not "
+                     "fetched (400).")
+    detail: Literal["auto", "low", "high"] | None = Field(None, description="Accepted; the model's processor "
+                                                          "decides the resolution.")
+
+
+class ImageUrlPart(Strict):
+    """An image, for a vision-language model (its card's `modalities` include `image`)."""
+
+    type: Literal["image_url"]
+    image_url: ImageUrl
+
+
+ContentPart = Annotated[TextPart | RefusalPart | ImageUrlPart, Field(discriminator="type")]
 
 
 class FunctionCall(Strict):
@@ -58,13 +72,21 @@ class ChatMessage(Strict):
 
     def text(self) -> str:
         if isinstance(self.content, list):
-            return "".join(part.text if isinstance(part, TextPart) else part.refusal for part in self.content)
+            return "".join(part.text if isinstance(part, TextPart) else part.refusal
+                           for part in self.content if not isinstance(part, ImageUrlPart))
         return self.content or ""
 
     def for_template(self) -> dict[str, Any]:
         """The message as chat templates read it (Hugging Face's convention, as vLLM passes it):
-        `developer` is `system`, a tool call's arguments are an object when they parse as JSON."""
-        out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        `developer` is `system`, a tool call's arguments are an object when they parse as JSON. A
+        message with images keeps its parts in order (text parts and `image_url` parts), for the
+        model's processor (`services.inference.vision`)."""
+        content: str | list[dict[str, Any]] = self.text()
+        if isinstance(self.content, list) and any(isinstance(part, ImageUrlPart) for part in self.content):
+            content = [{"type": "image_url", "image_url": {"url": part.image_url.url}} if isinstance(part, ImageUrlPart)
+                       else {"type": "text", "text": part.text if isinstance(part, TextPart) else part.refusal}
+                       for part in self.content]
+        out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": content}
         if self.name is not None:
             out["name"] = self.name
         if self.tool_calls:

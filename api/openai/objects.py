@@ -40,7 +40,9 @@ class ModelCard(BaseModel):
     backend: Literal["native", "generic"] | None = Field(
         None, description="galley extension: native (galley's fused decoder) or generic (the model's own "
         "transformers code over galley's paged KV cache); generative models, null until loaded.")
-    modalities: list[Literal["text"]] = Field(["text"], description="galley extension: the inputs it takes.")
+    modalities: list[Literal["text", "image"]] = Field(["text"], description="galley extension: the inputs it "
+                                                       "takes (`image`: a vision-language model, images as "
+                                                       "`image_url` content parts).")
     parent: str | None = Field(None, description="A LoRA adapter's base model (as vLLM's cards say); null for a "
                                "model with weights of its own.")
     adapters: list[str] = Field([], description="galley extension: the LoRA adapters registered over this model.")

@@ -22,7 +22,7 @@ from typing import Any
 
 import orjson
 
-from engine.types import SamplingParams
+from engine.types import ImageInputs, SamplingParams
 from scheduling.router import Served
 from services.admission import Admission
 from services.answers.deltas import call_ids_of
@@ -123,15 +123,18 @@ class ResponseCache:
         return cache_key(self.scope(caller), model.name, model.version, inputs, params)
 
     def generation_key(self, caller: Caller, model: Served, prompt_ids: list[int], params: SamplingParams,
-                       asked: bool | None, api: str, conversation_id: str | None = None) -> str | None:
+                       asked: bool | None, api: str, conversation_id: str | None = None,
+                       images: ImageInputs | None = None) -> str | None:
         """The key of a generation whose answer may come from (and go to) the cache, else None.
-        `api` keeps apart the entries of endpoints that store different shapes."""
+        `api` keeps apart the entries of endpoints that store different shapes; a prompt's images
+        are part of it (their tokens are the same whatever the image)."""
         deterministic = params.temperature == 0 or params.seed is not None
         if not deterministic or params.logprobs is not None or conversation_id:
             return None
         if not self.wants(asked):
             return None
-        return self.key(caller, model, prompt_ids, {**params_to_json(params), "api": api})
+        return self.key(caller, model, prompt_ids, {**params_to_json(params), "api": api,
+                                                    **({"images": list(images.digests)} if images else {})})
 
     # ---- lookup and remember ---------------------------------------------------------------
 

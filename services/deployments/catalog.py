@@ -49,7 +49,8 @@ def model_cards(router: Router, versions: dict[str, VersionState]) -> list[dict[
                       "architecture": served.architecture if generative else None,
                       "family": served.family if generative else None,
                       "backend": served.backend if generative else None,
-                      "modalities": ["text"], "parent": parent_of(versions, name),
+                      "modalities": ["text", "image"] if generative and served.processor is not None else ["text"],
+                      "parent": parent_of(versions, name),
                       "adapters": adapters_of(versions, name) if kind == "generate" else [],
                       "ready": served is not None})
     return cards

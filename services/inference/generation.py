@@ -18,7 +18,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from engine.types import SamplingParams, TokenEvent
+from engine.types import ImageInputs, SamplingParams, TokenEvent
 from scheduling.router import RequestStream, Router, ServedModel
 from services.admission import Admission
 from services.answers.deltas import AnswerReader, call_ids_of, read_answer
@@ -32,6 +32,7 @@ from services.deployments.shadow import ShadowMirror
 from services.errors import InvalidRequestError
 from services.inference.choices import Choices
 from services.inference.prompts import decode_tokens, encode_chat, encode_prompt
+from services.inference.vision import encode_vision_chat, has_images
 from services.inference.requests import ChatInput, GenerationInput, PromptInput
 from services.inference.structured import constrain
 from services.inference.tools import chat_template_of, constrained_params, prompt_with_tools
@@ -56,6 +57,7 @@ class Plan:
     echo: str = ""  # a text completion's prompt text, when `echo` asks for it
     tool_format: str | None = None  # tools are in play: the answer's calls are parsed in this format
     reasoning: Reasoning | None = None  # a thinking model: its thoughts are split from its answer
+    images: ImageInputs | None = None  # a vision-language model's prompt images
 
     @property
     def conversation_id(self) -> str | None:
@@ -119,8 +121,13 @@ class Inference:
         model = await self.models.route(caller, ask.model, user=ask.user, conversation_id=ask.conversation_id,
                                        pinned_version=pinned)
         tools = prompt_with_tools(model.tokenizer, history + ask.messages, ask.tools, model.tool_parser)
-        prompt_ids = await encode_chat(model, tools.messages,
-                                       template_kwargs=tools.template_kwargs(ask.template_kwargs))
+        images = None
+        if has_images(tools.messages):
+            prompt_ids, images = await encode_vision_chat(model, tools.messages,
+                                                          template_kwargs=tools.template_kwargs(ask.template_kwargs))
+        else:
+            prompt_ids = await encode_chat(model, tools.messages,
+                                           template_kwargs=tools.template_kwargs(ask.template_kwargs))
         params = sampling_params(ask.options, ask.max_tokens, len(prompt_ids), model, ask.logprobs,
                                  cap=caller.tenant.max_tokens, prompt_param="messages")
         params = await constrained_params(model, params, ask.tools, ask.output, tools.format)
@@ -131,7 +138,7 @@ class Inference:
             if reasoning is not None and marks_are_special(model.tokenizer):
                 params = dataclasses.replace(params, skip_special_tokens=False)
         return Plan("chat", ask, model, prompt_ids, params, ask.messages, tool_format=tools.format,
-                    reasoning=reasoning)
+                    reasoning=reasoning, images=images)
 
     async def plan_prompts(self, caller: Caller, ask: PromptInput) -> list[Plan]:
         """Route once, then check and tokenize each prompt (a text completion's, a native generation's one)."""
@@ -212,7 +219,7 @@ class Inference:
         if plan.ask.n > 1:
             return await self.answer_choices(caller, [plan], stream=stream)
         key = self.cache.generation_key(caller, plan.model, plan.prompt_ids, plan.params, cache_asked, "openai",
-                                        plan.conversation_id)
+                                        plan.conversation_id, images=plan.images)
         cached = self.cache.lookup(caller, plan.model.name, key)  # None: not cacheable, or a miss
         if cached is not None:
             fmt = self.format([plan], uuid.uuid4().hex)
@@ -244,16 +251,17 @@ class Inference:
     # ---- submitting --------------------------------------------------------------------
 
     def submit(self, caller: Caller, model: ServedModel, prompt_ids: list[int], params: SamplingParams,
-               priority: str | None, cache_salt: str = "") -> RequestStream:
+               priority: str | None, cache_salt: str = "", images: ImageInputs | None = None) -> RequestStream:
         """One generation through admission (and the shadow mirror, when the model has one)."""
         limits, weight = caller.limits()
         stream = self.admission.generation(model, prompt_ids, params, limits, weight, caller.priority(priority),
-                                           cache_salt=cache_salt)
+                                           cache_salt=cache_salt, images=images)
         self.shadows.mirror(stream, self.metrics.log_prompts)
         return stream
 
     def submit_plan(self, caller: Caller, plan: Plan) -> RequestStream:
-        return self.submit(caller, plan.model, plan.prompt_ids, plan.params, plan.ask.priority, plan.ask.cache_salt)
+        return self.submit(caller, plan.model, plan.prompt_ids, plan.params, plan.ask.priority, plan.ask.cache_salt,
+                           plan.images)
 
     def submit_n(self, caller: Caller, plans: list[Plan]) -> Choices:
         """`n` generations of each planned prompt, side by side (seeded: seed, seed + 1, ..., so a
@@ -266,7 +274,7 @@ class Inference:
                     seed = None if plan.params.seed is None else (plan.params.seed + i) % 2**63
                     streams.append(self.submit(caller, plan.model, plan.prompt_ids,
                                                dataclasses.replace(plan.params, seed=seed), priority,
-                                               plan.ask.cache_salt))
+                                               plan.ask.cache_salt, plan.images))
         except Exception:
             for stream in streams:
                 self.router.abort(stream)

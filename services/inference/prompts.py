@@ -75,7 +75,9 @@ def _render(model: ServedModel, messages: list[dict[str, Any]], param: str, temp
 
 
 def chat_chars(messages: list[dict[str, Any]]) -> int:
-    return sum(len(m.get("content") or "") for m in messages)
+    """The characters of the messages' text (content parts' `text`; an image part counts none)."""
+    return sum(len(m.get("content") or "") if not isinstance(m.get("content"), list)
+               else sum(len(part.get("text") or "") for part in m["content"]) for m in messages)
 
 
 async def encode_chat(model: ServedModel, messages: list[dict[str, Any]], param: str = "messages",

@@ -1,0 +1,100 @@
+"""Vision chat through the real app and the openai SDK (issue 35): OpenAI `image_url` content parts
+(data URLs and bare base64) to a vision-language model answer as HF `generate` does on the same
+processor's inputs, streamed or not; the same text with another image answers differently and is
+never served from the response cache; a conversation keeps its images for the next turn; bad images
+and images for a text model get a 400 naming the part."""
+
+from __future__ import annotations
+
+import base64
+
+import openai
+import pytest
+
+from storage.registry import ModelVersion
+from tests.api.test_deployments import make_stack  # noqa: F401 (fixture)
+from tests.api.test_generic_models import sdk_for
+from tests.engine.test_vision import hf_greedy, pictures, png, processed
+from tests.models import save_vision_model
+
+
+@pytest.fixture(scope="module")
+def llava(tmp_path_factory):
+    return save_vision_model("llava", tmp_path_factory.mktemp("llava-http") / "model")
+
+
+def data_url(image) -> str:
+    return "data:image/png;base64," + base64.b64encode(png(image)).decode()
+
+
+def user(text: str, *urls: str) -> dict:
+    return {"role": "user", "content": [*({"type": "image_url", "image_url": {"url": u}} for u in urls),
+                                        {"type": "text", "text": text}]}
+
+
+async def test_image_chat_answers_as_hf_streamed_or_not_and_sees_the_image(make_stack, llava, tiny_models):  # noqa: F811
+    from transformers import AutoProcessor
+
+    stack = await make_stack([ModelVersion("vlm", "1", str(llava)),
+                              ModelVersion("tiny", "1", str(tiny_models["llama"]))])
+    sdk = sdk_for(stack)
+    cards = {card.id: card.model_extra for card in (await sdk.models.list()).data}
+    assert cards["vlm"]["modalities"] == ["text", "image"] and cards["tiny"]["modalities"] == ["text"]
+    processor = AutoProcessor.from_pretrained(llava)
+    first, second = pictures(2, seed=3)
+    text = "What is in this picture?"
+    expected = {name: processor.decode(hf_greedy(llava, processed(processor, [image], text)), skip_special_tokens=True)
+                for name, image in (("first", first), ("second", second))}
+    assert expected["first"] != expected["second"]
+
+    ask = dict(model="vlm", max_tokens=10, temperature=0, extra_body={"ignore_eos": True})
+    whole = await sdk.chat.completions.create(messages=[user(text, data_url(first))], **ask)
+    assert whole.choices[0].message.content == expected["first"]
+    bare = base64.b64encode(png(second)).decode()  # bare base64, as some clients send it
+    other = await sdk.chat.completions.create(messages=[user(text, bare)], **ask)  # the same tokens: not a cache hit
+    assert other.choices[0].message.content == expected["second"]
+    assert whole.usage.prompt_tokens == other.usage.prompt_tokens > 16  # each image is 16 image tokens
+    streamed = await sdk.chat.completions.create(messages=[user(text, data_url(first))], stream=True, **ask)
+    assert "".join([c.choices[0].delta.content or "" async for c in streamed if c.choices]) == expected["first"]
+
+    # a conversation stores its turns with their images: the next turn still sees the first image
+    status, created = await stack.client.call("POST", "/api/v1/conversations", stack.key, json={"model": "vlm"})
+    assert status == 201, created
+    turn = dict(ask, extra_body={"ignore_eos": True, "conversation_id": created["id"]})
+    await sdk.chat.completions.create(messages=[user(text, data_url(first))], **turn)
+    follow = await sdk.chat.completions.create(messages=[{"role": "user", "content": "And now?"}], **turn)
+    history = [{"role": "user", "content": [{"type": "image", "image": first}, {"type": "text", "text": text}]},
+               {"role": "assistant", "content": expected["first"]}, {"role": "user", "content": "And now?"}]
+    encoded = processor.apply_chat_template(history, add_generation_prompt=True, tokenize=True, return_dict=True,
+                                            return_tensors="np")
+    assert follow.choices[0].message.content == processor.decode(hf_greedy(llava, encoded), skip_special_tokens=True)
+    await sdk.close()
+
+
+@pytest.mark.parametrize("url, why", [
+    ("https://example.com/cat.png", "not fetched"),
+    ("data:image/png;base64,not-base64!", "not valid base64"),
+    ("data:image/png;base64," + base64.b64encode(b"not an image").decode(), "cannot be decoded"),
+])
+async def test_bad_images_get_a_400_naming_the_part(make_stack, llava, url, why):  # noqa: F811
+    stack = await make_stack([ModelVersion("vlm", "1", str(llava))])
+    sdk = sdk_for(stack)
+    with pytest.raises(openai.BadRequestError) as caught:
+        await sdk.chat.completions.create(model="vlm", messages=[{"role": "system", "content": "Be brief."},
+                                                                 user("What is it?", url)], max_tokens=4)
+    assert why in caught.value.body["message"] and caught.value.body["param"] == "messages.1.content.0"
+    await sdk.close()
+
+
+async def test_images_for_a_text_model_and_too_many_images_are_refused(make_stack, llava, tiny_models):  # noqa: F811
+    stack = await make_stack([ModelVersion("vlm", "1", str(llava)),
+                              ModelVersion("tiny", "1", str(tiny_models["llama"]))])
+    sdk = sdk_for(stack)
+    image = data_url(pictures(1)[0])
+    with pytest.raises(openai.BadRequestError) as caught:
+        await sdk.chat.completions.create(model="tiny", messages=[user("What is it?", image)], max_tokens=4)
+    assert "takes no images" in caught.value.body["message"] and caught.value.body["code"] == "images_not_supported"
+    with pytest.raises(openai.BadRequestError) as caught:
+        await sdk.chat.completions.create(model="vlm", messages=[user("So many.", *[image] * 9)], max_tokens=4)
+    assert "at most 8" in caught.value.body["message"]
+    await sdk.close()
