@@ -177,28 +177,42 @@ VISION_TEMPLATE = (  # the tests' chat template, with images as content parts (H
 
 def save_vision_model(family: str, out: Path, seed: int = 0) -> Path:
     """A tiny random vision-language model with its processor (32 px images, 8 px patches), saved as
-    an HF folder: `llava` (CLIP encoder, Llama text model: 16 image tokens an image)."""
-    from transformers import CLIPImageProcessor, CLIPVisionConfig, LlavaConfig, LlavaForConditionalGeneration
-    from transformers import LlavaProcessor
+    an HF folder: `llava` (CLIP encoder, Llama text model: 16 image tokens an image) or `idefics3`
+    (SmolVLM's architecture: SigLIP-style encoder, pixel shuffle to 4 image tokens, framed by
+    `<fake_token_around_image><global-img>`)."""
+    import transformers
 
-    if family != "llava":
-        raise ValueError(family)
     torch.manual_seed(seed)
     tokenizer = build_tokenizer()
-    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    extra = ["<fake_token_around_image>", "<global-img>", "<end_of_utterance>"] if family == "idefics3" else []
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>", *extra]})
     tokenizer.chat_template = VISION_TEMPLATE
-    config = LlavaConfig(
-        text_config=LlamaConfig(**dict(COMMON, vocab_size=len(tokenizer)), tie_word_embeddings=False),
-        vision_config=CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                       image_size=32, patch_size=8, projection_dim=32),
-        image_token_index=tokenizer.convert_tokens_to_ids("<image>"), vision_feature_layer=-1,
-        vision_feature_select_strategy="default")
-    model = LlavaForConditionalGeneration(config)
+    text = LlamaConfig(**dict(COMMON, vocab_size=len(tokenizer)), tie_word_embeddings=False)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=32,
+                  patch_size=8)
+    image_token = tokenizer.convert_tokens_to_ids("<image>")
+    if family == "llava":
+        config = transformers.LlavaConfig(
+            text_config=text, vision_config=transformers.CLIPVisionConfig(**vision, projection_dim=32),
+            image_token_index=image_token, vision_feature_layer=-1, vision_feature_select_strategy="default")
+        model = transformers.LlavaForConditionalGeneration(config)
+        processor = transformers.LlavaProcessor(
+            image_processor=transformers.CLIPImageProcessorPil(size={"shortest_edge": 32},
+                                                              crop_size={"height": 32, "width": 32}),
+            tokenizer=tokenizer, patch_size=8, vision_feature_select_strategy="default", num_additional_image_tokens=1,
+            image_token="<image>", chat_template=VISION_TEMPLATE)
+    elif family == "idefics3":
+        config = transformers.Idefics3Config(
+            text_config=text.to_dict(), vision_config=transformers.Idefics3VisionConfig(**vision).to_dict(),
+            image_token_id=image_token, scale_factor=2)
+        model = transformers.Idefics3ForConditionalGeneration(config)
+        processor = transformers.Idefics3Processor(
+            image_processor=transformers.Idefics3ImageProcessorPil(
+                do_image_splitting=False, size={"longest_edge": 32}, max_image_size={"longest_edge": 32}),
+            tokenizer=tokenizer, image_seq_len=4, chat_template=VISION_TEMPLATE)
+    else:
+        raise ValueError(family)
     model.generation_config.eos_token_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
     model.save_pretrained(out)
-    processor = LlavaProcessor(
-        image_processor=CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}),
-        tokenizer=tokenizer, patch_size=8, vision_feature_select_strategy="default", num_additional_image_tokens=1,
-        image_token="<image>", chat_template=VISION_TEMPLATE)
     processor.save_pretrained(out)
     return out

@@ -56,7 +56,8 @@ class GenericShape:
 def language_model(hf_model: PreTrainedModel) -> PreTrainedModel:
     """The part our attention serves: a vision-language model's text model (its vision encoder keeps
     its own attention), else the model itself."""
-    return getattr(getattr(hf_model, "model", None), "language_model", None) or hf_model
+    inner = getattr(hf_model, "model", None)
+    return getattr(inner, "language_model", None) or getattr(inner, "text_model", None) or hf_model
 
 
 def image_token_id(hf_model: PreTrainedModel) -> int | None:

@@ -1,8 +1,8 @@
 """Vision-language models on the generic backend (issue 35): the text model over our paged cache, the
 vision encoder through the model's own `get_image_features`, image features replacing the prompt's
 image-token embeddings chunk by chunk. Greedy tokens equal HF `generate` with the same processor's
-inputs, batched with text-only requests, chunked through the image tokens, and with prefix hits that
-never cross images."""
+inputs (tiny random LLaVA and Idefics3, SmolVLM's architecture), batched with text-only requests,
+chunked through the image tokens, and with prefix hits that never cross images."""
 
 from __future__ import annotations
 
@@ -22,9 +22,10 @@ from tests.models import save_vision_model
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def llava(tmp_path_factory):
-    return save_vision_model("llava", tmp_path_factory.mktemp("llava") / "model")
+@pytest.fixture(scope="module", params=["llava", "idefics3"])
+def vlm(request, tmp_path_factory):
+    """Each vision family in turn (LLaVA, and Idefics3: SmolVLM's architecture)."""
+    return save_vision_model(request.param, tmp_path_factory.mktemp(request.param) / "model")
 
 
 def pictures(n: int, seed: int = 0) -> list:
@@ -77,8 +78,8 @@ def run(engine, requests: list[GenerationRequest]) -> dict[str, list[int]]:
     return outputs
 
 
-def test_image_prompts_match_hf_batched_chunked_and_beside_text_prompts(llava):
-    loaded = load_model(str(llava))
+def test_image_prompts_match_hf_batched_chunked_and_beside_text_prompts(vlm):
+    loaded = load_model(str(vlm))
     assert loaded.backend == "generic" and loaded.processor is not None
     engine = build_engine(loaded, EngineConfig(max_num_batched_tokens=12), num_blocks=128)  # chunks cut image runs
     images = pictures(3)
@@ -87,16 +88,16 @@ def test_image_prompts_match_hf_batched_chunked_and_beside_text_prompts(llava):
     encoded = {name: processed(loaded.processor, ims, text) for name, (ims, text) in cases.items()}
     got = run(engine, [request(name, encoded[name], cases[name][0]) for name in cases])
     for name in cases:
-        assert got[name] == hf_greedy(llava, encoded[name]), name
+        assert got[name] == hf_greedy(vlm, encoded[name]), name
     assert got["one"] != got["other"]  # the same text, another image: the image is seen
     assert_all_blocks_free(engine.scheduler.kv)
     assert not engine.runner.image_features  # nothing held once the prompts are in the cache
 
 
-def test_prefix_hits_stay_within_the_same_images(llava):
+def test_prefix_hits_stay_within_the_same_images(vlm):
     """Image tokens are one id whatever the image: a cached prompt with another image must not be
     reused, and one with the same image must be (and still give HF's tokens)."""
-    loaded = load_model(str(llava))
+    loaded = load_model(str(vlm))
     engine = build_engine(loaded, EngineConfig(), num_blocks=128)
     first, second = pictures(2, seed=1)
     text = "Describe this image in a few words, please."
@@ -105,6 +106,6 @@ def test_prefix_hits_stay_within_the_same_images(llava):
     run(engine, [request("a", a, [first])])
     assert engine.scheduler.kv.num_hit_tokens == 0
     got = run(engine, [request("b", b, [second])])
-    assert got["b"] == hf_greedy(llava, b) and engine.scheduler.kv.num_hit_tokens == 0  # a's blocks not reused
+    assert got["b"] == hf_greedy(vlm, b) and engine.scheduler.kv.num_hit_tokens == 0  # a's blocks not reused
     got = run(engine, [request("a2", a, [first])])
-    assert got["a2"] == hf_greedy(llava, a) and engine.scheduler.kv.num_hit_tokens > 0  # the same image: reused
+    assert got["a2"] == hf_greedy(vlm, a) and engine.scheduler.kv.num_hit_tokens > 0  # the same image: reused
