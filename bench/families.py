@@ -9,6 +9,11 @@ server without continuous batching does; a subset, extrapolated) and as one stat
 
     python bench/families.py --quick
     python bench/families.py --families llama,gemma3,qwen3moe --json bench/results/families.json
+    python bench/families.py --families qwen3moe,mixtral --experts eager   # transformers' per-expert loop
+
+`--experts` picks transformers' experts implementation for the mixtures of experts, in the engine
+and in HF alike: `grouped_mm` (transformers' default where torch has it: one grouped GEMM per
+projection over the tokens sorted by expert) or `eager` (a Python loop over the experts hit).
 """
 
 from __future__ import annotations
@@ -54,8 +59,13 @@ def save_family(family: str, num_layers: int, out: Path) -> Path:
     return out
 
 
+EXPERTS: str | None = None  # --experts: transformers' experts implementation for MoE models (None: its default)
+
+
 def engine_tok_s(path: Path, backend: str, prompts: list[list[int]], output_len: int) -> tuple[float, list[list[int]]]:
     loaded = load_model(str(path), backend=backend)
+    if EXPERTS and backend == "generic" and loaded.model.hf._can_set_experts_implementation():
+        loaded.model.hf.set_experts_implementation(EXPERTS)
     engine = build_engine(loaded, EngineConfig(max_num_seqs=len(prompts)), num_blocks=4096)
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
 
@@ -76,7 +86,8 @@ def engine_tok_s(path: Path, backend: str, prompts: list[list[int]], output_len:
 
 @torch.inference_mode()
 def hf_tok_s(path: Path, prompts: list[list[int]], output_len: int, batched: bool) -> tuple[float, list[list[int]]]:
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    kwargs = {"experts_implementation": EXPERTS} if EXPERTS else {}
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kwargs).eval()
 
     def generate(batch: list[list[int]]) -> list[list[int]]:
         ids = torch.tensor(batch)  # prompts of one length: no padding
@@ -99,8 +110,12 @@ def main() -> None:
     parser.add_argument("--streams", type=int, default=32)
     parser.add_argument("--hf-sequential", type=int, default=4, help="prompts HF runs one at a time (extrapolated)")
     parser.add_argument("--quick", action="store_true", help="8 layers, 32 tokens in and out")
+    parser.add_argument("--experts", choices=("grouped_mm", "eager"), help="MoE experts implementation (default: "
+                        "transformers' own choice)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
+    global EXPERTS
+    EXPERTS = args.experts
     if args.quick:
         args.layers, args.prompt_len, args.output_len = 8, 32, 32
     torch.set_num_threads(torch.get_num_threads())
