@@ -337,7 +337,8 @@ def load_encoder(spec: ModelVersion, device: str, dtype: str, worker: DeviceWork
         return ServedEncoder(
             name=spec.name, kind=spec.kind, handle=client, dimensions=0, max_seq_len=0, vocab_size=0,
             labels=predictor.labels, max_waiting=max_waiting, version=spec.version, created=int(time.time()),
-            mem_bytes=predictor_path(spec.source, spec.options.get("allow_pickle", False)).stat().st_size, inputs=[t.as_json() for t in predictor.inputs],
+            mem_bytes=predictor_path(spec.source, spec.options.get("allow_pickle", False)).stat().st_size,
+            inputs=[t.as_json() for t in predictor.inputs],
             outputs=[t.as_json() for t in predictor.outputs], platform=predictor.platform, warmup=predictor.example())
     if spec.kind == "image-classify":
         classifier, client = start_image_classifier(spec.ref, resolve_encoder_path(spec.source), worker, device, dtype,

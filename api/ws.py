@@ -56,7 +56,7 @@ class ChatIn(Strict):
     type: Literal["chat"]
     model: str
     conversation_id: str | None = None
-    messages: list[Any] | None = None
+    messages: list[Any] | None = None  # checked as chat's are (`ChatMessage`: image parts too), in chat_request
     content: str | None = None
     params: dict[str, Any] = Field(default_factory=dict)
 
@@ -95,8 +95,11 @@ def chat_request(message: ChatIn) -> ChatCompletionRequest:
 # ---- server messages -------------------------------------------------------------------
 
 
-def error_message(code: str, message: str, stream_id: str | None = None) -> dict:
+def error_message(code: str, message: str, stream_id: str | None = None, param: str | None = None) -> dict:
+    """`param`: the field at fault, as HTTP's 400 names it (`messages.1.content.0`)."""
     out = {"type": "error", "code": code, "message": message}
+    if param is not None:
+        out["param"] = param
     return out if stream_id is None else {**out, "stream_id": stream_id}
 
 
@@ -179,9 +182,10 @@ class ChatSocket:
             else:
                 self.cancel(await self.find(message.stream_id))
         except ValidationError as exc:
-            await self.send(error_message("invalid_request_error", validation_error(exc).message, stream_id))
+            invalid = validation_error(exc)
+            await self.send(error_message("invalid_request_error", invalid.message, stream_id, invalid.param))
         except ServiceError as exc:
-            await self.send(error_message(exc.code or exc.type, exc.message, stream_id))
+            await self.send(error_message(exc.code or exc.type, exc.message, stream_id, exc.param))
         except ConnectionError:
             pass  # the socket is closing; the receive loop ends next
         except Exception:

@@ -40,7 +40,8 @@ def save_vit(folder: Path) -> None:
     torch.manual_seed(0)
     labels = {i: f"class-{i}" for i in range(10)}
     config = ViTConfig(image_size=224, patch_size=16, hidden_size=192, num_hidden_layers=12, num_attention_heads=3,
-                       intermediate_size=768, num_labels=10, id2label=labels, label2id={v: k for k, v in labels.items()})
+                       intermediate_size=768, num_labels=10, id2label=labels,
+                       label2id={v: k for k, v in labels.items()})
     ViTForImageClassification(config).eval().save_pretrained(folder)
     ViTImageProcessor(size={"height": 224, "width": 224}).save_pretrained(folder)
 

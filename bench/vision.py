@@ -131,7 +131,8 @@ def main() -> None:
         chats = requests(processor, args.requests)
         ours, ttft, outputs = engine_run(path, chats, args.output_len)
         hf, reference = hf_run(path, chats, args.output_len)
-    row = {"requests": args.requests, "output_len": args.output_len, "prompt_tokens": int(chats[0][0]["input_ids"].shape[1]),
+    row = {"requests": args.requests, "output_len": args.output_len,
+           "prompt_tokens": int(chats[0][0]["input_ids"].shape[1]),
            "engine_tok_s": ours, "engine_ttft_mean_s": ttft, "hf_one_at_a_time_tok_s": hf, "ratio": ours / hf,
            "greedy_equals_hf": outputs == reference}
     print(json.dumps(row))

@@ -6,7 +6,7 @@ own types, strictly); galley's additions are marked.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field
 
@@ -190,3 +190,92 @@ class TokenizeResponse(BaseModel):
 
 class DetokenizeResponse(BaseModel):
     prompt: str
+
+
+# ---- the Responses API's answer (tests validate it with the openai SDK's own types) -------
+
+
+class InputTokens(BaseModel):
+    object: Literal["response.input_tokens"] = "response.input_tokens"
+    input_tokens: int
+
+
+class OutputTextPart(BaseModel):
+    type: Literal["output_text"] = "output_text"
+    text: str
+    annotations: list[dict] = []
+    logprobs: list[dict] = []
+
+
+class ReasoningTextPart(BaseModel):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str
+
+
+class OutputMessage(BaseModel):
+    id: str
+    type: Literal["message"] = "message"
+    status: Literal["in_progress", "completed", "incomplete"]
+    role: Literal["assistant"] = "assistant"
+    content: list[OutputTextPart]
+
+
+class OutputFunctionCall(BaseModel):
+    id: str
+    type: Literal["function_call"] = "function_call"
+    status: Literal["in_progress", "completed", "incomplete"]
+    call_id: str
+    name: str
+    arguments: str
+
+
+class OutputReasoning(BaseModel):
+    id: str
+    type: Literal["reasoning"] = "reasoning"
+    status: Literal["in_progress", "completed", "incomplete"]
+    summary: list[dict] = []
+    content: list[ReasoningTextPart]
+
+
+class ResponseUsage(BaseModel):
+    input_tokens: int
+    input_tokens_details: dict[str, int]
+    output_tokens: int
+    output_tokens_details: dict[str, int]
+    total_tokens: int
+
+
+class ResponseObject(BaseModel):
+    id: str
+    object: Literal["response"] = "response"
+    created_at: int
+    completed_at: int | None = None
+    status: Literal["in_progress", "completed", "incomplete", "failed"]
+    background: bool = False
+    error: dict[str, str] | None = None
+    incomplete_details: dict[str, str] | None = None
+    model: str
+    output: list[Annotated[OutputMessage | OutputFunctionCall | OutputReasoning, Field(discriminator="type")]]
+    usage: ResponseUsage | None = None
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    parallel_tool_calls: bool
+    previous_response_id: str | None = None
+    temperature: float
+    top_p: float
+    tool_choice: str | dict[str, str]
+    tools: list[dict[str, Any]]
+    text: dict[str, Any]
+    reasoning: dict[str, str | None]
+    truncation: Literal["disabled"] = "disabled"
+    service_tier: Literal["default"] = "default"
+    metadata: dict[str, str]
+    user: str | None = None
+
+
+class ResponseEvent(BaseModel):
+    """One streamed event: `response.created`, `response.output_text.delta`, ... (OpenAI's
+    `ResponseStreamEvent`), each with its `sequence_number`."""
+
+    type: str
+    sequence_number: int

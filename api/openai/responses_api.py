@@ -17,13 +17,8 @@ from aiohttp import web
 
 from api.auth import caller_of
 from api.errors import json_response
-from api.openai.responses_schemas import (
-    InputTokens,
-    InputTokensRequest,
-    ResponseCreateRequest,
-    ResponseEvent,
-    ResponseObject,
-)
+from api.openai.objects import InputTokens, ResponseEvent, ResponseObject
+from api.openai.responses_schemas import InputTokensRequest, ResponseCreateRequest
 from api.routes import Route
 from api.services import services
 from api.sse import Frame, serve_sse

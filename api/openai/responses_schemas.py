@@ -2,8 +2,9 @@
 `services.inference.responses_api`, and the shape of its answer for `/openapi.json`.
 
 What a self-hosted model cannot do is a 400 naming the field: built-in tools (`web_search`,
-`file_search`, ...), `background`, `include` values that need them, image, file and audio input,
-`truncation: auto`. OpenAI's fields that mean nothing here are accepted and ignored (as on chat).
+`file_search`, ...), `background`, `include` values that need them, images by `file_id` (there is
+no files API), file and audio input, `truncation: auto`. OpenAI's fields that mean nothing here are
+accepted and ignored (as on chat). Its answer's shape is in `api.openai.objects`.
 """
 
 from __future__ import annotations
@@ -55,13 +56,28 @@ class Refusal(Strict):
     refusal: str
 
 
-Part = Annotated[InputText | OutputText | Refusal, Field(discriminator="type")]
+class InputImage(Strict):
+    """An image, for a vision-language model (as `image_url` parts on chat completions)."""
+
+    type: Literal["input_image"]
+    image_url: str | None = Field(None, min_length=1, description="A `data:image/...;base64,` URL or bare "
+                                  "base64; remote URLs are not fetched (400).")
+    file_id: str | None = Field(None, max_length=MAX_NAME_CHARS, description="Refused (400): there is no files API.")
+    detail: Literal["auto", "low", "high", "original"] | None = Field(
+        None, description="Accepted; the model's processor decides the resolution.")
+
+    def chat_part(self) -> dict[str, Any]:
+        return {"type": "image_url", "image_url": {"url": self.image_url}}
+
+
+Part = Annotated[InputText | OutputText | Refusal | InputImage, Field(discriminator="type")]
 
 
 class MessageItem(Strict):
     type: Literal["message"] | None = Field(None, description="May be left out.")
     role: Literal["user", "assistant", "system", "developer"]
-    content: str_or_list(str, list[Part]) = Field(description="Text, or text parts (no image, file or audio).")
+    content: str_or_list(str, list[Part]) = Field(description="Text, or parts: text and `input_image` (no file "
+                                                  "or audio).")
     id: str | None = Field(None, max_length=MAX_NAME_CHARS)
     status: Literal["in_progress", "completed", "incomplete"] | None = None
     phase: Literal["commentary", "final_answer"] | None = None
@@ -69,7 +85,15 @@ class MessageItem(Strict):
     def text(self) -> str:
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.refusal if isinstance(part, Refusal) else part.text for part in self.content)
+        return "".join(part.refusal if isinstance(part, Refusal) else part.text for part in self.content
+                       if not isinstance(part, InputImage))
+
+    def chat_content(self) -> str | list[dict[str, Any]]:
+        """Its text, or with images its parts in order as chat's vision path reads them."""
+        if isinstance(self.content, str) or not any(isinstance(part, InputImage) for part in self.content):
+            return self.text()
+        return [part.chat_part() if isinstance(part, InputImage) else {
+            "type": "text", "text": part.refusal if isinstance(part, Refusal) else part.text} for part in self.content]
 
 
 class FunctionCallItem(Strict):
@@ -193,6 +217,17 @@ class ResponseInputFields(Strict):
         return value
 
     @model_validator(mode="after")
+    def _check_images(self) -> ResponseInputFields:
+        for i, item in enumerate(self.input if isinstance(self.input, list) else ()):
+            for j, part in enumerate(item.content if isinstance(item, MessageItem) else ()):
+                if isinstance(part, InputImage) and part.image_url is None:
+                    where = f"input.{i}.content.{j}"
+                    raise ParamError(where, f"{where}: images by `file_id` are not supported here (there is no "
+                                     "files API): send `image_url`, a data: URL" if part.file_id is not None
+                                     else f"{where}: an `input_image` needs `image_url`")
+        return self
+
+    @model_validator(mode="after")
     def _check_tools(self) -> ResponseInputFields:
         names = [tool.name for tool in self.tools or []]
         if len(set(names)) != len(names):
@@ -209,13 +244,19 @@ class ResponseInputFields(Strict):
         out = []
         for item in self.input:
             if isinstance(item, MessageItem):
-                out.append({"type": "message", "role": item.role, "content": item.text()})
+                out.append({"type": "message", "role": item.role, "content": item.chat_content()})
             elif isinstance(item, FunctionCallItem):
                 out.append({"type": "function_call", "call_id": item.call_id, "name": item.name,
                             "arguments": item.arguments})
             elif isinstance(item, FunctionCallOutputItem):
                 out.append({"type": "function_call_output", "call_id": item.call_id, "output": item.text()})
         return out
+
+    def item_params(self) -> list[str]:
+        """Where each of `items()` is in the request, to name it in an error."""
+        if isinstance(self.input, str):
+            return ["input"]
+        return [f"input.{i}" for i, item in enumerate(self.input) if not isinstance(item, ReasoningItem)]
 
     def output_format(self) -> OutputFormat | None:
         fmt = self.text.format if self.text else None
@@ -235,7 +276,8 @@ class ResponseInputFields(Strict):
     def prompt_fields(self) -> dict[str, Any]:
         """The `ResponseInput` fields that make the prompt."""
         thinking_off = self.reasoning is not None and self.reasoning.effort == "none"
-        return {"model": self.model, "items": self.items(), "instructions": self.instructions,
+        return {"model": self.model, "items": self.items(), "item_params": self.item_params(),
+                "instructions": self.instructions,
                 "tools": self.tool_use(), "output": self.output_format(),
                 "previous_response_id": self.previous_response_id,
                 "template_kwargs": {"enable_thinking": False} if thinking_off else {}}
@@ -246,11 +288,6 @@ class ResponseInputFields(Strict):
 
 class InputTokensRequest(ResponseInputFields):
     """`POST /v1/responses/input_tokens` (`client.responses.input_tokens.count`)."""
-
-
-class InputTokens(BaseModel):
-    object: Literal["response.input_tokens"] = "response.input_tokens"
-    input_tokens: int
 
 
 class ResponseCreateRequest(ResponseInputFields):
@@ -311,87 +348,3 @@ class ResponseCreateRequest(ResponseInputFields):
         return ResponseInput(**self.prompt_fields(), options=options, max_output_tokens=self.max_output_tokens,
                              store=self.store is not False, user=self.user, priority=self.priority,
                              settings=self.settings())
-
-
-# ---- the answer, for the spec (tests validate it with the openai SDK's own types) ----------
-
-
-class OutputTextPart(BaseModel):
-    type: Literal["output_text"] = "output_text"
-    text: str
-    annotations: list[dict] = []
-    logprobs: list[dict] = []
-
-
-class ReasoningTextPart(BaseModel):
-    type: Literal["reasoning_text"] = "reasoning_text"
-    text: str
-
-
-class OutputMessage(BaseModel):
-    id: str
-    type: Literal["message"] = "message"
-    status: Literal["in_progress", "completed", "incomplete"]
-    role: Literal["assistant"] = "assistant"
-    content: list[OutputTextPart]
-
-
-class OutputFunctionCall(BaseModel):
-    id: str
-    type: Literal["function_call"] = "function_call"
-    status: Literal["in_progress", "completed", "incomplete"]
-    call_id: str
-    name: str
-    arguments: str
-
-
-class OutputReasoning(BaseModel):
-    id: str
-    type: Literal["reasoning"] = "reasoning"
-    status: Literal["in_progress", "completed", "incomplete"]
-    summary: list[dict] = []
-    content: list[ReasoningTextPart]
-
-
-class ResponseUsage(BaseModel):
-    input_tokens: int
-    input_tokens_details: dict[str, int]
-    output_tokens: int
-    output_tokens_details: dict[str, int]
-    total_tokens: int
-
-
-class ResponseObject(BaseModel):
-    id: str
-    object: Literal["response"] = "response"
-    created_at: int
-    completed_at: int | None = None
-    status: Literal["in_progress", "completed", "incomplete", "failed"]
-    background: bool = False
-    error: dict[str, str] | None = None
-    incomplete_details: dict[str, str] | None = None
-    model: str
-    output: list[Annotated[OutputMessage | OutputFunctionCall | OutputReasoning, Field(discriminator="type")]]
-    usage: ResponseUsage | None = None
-    instructions: str | None = None
-    max_output_tokens: int | None = None
-    parallel_tool_calls: bool
-    previous_response_id: str | None = None
-    temperature: float
-    top_p: float
-    tool_choice: str | dict[str, str]
-    tools: list[dict[str, Any]]
-    text: dict[str, Any]
-    reasoning: dict[str, str | None]
-    truncation: Literal["disabled"] = "disabled"
-    service_tier: Literal["default"] = "default"
-    metadata: dict[str, str]
-    user: str | None = None
-
-
-class ResponseEvent(BaseModel):
-    """One streamed event: `response.created`, `response.output_text.delta`, ... (OpenAI's
-    `ResponseStreamEvent`), each with its `sequence_number`."""
-
-    type: str
-    sequence_number: int

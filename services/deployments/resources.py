@@ -33,7 +33,7 @@ class Resources:
 
 
 def parse_quantity(value: str | float) -> float:
-    """A Kubernetes quantity ("2", "500m", "1.5", "4Gi", "512M") or a number, as a number; ValueError if it is not one."""
+    """A Kubernetes quantity ("2", "500m", "1.5", "4Gi", "512M") or a number, as a number; ValueError if not one."""
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         number = float(value)
     elif isinstance(value, str) and (match := QUANTITY.match(value)):

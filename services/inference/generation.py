@@ -32,10 +32,10 @@ from services.deployments.shadow import ShadowMirror
 from services.errors import InvalidRequestError
 from services.inference.choices import Choices
 from services.inference.prompts import decode_tokens, encode_chat, encode_prompt
-from services.inference.vision import encode_vision_chat, has_images
 from services.inference.requests import ChatInput, GenerationInput, PromptInput
 from services.inference.structured import constrain
 from services.inference.tools import chat_template_of, constrained_params, prompt_with_tools
+from services.inference.vision import encode_vision_chat, has_images
 from services.observability.metrics import Metrics
 from services.sampling import sampling_params
 from services.streams.hub import LiveStream, StreamHub

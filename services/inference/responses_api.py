@@ -4,19 +4,18 @@ that `previous_response_id` continues it.
 A stored response is a conversation of its tenant (`services.conversations`), so only that tenant
 can read or continue it: the chain's earlier items, this response's input items and its output
 items, then a record of the response (what `GET /v1/responses/{id}` shows). The response id is the
-conversation's (`resp_<hex>` names `conv_<hex>`). Messages of plain text are stored as they are;
-other items (calls, call outputs, thoughts, the record) as JSON under ITEM_KEY. Instructions are
+conversation's (`resp_<hex>` names `conv_<hex>`); its items are stored as
+`services.inference.response_items` says (a message with images keeps its parts). Instructions are
 not carried into a follow-up (as OpenAI does); thoughts are not shown to the model again.
 
 The generation is planned like a chat completion (`Inference.plan_chat`: routing, the chat
-template with tools, constrained decoding) and read as one choice; `ResponseOutput` turns its text
-into output items (thoughts, a message, function calls) as it comes.
+template with tools, constrained decoding, a vision model's images) and read as one choice;
+`ResponseOutput` turns its text into output items (thoughts, a message, function calls) as it comes.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -28,16 +27,16 @@ from services.answers.deltas import AnswerReader
 from services.answers.reading import cached_tokens, failure, generation_failed, usage
 from services.answers.tool_parser import Delta
 from services.conversations import Conversations
-from services.errors import NotFoundError
+from services.errors import InvalidRequestError, NotFoundError
 from services.inference.choices import Choices
 from services.inference.generation import Inference, Plan
 from services.inference.requests import ChatInput
+from services.inference.response_items import CHAT_ITEMS, chat_messages, decode, encode, renamed
 from services.inference.structured import OutputFormat
 from services.inference.tools import ToolUse
 from services.sampling import SamplingOptions
 from services.tenancy import Caller
 
-ITEM_KEY = "galley_response_item"
 RESPONSE_PREFIX, CONVERSATION_PREFIX = "resp_", "conv_"
 ITEM_PREFIX = {"message": "msg_", "function_call": "fc_", "reasoning": "rs_"}
 _background: set[asyncio.Task] = set()  # discards of unfinished responses' conversations, until they ran
@@ -45,12 +44,13 @@ _background: set[asyncio.Task] = set()  # discards of unfinished responses' conv
 
 @dataclass(frozen=True)
 class ResponseInput:
-    """A `POST /v1/responses` as plain values. Items: {"type": "message", "role", "content": text},
-    {"type": "function_call", "call_id", "name", "arguments"}, {"type": "function_call_output",
-    "call_id", "output"}."""
+    """A `POST /v1/responses` as plain values. Items: {"type": "message", "role", "content": text or
+    parts (`text` and `image_url`, as on chat)}, {"type": "function_call", "call_id", "name",
+    "arguments"}, {"type": "function_call_output", "call_id", "output"}."""
 
     model: str
     items: list[dict]
+    item_params: list[str] = field(default_factory=list)  # where each item is in the request (`input.3`)
     instructions: str | None = None
     options: SamplingOptions = SamplingOptions()
     max_output_tokens: int | None = None
@@ -244,12 +244,19 @@ class Responses:
         if ask.previous_response_id:
             history, model_name, pinned = await self.chain(caller, ask.previous_response_id)
             pinned = pinned if ask.model == model_name else None
-        messages = ([{"role": "system", "content": ask.instructions}] if ask.instructions else []) + \
-            chat_messages(history + ask.items)
+        messages, sources = chat_messages(history + ask.items)
+        item_params = ["previous_response_id"] * len(history) + (ask.item_params or ["input"] * len(ask.items))
+        message_params = [item_params[i] for i in sources]
+        if ask.instructions:
+            messages, message_params = [{"role": "system", "content": ask.instructions}, *messages], \
+                ["instructions", *message_params]
         chat = ChatInput(model=ask.model, options=ask.options, max_tokens=ask.max_output_tokens, user=ask.user,
                          priority=ask.priority, messages=messages, template_kwargs=ask.template_kwargs,
                          tools=ask.tools, output=ask.output)
-        return await self.inference.plan_chat(caller, chat, pinned_version=pinned), history
+        try:
+            return await self.inference.plan_chat(caller, chat, pinned_version=pinned), history
+        except InvalidRequestError as exc:  # a bad image: named by its `input` item, not a chat message
+            raise renamed(exc, message_params) from None
 
     async def count_input_tokens(self, caller: Caller, ask: ResponseInput) -> int:
         """The prompt tokens a response to `ask` would have (its usage's `input_tokens`)."""
@@ -311,7 +318,7 @@ class Responses:
             conversation, messages = await self.conversations.get(caller, conversation_id(response_id))
         except NotFoundError:
             raise response_not_found(response_id, param) from None
-        return [decode(m.role, m.content) for m in messages], conversation
+        return [decode(m) for m in messages], conversation
 
 
 def response_not_found(response_id: str, param: str) -> NotFoundError:
@@ -322,27 +329,7 @@ def conversation_id(response_id: str) -> str:
     return CONVERSATION_PREFIX + response_id.removeprefix(RESPONSE_PREFIX)
 
 
-# ---- items in the conversation store and in the chat template ----------------------------
-
-CHAT_ITEMS = ("message", "function_call", "function_call_output")
-STORED_ROLE = {"function_call": "assistant", "reasoning": "assistant", "function_call_output": "tool",
-               "response": "system"}
-
-
-def encode(item: dict) -> dict:
-    """An item as a conversation message ({"role", "content"})."""
-    if item["type"] == "message":
-        return {"role": item["role"], "content": item["content"]}
-    return {"role": STORED_ROLE[item["type"]], "content": json.dumps({ITEM_KEY: item}, ensure_ascii=False)}
-
-
-def decode(role: str, content: str) -> dict:
-    if content.startswith('{"' + ITEM_KEY + '"'):
-        try:
-            return json.loads(content)[ITEM_KEY]
-        except (ValueError, KeyError):
-            pass
-    return {"type": "message", "role": role, "content": content}
+# ---- output items in the conversation store ------------------------------------------------
 
 
 def stored_item(item: OutputItem) -> dict:
@@ -361,31 +348,3 @@ def output_item(item: dict) -> OutputItem:
     if item["type"] == "function_call":
         return OutputItem("function_call", item["id"], item["arguments"], item["name"], item["call_id"], done=True)
     return OutputItem("reasoning", item["id"], item["text"], done=True)
-
-
-def chat_messages(items: list[dict]) -> list[dict]:
-    """Items as chat-template messages: a turn's calls on one assistant message (after its text),
-    call outputs as `tool` messages; thoughts are not shown again."""
-    out: list[dict] = []
-    for item in items:
-        kind = item["type"]
-        if kind == "message":
-            out.append({"role": "system" if item["role"] == "developer" else item["role"], "content": item["content"]})
-        elif kind == "function_call":
-            call = {"id": item["call_id"], "type": "function",
-                    "function": {"name": item["name"], "arguments": parsed_arguments(item["arguments"])}}
-            if out and out[-1]["role"] == "assistant":
-                out[-1].setdefault("tool_calls", []).append(call)
-            else:
-                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
-        elif kind == "function_call_output":
-            out.append({"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]})
-    return out
-
-
-def parsed_arguments(arguments: str) -> Any:
-    """A call's arguments as chat templates expect them: an object when they are JSON."""
-    try:
-        return json.loads(arguments)
-    except ValueError:
-        return arguments

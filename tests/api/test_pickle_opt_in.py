@@ -20,7 +20,6 @@ from sklearn.preprocessing import FunctionTransformer, StandardScaler
 from engine.loader import ModelLoadError
 from engine.predictors import load_predictor, predictor_path
 from engine.unpickle import restricted_load
-from storage.registry import ModelVersion
 from tests.api.test_auth import assert_error
 from tests.api.test_deployments import make_stack  # noqa: F401 (fixture)
 

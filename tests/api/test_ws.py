@@ -169,6 +169,7 @@ async def test_cancel_ends_the_stream_with_cancelled(stack):
         await ws.send_json({"type": "cancel", "stream_id": started["stream_id"]})  # already over: nothing to do
         await ws.send_json({"type": "cancel", "stream_id": "chatcmpl-nope"})
         assert await receive(ws) == {"type": "error", "code": "stream_not_found", "stream_id": "chatcmpl-nope",
+                                     "param": "stream_id",
                                      "message": "no stream 'chatcmpl-nope' (unknown, expired, or not yours)"}
     status, got = await client.call("GET", f"/api/v1/conversations/{started['conversation_id']}", key)
     assert [m["role"] for m in got["messages"]] == ["user"]  # a cancelled answer is not stored
