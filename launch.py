@@ -235,7 +235,7 @@ class EngineLoader:
             reasoning_parser=spec.options.get("reasoning_parser"),
             sampling_defaults=sampling_defaults(loaded.generation_config, spec.options.get("sampling_defaults")),
             architecture=loaded.architecture, family=loaded.family, backend=loaded.backend,
-            processor=loaded.processor,
+            processor=loaded.processor, images_refused=loaded.images_refused,
         )
 
     def load_adapter(self, spec: ModelVersion, base: ServedModel) -> ServedModel:

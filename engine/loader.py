@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import structlog
 import torch
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
 
@@ -24,6 +25,8 @@ from engine.load_progress import LoadProgress, ProgressCallback
 from engine.models.llama import SUPPORTED_ARCHITECTURES, LlamaForCausalLM
 from engine.packed_linear import PackedLinear, can_pack, pack_linears
 from engine.quantization import Int4Groups, Int4Linear, Int8Linear, QuantizationSpec, cat_rows, quantize_model
+
+log = structlog.get_logger(__name__)
 
 if TYPE_CHECKING:
     from engine.models.generic import GenericCausalLM
@@ -50,6 +53,7 @@ class LoadedModel:
     family: str = ""  # its model_type, e.g. llama, qwen3_moe, gemma3_text
     backend: str = "native"  # native | generic
     processor: Any = None  # a vision-language model's processor (transformers' AutoProcessor): images -> arrays
+    images_refused: str = ""  # a vision-language model served text only: why its images are refused
 
 
 def package_path(source: str) -> Path:
@@ -272,14 +276,7 @@ def finish_load(path: Path, model: LlamaForCausalLM | GenericCausalLM, hf_config
                 device: torch.device, progress: LoadProgress, architecture: str, backend: str) -> LoadedModel:
     progress.enter("loading tokenizer")
     tokenizer = AutoTokenizer.from_pretrained(path)
-    processor = None
-    if getattr(model, "image_token_id", None) is not None:
-        from transformers import AutoProcessor
-
-        try:
-            processor = AutoProcessor.from_pretrained(path)
-        except (OSError, ValueError) as exc:
-            raise ModelLoadError(f"{architecture} takes images, but its processor does not load: {exc}") from exc
+    processor = getattr(model, "processor", None)  # a vision-language model's, loaded and checked by load_generic
     progress.enter("loaded")
     return LoadedModel(
         path=path,
@@ -294,6 +291,7 @@ def finish_load(path: Path, model: LlamaForCausalLM | GenericCausalLM, hf_config
         family=getattr(hf_config, "model_type", ""),
         backend=backend,
         processor=processor,
+        images_refused=getattr(model, "images_refused", ""),
     )
 
 
@@ -313,14 +311,15 @@ def load_generic(source: str, path: Path, gguf_file: Path | None, hf_config, spe
         GenericCausalLM,
         UnsupportedModel,
         check_against_reference,
+        check_images_against_reference,
         check_supported,
         flatten_linears,
         language_model,
     )
 
     arch = (getattr(hf_config, "architectures", None) or ["unknown"])[0]
-    vision = arch not in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
-    if vision and arch not in set(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES.values()):
+    vision = arch in set(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES.values())
+    if not vision and arch not in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()):
         raise ModelLoadError(f"architecture {arch} of {source!r} is not a causal language model transformers "
                              f"knows (AutoModelForCausalLM, or AutoModelForImageTextToText for vision-language "
                              f"models); native: {', '.join(SUPPORTED_ARCHITECTURES)}")
@@ -356,4 +355,22 @@ def load_generic(source: str, path: Path, gguf_file: Path | None, hf_config, spe
         check_against_reference(model, device, dtype, low_precision=spec is not None)
     except (UnsupportedModel, RuntimeError, ValueError) as exc:
         raise ModelLoadError(f"{source!r} cannot be served: {exc}") from exc
+    if vision:  # and with an image, through the model's processor (kept for serving); failing that, text only
+        try:
+            processor = load_processor(path, arch)
+            check_images_against_reference(model, processor, device, dtype, low_precision=spec is not None)
+            model.processor = processor
+        except (ModelLoadError, UnsupportedModel, RuntimeError, ValueError, TypeError) as exc:
+            model.images_refused = str(exc)
+            log.warning("serving text only: images are refused", source=source, why=str(exc))
     return model
+
+
+def load_processor(path: Path, architecture: str):
+    """A vision-language model's processor (transformers' AutoProcessor): chat template, images to arrays."""
+    from transformers import AutoProcessor
+
+    try:
+        return AutoProcessor.from_pretrained(path)
+    except (OSError, ValueError, ImportError) as exc:
+        raise ModelLoadError(f"{architecture} takes images, but its processor does not load: {exc}") from exc

@@ -89,6 +89,7 @@ class ServedModel:
     adapter: str = ""  # a LoRA adapter: its name on the base's engines (the replicas are the base's); "": none
     base: str = ""  # a LoRA adapter: the ref (name@version) of the base version it runs over
     processor: Any = None  # a vision-language model's (transformers' AutoProcessor): it takes images
+    images_refused: str = ""  # a vision-language model served text only: why (its load's image check)
 
     @property
     def ref(self) -> str:

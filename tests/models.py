@@ -177,9 +177,10 @@ VISION_TEMPLATE = (  # the tests' chat template, with images as content parts (H
 
 def save_vision_model(family: str, out: Path, seed: int = 0) -> Path:
     """A tiny random vision-language model with its processor (32 px images, 8 px patches), saved as
-    an HF folder: `llava` (CLIP encoder, Llama text model: 16 image tokens an image) or `idefics3`
+    an HF folder: `llava` (CLIP encoder, Llama text model: 16 image tokens an image), `idefics3`
     (SmolVLM's architecture: SigLIP-style encoder, pixel shuffle to 4 image tokens, framed by
-    `<fake_token_around_image><global-img>`)."""
+    `<fake_token_around_image><global-img>`) or `gemma3` (SigLIP, 4 image tokens that attend to each
+    other both ways)."""
     import transformers
 
     torch.manual_seed(seed)
@@ -210,6 +211,24 @@ def save_vision_model(family: str, out: Path, seed: int = 0) -> Path:
             image_processor=transformers.Idefics3ImageProcessorPil(
                 do_image_splitting=False, size={"longest_edge": 32}, max_image_size={"longest_edge": 32}),
             tokenizer=tokenizer, image_seq_len=4, chat_template=VISION_TEMPLATE)
+    elif family == "gemma3":  # its image tokens attend to each other both ways: galley serves it text only
+        template = VISION_TEMPLATE.replace("<image>", "<start_of_image>")
+        tokenizer.add_special_tokens({"additional_special_tokens": ["<start_of_image>", "<end_of_image>",
+                                                                    "<image_soft_token>"]})
+        tokenizer = PreTrainedTokenizerFast(
+            tokenizer_object=tokenizer.backend_tokenizer, eos_token="<|endoftext|>", pad_token="<|endoftext|>",
+            chat_template=template, extra_special_tokens={"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
+                                                          "image_token": "<image_soft_token>"})
+        config = transformers.Gemma3Config(
+            text_config=transformers.Gemma3TextConfig(**dict(COMMON, vocab_size=len(tokenizer)), head_dim=16,
+                                                      sliding_window=8,
+                                                      layer_types=["sliding_attention", "full_attention"]),
+            vision_config=transformers.SiglipVisionConfig(**vision), mm_tokens_per_image=4,
+            image_token_index=tokenizer.image_token_id, boi_token_index=tokenizer.boi_token_id)
+        model = transformers.Gemma3ForConditionalGeneration(config)
+        processor = transformers.Gemma3Processor(
+            image_processor=transformers.Gemma3ImageProcessorPil(size={"height": 32, "width": 32}), tokenizer=tokenizer,
+            chat_template=template, image_seq_length=4)
     else:
         raise ValueError(family)
     model.generation_config.eos_token_id = tokenizer.convert_tokens_to_ids("<|im_end|>")

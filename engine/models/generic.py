@@ -19,6 +19,7 @@ and through the model's own eager attention at load: a model whose logits differ
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -172,6 +173,8 @@ class GenericCausalLM(nn.Module):
         self.lora: LoraStep | None = None  # the step's adapters, read by the hooks on the linears they adapt
         self.lora_hooked: set[str] = set()
         self.image_token_id = image_token_id(hf_model)
+        self.processor: Any = None  # a vision-language model's (set by the loader)
+        self.images_refused = ""  # or why it serves text only
 
     def forward(
         self,
@@ -201,7 +204,8 @@ class GenericCausalLM(nn.Module):
         """A prompt's image features, one row per image token, from its processor's arrays (numpy), through
         the model's own vision encoder and projector (`get_image_features`, as its forward calls it)."""
         device = self.hf.device
-        kwargs = {name: torch.from_numpy(array).to(device) for name, array in arrays.items()}
+        takes = inspect.signature(self.hf.model.get_image_features).parameters  # not the processor's token types
+        kwargs = {name: torch.from_numpy(array).to(device) for name, array in arrays.items() if name in takes}
         kwargs["pixel_values"] = kwargs["pixel_values"].to(self.hf.dtype)
         features = self.hf.model.get_image_features(**kwargs, return_dict=True).pooler_output
         if isinstance(features, (list, tuple)):
@@ -291,3 +295,46 @@ def check_against_reference(model: GenericCausalLM, device: torch.device, dtype:
         worst = (paged - reference).abs().max().item()
         raise UnsupportedModel(f"{type(hf).__name__} gives other logits through the paged attention than through its "
                                f"own (max difference {worst:.3g}): some feature of its attention is not supported")
+
+
+@torch.inference_mode()
+def check_images_against_reference(model: GenericCausalLM, processor, device: torch.device, dtype: torch.dtype,
+                                   block_size: int = 16, low_precision: bool = False) -> None:
+    """UnsupportedModel unless a prompt with an image gives the same logits through the paged path
+    (image features merged into one prefill, causal attention, positions 0..n-1) as through the
+    model's own forward with the image: what a family does differently with image tokens (Gemma 3's
+    bidirectional attention inside an image, Qwen2-VL's multi-axis positions) shows here, at load."""
+    from PIL import Image
+
+    chat = [{"role": "user", "content": [{"type": "image", "image": Image.new("RGB", (64, 48), (90, 140, 200))},
+                                         {"type": "text", "text": "What is in the picture?"}]}]
+    try:
+        encoded = processor.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=True,
+                                                return_tensors="np")
+    except Exception as exc:  # no chat template, or one that cannot show an image
+        raise UnsupportedModel(f"its processor cannot render a chat with an image: {exc}") from exc
+    ids = torch.from_numpy(encoded["input_ids"][0]).to(device)
+    arrays = {name: value for name, value in encoded.items() if name not in ("input_ids", "attention_mask")}
+    hf = model.hf
+    language_model(hf).set_attn_implementation("eager")
+    try:
+        tensors = {name: torch.from_numpy(value).to(device) for name, value in encoded.items()}
+        tensors["pixel_values"] = tensors["pixel_values"].to(dtype)
+        reference = hf(**tensors, use_cache=False).logits[0].float()
+    finally:
+        language_model(hf).set_attn_implementation(ATTENTION)
+    s, n = model.shape, ids.shape[0]
+    num_blocks = -(-n // block_size)
+    caches = [(torch.zeros(num_blocks * block_size, s.num_kv_heads, s.head_dim, device=device, dtype=dtype),
+               torch.zeros(num_blocks * block_size, s.num_kv_heads, s.head_dim, device=device, dtype=dtype))
+              for _ in range(s.num_layers)]
+    meta = build_metadata([], [(list(range(num_blocks)), 0, n)], list(range(n)), block_size, None, device)
+    rows = (ids == model.image_token_id).nonzero().flatten()
+    paged = model(ids, torch.arange(n, device=device), caches, meta, torch.arange(n, device=device),
+                  images=(rows, model.image_features(arrays)))
+    tolerance = 1e-3 if dtype == torch.float32 and not low_precision else 5e-2
+    worst = (paged - reference).abs().max().item()
+    if worst > tolerance * reference.abs().max().clamp(min=1.0).item():
+        raise UnsupportedModel(f"{type(hf).__name__} gives other logits for a prompt with an image through the paged "
+                               f"attention than through its own forward (max difference {worst:.3g}): its image "
+                               "tokens attend or are positioned in a way galley does not compute yet")

@@ -98,3 +98,16 @@ async def test_images_for_a_text_model_and_too_many_images_are_refused(make_stac
         await sdk.chat.completions.create(model="vlm", messages=[user("So many.", *[image] * 9)], max_tokens=4)
     assert "at most 8" in caught.value.body["message"]
     await sdk.close()
+
+
+async def test_a_model_served_text_only_says_why_its_images_are_refused(make_stack, tmp_path):  # noqa: F811
+    stack = await make_stack([ModelVersion("gemma", "1", str(save_vision_model("gemma3", tmp_path / "gemma3")))])
+    sdk = sdk_for(stack)
+    assert (await sdk.models.retrieve("gemma")).model_extra["modalities"] == ["text"]
+    with pytest.raises(openai.BadRequestError) as caught:
+        await sdk.chat.completions.create(model="gemma", messages=[user("What is it?", data_url(pictures(1)[0]))],
+                                          max_tokens=4)
+    assert "other logits for a prompt with an image" in caught.value.body["message"]
+    text = await sdk.chat.completions.create(model="gemma", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+    assert text.usage.completion_tokens >= 1  # text still served
+    await sdk.close()

@@ -109,3 +109,21 @@ def test_prefix_hits_stay_within_the_same_images(vlm):
     assert got["b"] == hf_greedy(vlm, b) and engine.scheduler.kv.num_hit_tokens == 0  # a's blocks not reused
     got = run(engine, [request("a2", a, [first])])
     assert got["a2"] == hf_greedy(vlm, a) and engine.scheduler.kv.num_hit_tokens > 0  # the same image: reused
+
+
+def test_a_family_whose_image_tokens_attend_both_ways_serves_text_only_saying_why(tmp_path):
+    """Gemma 3's image tokens see each other in both directions; the paged attention is causal. The
+    load's check with an image finds the difference, so the model serves text (equal to HF) and its
+    images are refused with that reason, never answered wrong."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.engine.test_reference import generate_greedy
+
+    path = save_vision_model("gemma3", tmp_path / "gemma3")
+    loaded = load_model(str(path))
+    assert loaded.processor is None and "other logits for a prompt with an image" in loaded.images_refused
+    engine = build_engine(loaded, EngineConfig(), num_blocks=64)
+    prompt = loaded.tokenizer.encode("Just text, no image here.")
+    got = run(engine, [GenerationRequest("text", prompt, GREEDY)])["text"]
+    hf = AutoModelForCausalLM.from_pretrained(path).eval()
+    assert got == generate_greedy(hf, prompt, GREEDY.max_tokens)
