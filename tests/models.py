@@ -217,8 +217,9 @@ def save_vision_model(family: str, out: Path, seed: int = 0) -> Path:
                                                                     "<image_soft_token>"]})
         tokenizer = PreTrainedTokenizerFast(
             tokenizer_object=tokenizer.backend_tokenizer, eos_token="<|endoftext|>", pad_token="<|endoftext|>",
-            chat_template=template, extra_special_tokens={"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
-                                                          "image_token": "<image_soft_token>"})
+            chat_template=template,
+            extra_special_tokens={"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
+                                  "image_token": "<image_soft_token>"})
         config = transformers.Gemma3Config(
             text_config=transformers.Gemma3TextConfig(**dict(COMMON, vocab_size=len(tokenizer)), head_dim=16,
                                                       sliding_window=8,
