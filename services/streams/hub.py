@@ -166,7 +166,8 @@ class StreamHub:
         record = resumed or StreamRecord(
             id=fmt.id, tenant=gen.tenant, conversation_id=conversation_id, kind=kind, model=fmt.model,
             request={"format": fmt.to_dict(), "params": params_to_json(gen.params), "on_disconnect": on_disconnect,
-                     "priority": gen.priority.name.lower()},
+                     "priority": gen.priority.name.lower(),
+                     **({"images": list(gen.images.digests)} if gen.images is not None else {})},
             prompt_token_ids=list(gen.prompt_token_ids), token_ids=[], texts=[],
             tenant_id=owner.id if owner is not None else None,
         )
@@ -331,6 +332,8 @@ class StreamHub:
         longer who started it (deleted, or its name re-created), holds no key, or may not use the model."""
         if self.router.find(record.model) is None:
             return StreamStatus.FAILED, "model gone"
+        if record.request.get("images"):  # its token ids alone would run the image tokens without their images
+            return StreamStatus.FAILED, "its prompt's images are not kept across a restart"
         if self.auth is None:
             return None
         owner = self.tenant(record.tenant)

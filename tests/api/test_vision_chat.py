@@ -6,6 +6,7 @@ and images for a text model get a 400 naming the part."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 
 import openai
@@ -110,4 +111,27 @@ async def test_a_model_served_text_only_says_why_its_images_are_refused(make_sta
     assert "other logits for a prompt with an image" in caught.value.body["message"]
     text = await sdk.chat.completions.create(model="gemma", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
     assert text.usage.completion_tokens >= 1  # text still served
+    await sdk.close()
+
+
+async def test_a_stream_with_images_is_not_resumed_after_a_restart_without_them(make_stack, llava):  # noqa: F811
+    """A restart keeps a stream's token ids, not its images: resuming would run the image tokens without
+    their images (an answer the model never gave), so such a stream ends failed, saying why."""
+    import dataclasses
+
+    from api.services import SERVICES
+    from storage.streams import StreamStatus
+
+    stack = await make_stack([ModelVersion("vlm", "1", str(llava))])
+    sdk = sdk_for(stack)
+    streamed = await sdk.chat.completions.create(model="vlm", messages=[user("What?", data_url(pictures(1)[0]))],
+                                                 max_tokens=3, stream=True)
+    stream_id = [c async for c in streamed][0].id
+    hub = stack.app[SERVICES].streams
+    finished = hub.store.get(stream_id)
+    assert finished.request["images"] and finished.status == StreamStatus.FINISHED
+    crashed = dataclasses.replace(finished, id=stream_id + "x", status=StreamStatus.RUNNING, token_ids=[], texts=[])
+    await asyncio.wrap_future(hub.store.insert(crashed))  # as a crash would leave it: running, not live
+    assert await hub.recover() == 0
+    assert hub.store.get(crashed.id).status == StreamStatus.FAILED
     await sdk.close()
