@@ -173,7 +173,7 @@ class ShadowMirror:
             try:
                 stream = self.admission.generation(
                     target, list(primary.request.prompt_token_ids), primary.request.params, SHADOW_LIMITS, 1.0, "low",
-                    SHADOW_PREFIX + uuid.uuid4().hex, counted=False)
+                    SHADOW_PREFIX + uuid.uuid4().hex, counted=False, images=primary.request.images)
             except (RateLimitError, ServiceUnavailableError) as exc:  # a refused copy is dropped, no client error
                 reason = f"refused: {exc.__cause__ or exc}"
         if reason is not None:
@@ -193,6 +193,8 @@ class ShadowMirror:
             return "over the shadow version's context"
         if target.vocab_size and any(t >= target.vocab_size for t in request.prompt_token_ids):
             return "prompt token ids outside the shadow version's vocabulary"
+        if request.images is not None and target.processor is None:
+            return "the prompt has images and the shadow version takes none"
         return None
 
     def _unfit_inputs(self, items: list, target: Served | None, shadow: Shadow) -> str | None:
