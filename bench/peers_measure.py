@@ -1,6 +1,6 @@
 """peers.py's measurements: its workloads, and one workload's run on one server (client-side times,
-the server's prefix-cache counters from /metrics, the CPU of every process tree), with the
-warm-up before and the settling between runs."""
+the server's prefix-cache counters from /metrics where it has them, the CPU of every process
+tree), with the warm-up before and the settling between runs."""
 
 from __future__ import annotations
 
@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 import aiohttp
 from client import log, percentile_ms, stream_completion
 from prometheus_client.parser import text_string_to_metric_families
-from servers import GALLEY, VLLM, System, wait_ready
+from servers import GALLEY, LLAMA, READY_PATHS, VLLM, System, wait_ready
 from synthetic import ids_from_text
 
-PREFIX_COUNTERS = {  # (queries, hits), both in prompt tokens
+PREFIX_COUNTERS = {  # (queries, hits), both in prompt tokens; llama-server exports none
     GALLEY: ("galley_prefix_cache_queries_total", "galley_prefix_cache_hits_total"),
     VLLM: ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"),
 }
@@ -64,12 +64,14 @@ def default_workloads(quick: bool) -> dict[str, Workload]:
     if quick:
         return {
             "W": Workload("W", 8, 1, 32, 32),
+            "W16": Workload("W16", 4, 1, 32, 32),
             "S": Workload("S", 1, 3, 32, 32),
             "MT": Workload("MT", 4, 3, 48, 16, carry_history=True),
             "SP": Workload("SP", 8, 1, 16, 16, shared_prefix_len=128),
         }
     return {
         "W": Workload("W", 32, 1, 128, 128),
+        "W16": Workload("W16", 16, 1, 128, 128),  # issue 34's W against llama-server (--parallel 16)
         "S": Workload("S", 1, 6, 128, 128),
         "MT": Workload("MT", 8, 4, 192, 64, carry_history=True),
         "SP": Workload("SP", 32, 1, 64, 64, shared_prefix_len=512),
@@ -126,12 +128,14 @@ class CpuMeter:
 
 async def prefix_counters(session: aiohttp.ClientSession, system: System) -> tuple[float, float] | None:
     """Prefix-cache (queries, hits) in tokens, summed over labels; None if the server has none."""
+    names = PREFIX_COUNTERS.get(system.name)
+    if names is None:
+        return None
     try:
         async with session.get(f"{system.base_url}/metrics") as resp:
             text = await resp.text()
     except aiohttp.ClientError:
         return None
-    names = PREFIX_COUNTERS[system.name]
     totals = dict.fromkeys(names, 0.0)
     found = set()
     for family in text_string_to_metric_families(text):
@@ -262,9 +266,16 @@ async def measure(
     """Appends each run to `runs` as it ends (an interrupted benchmark still reports them);
     returns the cores each server burnt while idle."""
     timeout = aiohttp.ClientTimeout(total=None, sock_read=900)
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as session:
-        for system, path in ((s, "/ready" if s.name == GALLEY else "/v1/models") for s in systems):
-            await wait_ready(system.base_url, system.proc, timeout_s=args.start_timeout_s, path=path)
+    # llama-server closes a kept-alive connection after a streamed answer; then every server gets a
+    # new connection per request, so the client stays the same for all
+    force_close = any(s.name == LLAMA for s in systems)
+    connector = aiohttp.TCPConnector(limit=0, force_close=force_close)
+    word_tokens = args.model_dir is None and args.gguf is None
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        for system in systems:
+            await wait_ready(
+                system.base_url, system.proc, timeout_s=args.start_timeout_s, path=READY_PATHS[system.name]
+            )
             log(f"{system.name} ready on port {system.port}; warming up")
             await warm_up(session, system, vocab_size)
         await settle(systems)
@@ -276,10 +287,10 @@ async def measure(
                 segments = w.segments(random.Random(f"{args.seed}-{rep}-{w.name}"), vocab_size)
                 for system in order:
                     await settle(systems)
-                    runs.append(await run_workload(session, system, systems, w, segments, rep, args.model_dir is None))
+                    runs.append(await run_workload(session, system, systems, w, segments, rep, word_tokens))
                     r = runs[-1]
                     log(
-                        f"rep {rep} {w.name:<3}{system.name:<7}"
+                        f"rep {rep} {w.name:<3}{system.name:<10}"
                         + (
                             f"ERROR {r.error}"
                             if r.error

