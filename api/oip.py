@@ -295,6 +295,7 @@ ROUTES = [
                   "tensor extension)", request=InferRequest, response=InferResponse),
     *model_routes("/generate", "POST", generate, "Generate text (Triton's generate extension)",
                   request=GenerateBody, response=GenerateOut),
-    *model_routes("/generate_stream", "POST", generate_stream, "Stream generated text as server-sent events "
-                  "(Triton's generate extension)", request=GenerateBody, response=GenerateOut),
+    *model_routes("/generate_stream", "POST", generate_stream, "Stream generated text as server-sent events, "
+                  "each `data:` a GenerateOut as JSON (Triton's generate extension)", request=GenerateBody,
+                  content_type="text/event-stream"),
 ]

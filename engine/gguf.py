@@ -16,6 +16,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import struct
 from dataclasses import dataclass
 from functools import partial
@@ -100,7 +101,12 @@ def hf_folder_for(gguf_file: Path) -> Path:
     config.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     (tmp / "gguf_source.json").write_text(json.dumps({"file": str(gguf_file.resolve())}))
-    os.replace(tmp, folder)  # atomic: a half-written folder is never taken for a converted one
+    try:
+        os.replace(tmp, folder)  # atomic: a half-written folder is never taken for a converted one
+    except OSError:  # another process converted the same file first (a non-empty folder is not replaced)
+        if not (folder / "config.json").is_file():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
     return folder
 
 

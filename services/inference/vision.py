@@ -50,7 +50,8 @@ async def encode_vision_chat(model: ServedModel, messages: list[dict[str, Any]],
                if (url := image_url(p)) is not None]
     if model.processor is None:
         why = f": {model.images_refused}" if model.images_refused else ""
-        raise InvalidRequestError(f"the model `{model.name}` takes no images (its modalities: text){why}",
+        raise InvalidRequestError(f"the model `{model.name}` takes no images: image_url parts need a vision-language "
+                                  f"model (its modalities: text){why}",
                                   param=located[0][0], code="images_not_supported")
     if len(located) > MAX_IMAGES:
         raise InvalidRequestError(f"{len(located)} images; at most {MAX_IMAGES} a request", param=located[0][0])

@@ -155,8 +155,10 @@ def test_the_spec_and_the_handler_agree_on_a_body(servers, method, path, body):
 
 # POST /admin/api/profile records a trace for `seconds` (5 by default): slow by nature, and covered
 # by tests/api/test_observability.py. schemathesis.toml (read from the repository root) says which
-# checks do not apply where, and why.
-SCHEMATHESIS = ["run", "--workers", "2", "--max-examples", "4", "--seed", "11", "--generation-database", "none",
+# checks do not apply where, and why. One worker: two worker threads building ASTs at once trip a
+# CPython 3.11 bug (`SystemError: AST constructor recursion depth mismatch`, python/cpython#106905)
+# inside schemathesis' case generation, failing a run that found nothing (1 run in 3 here).
+SCHEMATHESIS = ["run", "--workers", "1", "--max-examples", "4", "--seed", "11", "--generation-database", "none",
                 "--request-timeout", "60", "--exclude-path", "/admin/api/profile"]
 
 

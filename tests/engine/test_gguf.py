@@ -176,3 +176,24 @@ def test_tensor_names_and_the_rotary_permutation():
     hf_rows = torch.arange(12.0)[:, None]
     gguf_rows = hf_rows.reshape(2, 2, 3, 1).swapaxes(1, 2).reshape(12, 1)
     assert torch.equal(unpermute(gguf_rows, num_heads=2), hf_rows)
+
+
+@needs_smollm2
+def test_two_processes_converting_one_file_at_once_both_get_the_folder(tmp_path):
+    """Test workers (or two servers) starting together both convert a new file's metadata; the one
+    that finishes second finds the folder there and uses it (CI once failed on 'Directory not empty')."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("from engine.gguf import hf_folder_for; from engine.loader import package_path; "
+            f"print(hf_folder_for(package_path({SMOLLM2!r})))")
+    env = {**os.environ, "GALLEY_CACHE_DIR": str(tmp_path / "cache")}
+    root = Path(__file__).resolve().parents[2]
+    runs = [subprocess.Popen([sys.executable, "-c", code], cwd=root, env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outputs = [run.communicate(timeout=300) for run in runs]
+    assert [run.returncode for run in runs] == [0, 0], [err[-2000:] for _, err in outputs]
+    folders = {out.strip().splitlines()[-1] for out, _ in outputs}
+    assert len(folders) == 1 and (Path(folders.pop()) / "config.json").is_file()
+    assert not list((tmp_path / "cache" / "gguf").glob("*.tmp*"))  # the loser's copy is gone
