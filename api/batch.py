@@ -178,7 +178,8 @@ async def create_batch(request: web.Request) -> web.Response:
     body = await parse_body(request, BatchCreate)
     inputs = [value if isinstance(value, str) else value.model_dump() if isinstance(value, ImageIn | FeaturesIn)
               else value.model_dump(exclude_unset=True) if isinstance(value, TensorsIn)  # as infer reads them
-              else [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in value]
+              else [{"role": "system" if m.role == "developer" else m.role, "content": m.for_template()["content"]}
+                    for m in value]  # a message with images keeps its parts (text and image_url)
               for value in body.inputs]
     created = await services(request).batch.create(caller_of(request), body.model, inputs,
                                               (body.params or BatchParams()).model_dump(),

@@ -15,7 +15,7 @@ from typing import Any
 import structlog
 from prometheus_client import Counter
 
-from engine.types import FinishReason, SamplingParams
+from engine.types import FinishReason, ImageInputs, SamplingParams
 from scheduling.encoders import ServedEncoder
 from scheduling.router import RequestStream, Router, Served, ServedModel
 from services.admission import Admission
@@ -25,6 +25,7 @@ from services.inference.encoders import check_tensors, features_request, tabular
 from services.inference.images import decode_image, image_bytes
 from services.inference.prompts import encode_chat, encode_text
 from services.inference.tensors import read_inputs
+from services.inference.vision import encode_vision_chat, has_images
 from services.observability.metrics import Metrics
 from services.sampling import SAMPLING_FIELDS, SamplingOptions, sampling_params
 from services.server_state import ServerState
@@ -53,14 +54,25 @@ def item_options(params: dict[str, Any]) -> SamplingOptions:
                            ignore_eos=bool(params.get("ignore_eos")))
 
 
-async def plan_item(job: BatchJob, model: ServedModel, value: Any, tenant: Tenant) -> tuple[list[int], SamplingParams]:
-    """An input's prompt ids and sampling params, by the rules of /v1 (a prompt as /v1/completions, 16
-    tokens by default; messages as /v1/chat/completions); ItemError with /v1's message when it cannot run."""
+Planned = tuple[list[int], SamplingParams, ImageInputs | None]  # prompt ids, params, a vision prompt's images
+
+
+async def plan_item(job: BatchJob, model: ServedModel, value: Any, tenant: Tenant) -> Planned:
+    """An input's prompt ids, sampling params and images, by the rules of /v1 (a prompt as
+    /v1/completions, 16 tokens by default; messages as /v1/chat/completions, `image_url` parts
+    included); ItemError with /v1's message when it cannot run."""
     try:
-        prompt_ids = await (encode_text(model, value) if isinstance(value, str) else encode_chat(model, value))
+        images = None
+        if isinstance(value, str):
+            prompt_ids = await encode_text(model, value)
+        elif has_images(value):
+            prompt_ids, images = await encode_vision_chat(model, value, param="input")
+        else:
+            prompt_ids = await encode_chat(model, value)
         return prompt_ids, sampling_params(
             item_options(job.params), job.params.get("max_tokens"), len(prompt_ids), model, None,
-            cap=tenant.max_tokens, default_max_tokens=DEFAULT_COMPLETION_TOKENS if isinstance(value, str) else None)
+            cap=tenant.max_tokens, default_max_tokens=DEFAULT_COMPLETION_TOKENS if isinstance(value, str) else None
+        ), images
     except InvalidRequestError as exc:
         raise ItemError(exc.message) from exc
 
@@ -83,8 +95,8 @@ class ItemRunner:
                                      "by reason (queue_full, model_unavailable, or the tenant limit)", ["reason"],
                                      registry=metrics.registry)
 
-    async def prepare(self, job: BatchJob, model: ServedModel, value: Any) -> tuple[list[int], SamplingParams]:
-        """An input's prompt ids and sampling params (`plan_item`) for the job's tenant as it is now."""
+    async def prepare(self, job: BatchJob, model: ServedModel, value: Any) -> Planned:
+        """An input's prompt ids, sampling params and images (`plan_item`) for the job's tenant as it is now."""
         tenant = self.tenants(job.tenant)
         if tenant is None:
             raise ItemError("the job's tenant was deleted")
@@ -122,7 +134,7 @@ class ItemRunner:
         wait (it may have been unloaded, reloaded or replaced meanwhile: a stale version would take the
         item nowhere). An ItemResult when the item cannot run; None if the job is cancelled or the server
         drains first."""
-        prepared: tuple[ServedModel, list[int], SamplingParams] | None = None
+        prepared: tuple[ServedModel, list[int], SamplingParams, ImageInputs | None] | None = None
         while not (run.cancelled or self.state.draining):
             tenant = self.tenants(run.job.tenant)
             if tenant is None:  # deleted with its jobs
@@ -143,12 +155,12 @@ class ItemRunner:
         return None
 
     def _try_submit(self, run: JobRun, item: BatchItem, tenant: Tenant, model: ServedModel, prompt_ids: list[int],
-                    params: SamplingParams) -> tuple[RequestStream | None, float]:
+                    params: SamplingParams, images: ImageInputs | None) -> tuple[RequestStream | None, float]:
         """The admitted stream, or None and how long to wait before trying again."""
         request_id = f"{run.job.id}-{item.idx}-{uuid.uuid4().hex[:8]}"
         try:
             stream = self.admission.generation(model, prompt_ids, params, limits_of(tenant), tenant.weight, "low",
-                                               request_id, counted=False)  # a refusal here is no 429 to anyone
+                                               request_id, counted=False, images=images)  # a refusal: no 429
         except QueueFullError:
             reason, delay_s = "queue_full", 0.0
         except ServiceUnavailableError:  # the version is unloading

@@ -135,3 +135,30 @@ async def test_a_stream_with_images_is_not_resumed_after_a_restart_without_them(
     assert await hub.recover() == 0
     assert hub.store.get(crashed.id).status == StreamStatus.FAILED
     await sdk.close()
+
+
+async def test_a_batch_job_of_image_chats_answers_as_hf_and_a_bad_image_fails_alone(make_stack, llava):  # noqa: F811
+    from transformers import AutoProcessor
+
+    from tests.helpers import wait_until
+
+    stack = await make_stack([ModelVersion("vlm", "1", str(llava))])
+    processor = AutoProcessor.from_pretrained(llava)
+    first, second = pictures(2, seed=5)
+    text = "Describe it."
+    expected = [processor.decode(hf_greedy(llava, processed(processor, [image], text)), skip_special_tokens=True)
+                for image in (first, second)]
+    inputs = [[user(text, data_url(first))], [user(text, "data:image/png;base64,bm90IGFuIGltYWdl")],
+              [user(text, data_url(second))]]
+    status, created = await stack.client.call("POST", "/api/v1/batch", stack.key, json={
+        "model": "vlm", "inputs": inputs, "params": {"max_tokens": 10, "temperature": 0, "ignore_eos": True}})
+    assert status == 200, created
+
+    async def results():
+        _, found = await stack.client.call("GET", f"/api/v1/batch/{created['batch_id']}/results", stack.key)
+        return found["results"] if found["status"] in ("completed", "failed") else None
+
+    done = await wait_until(results, timeout_s=60, what="the job to end")
+    assert [r["status"] for r in done] == ["completed", "failed", "completed"], done
+    assert [done[0]["output"], done[2]["output"]] == expected  # each item saw its own image
+    assert "cannot be decoded" in done[1]["error"]
