@@ -173,6 +173,9 @@ class GenericCausalLM(nn.Module):
         self.lora: LoraStep | None = None  # the step's adapters, read by the hooks on the linears they adapt
         self.lora_hooked: set[str] = set()
         self.image_token_id = image_token_id(hf_model)
+        # what get_image_features takes of a processor's arrays (not its token types), read once
+        self.image_args = (frozenset(inspect.signature(hf_model.model.get_image_features).parameters)
+                           if self.image_token_id is not None else frozenset())
         self.processor: Any = None  # a vision-language model's (set by the loader)
         self.images_refused = ""  # or why it serves text only
 
@@ -204,8 +207,7 @@ class GenericCausalLM(nn.Module):
         """A prompt's image features, one row per image token, from its processor's arrays (numpy), through
         the model's own vision encoder and projector (`get_image_features`, as its forward calls it)."""
         device = self.hf.device
-        takes = inspect.signature(self.hf.model.get_image_features).parameters  # not the processor's token types
-        kwargs = {name: torch.from_numpy(array).to(device) for name, array in arrays.items() if name in takes}
+        kwargs = {name: torch.from_numpy(array).to(device) for name, array in arrays.items() if name in self.image_args}
         kwargs["pixel_values"] = kwargs["pixel_values"].to(self.hf.dtype)
         features = self.hf.model.get_image_features(**kwargs, return_dict=True).pooler_output
         if isinstance(features, (list, tuple)):
@@ -257,6 +259,22 @@ def check_supported(model_class: type[PreTrainedModel], hf_config) -> None:
                                "attention does not compute")
 
 
+def empty_caches(shape: GenericShape, num_slots: int, device: torch.device,
+                 dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Zeroed key and value caches of `num_slots` slots per layer, for a check's own prompts."""
+    return [(torch.zeros(num_slots, shape.num_kv_heads, shape.head_dim, device=device, dtype=dtype),
+             torch.zeros(num_slots, shape.num_kv_heads, shape.head_dim, device=device, dtype=dtype))
+            for _ in range(shape.num_layers)]
+
+
+def agrees(paged: torch.Tensor, reference: torch.Tensor, dtype: torch.dtype, low_precision: bool) -> bool:
+    """The paged logits equal the reference's to float32's precision (relative to the largest logit), or
+    bfloat16's where the weights or `low_precision` say so: quantized linears compute in bfloat16, so the
+    two paths' last-bit differences in attention can round apart (a Gemma 3 in int4 differed by 0.016)."""
+    tolerance = 1e-3 if dtype == torch.float32 and not low_precision else 5e-2
+    return (paged - reference).abs().max().item() <= tolerance * reference.abs().max().clamp(min=1.0).item()
+
+
 @torch.inference_mode()
 def check_against_reference(model: GenericCausalLM, device: torch.device, dtype: torch.dtype,
                             block_size: int = 16, num_tokens: int = 24, low_precision: bool = False) -> None:
@@ -272,11 +290,8 @@ def check_against_reference(model: GenericCausalLM, device: torch.device, dtype:
         reference = hf(input_ids=ids[None], use_cache=False).logits[0].float()
     finally:
         language_model(hf).set_attn_implementation(ATTENTION)
-    s = model.shape
     num_blocks = -(-num_tokens // block_size)
-    caches = [(torch.zeros(num_blocks * block_size, s.num_kv_heads, s.head_dim, device=device, dtype=dtype),
-               torch.zeros(num_blocks * block_size, s.num_kv_heads, s.head_dim, device=device, dtype=dtype))
-              for _ in range(s.num_layers)]
+    caches = empty_caches(model.shape, num_blocks * block_size, device, dtype)
     table = list(range(num_blocks))
     first, second = num_tokens // 2, num_tokens - 1  # a prefill, a chunk after it, then one decode
     rows = []
@@ -287,11 +302,7 @@ def check_against_reference(model: GenericCausalLM, device: torch.device, dtype:
         positions = torch.arange(start, end, device=device)
         rows.append(model(ids[start:end], positions, caches, meta, torch.arange(end - start, device=device)))
     paged = torch.cat(rows)
-    # low_precision: quantized linears compute in bfloat16, so the two paths' last-bit differences in
-    # attention can round apart there (a Gemma 3 in int4 differed by 0.016 of its largest logit)
-    tolerance = 1e-3 if dtype == torch.float32 and not low_precision else 5e-2
-    scale = reference.abs().max().clamp(min=1.0)
-    if not torch.allclose(paged, reference, atol=tolerance * scale.item(), rtol=0):
+    if not agrees(paged, reference, dtype, low_precision):
         worst = (paged - reference).abs().max().item()
         raise UnsupportedModel(f"{type(hf).__name__} gives other logits through the paged attention than through its "
                                f"own (max difference {worst:.3g}): some feature of its attention is not supported")
@@ -323,18 +334,15 @@ def check_images_against_reference(model: GenericCausalLM, processor, device: to
         reference = hf(**tensors, use_cache=False).logits[0].float()
     finally:
         language_model(hf).set_attn_implementation(ATTENTION)
-    s, n = model.shape, ids.shape[0]
+    n = ids.shape[0]
     num_blocks = -(-n // block_size)
-    caches = [(torch.zeros(num_blocks * block_size, s.num_kv_heads, s.head_dim, device=device, dtype=dtype),
-               torch.zeros(num_blocks * block_size, s.num_kv_heads, s.head_dim, device=device, dtype=dtype))
-              for _ in range(s.num_layers)]
+    caches = empty_caches(model.shape, num_blocks * block_size, device, dtype)
     meta = build_metadata([], [(list(range(num_blocks)), 0, n)], list(range(n)), block_size, None, device)
     rows = (ids == model.image_token_id).nonzero().flatten()
     paged = model(ids, torch.arange(n, device=device), caches, meta, torch.arange(n, device=device),
                   images=(rows, model.image_features(arrays)))
-    tolerance = 1e-3 if dtype == torch.float32 and not low_precision else 5e-2
-    worst = (paged - reference).abs().max().item()
-    if worst > tolerance * reference.abs().max().clamp(min=1.0).item():
+    if not agrees(paged, reference, dtype, low_precision):
+        worst = (paged - reference).abs().max().item()
         raise UnsupportedModel(f"{type(hf).__name__} gives other logits for a prompt with an image through the paged "
                                f"attention than through its own forward (max difference {worst:.3g}): its image "
                                "tokens attend or are positioned in a way galley does not compute yet")
