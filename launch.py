@@ -18,7 +18,7 @@ from engine.batcher import Batching
 from engine.draft_model import DraftModelProposer, load_draft, num_target_blocks
 from engine.encoders import resolve_encoder_path, start_encoder
 from engine.engine import LLMEngine
-from engine.gguf import find_gguf, float_bytes
+from engine.gguf import find_gguf, loaded_bytes
 from engine.image_classifier import start_image_classifier
 from engine.kv_cache import KVCacheManager
 from engine.load_progress import ProgressCallback
@@ -103,12 +103,13 @@ def weights_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def checkpoint_bytes(folder: Path) -> int:
+def checkpoint_bytes(folder: Path, keep_blocks: bool = True) -> int:
     """The size of a model folder's weight files (0 for a hub id: not known before it downloads); for
-    a GGUF source, its weights de-quantized to float32 (what they take once loaded, unquantized)."""
+    a GGUF source, what its weights take once loaded: kept as blocks, or (`keep_blocks` False: the
+    `quantization` option set) de-quantized to float32."""
     gguf_file = find_gguf(folder)
     if gguf_file is not None:
-        return float_bytes(gguf_file)
+        return loaded_bytes(gguf_file, keep_blocks)
     files = (list(folder.glob("*.safetensors")) or list(folder.glob("*.bin"))) if folder.is_dir() else []
     return sum(f.stat().st_size for f in files)
 
@@ -197,7 +198,8 @@ class EngineLoader:
             path = package_path(spec.source) if spec.source.startswith("pkg:") else Path(spec.source).expanduser()
         except ModelLoadError:
             return 0  # loading will fail and say why
-        return checkpoint_bytes(path) + int(self.cfg.cache.kv_cache_gib * GIB)
+        keep_blocks = spec.options.get("quantization") is None
+        return checkpoint_bytes(path, keep_blocks) + int(self.cfg.cache.kv_cache_gib * GIB)
 
     def load(self, spec: ModelVersion, on_progress: ProgressCallback | None = None) -> Served:
         """`on_progress(phase, fraction)`: the whole load's, over its replicas (see `load_model`)."""

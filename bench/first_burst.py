@@ -42,7 +42,7 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--kv-cache-gib", type=int, default=4)
     args = parser.parse_args()
-    args.max_num_batched_tokens, args.galley_quantization, args.galley_dir = None, "none", REPO_ROOT
+    args.max_num_batched_tokens, args.galley_quantization, args.galley_dir = None, None, REPO_ROOT
     shape = ModelShape()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

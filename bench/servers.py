@@ -124,7 +124,7 @@ def start_galley(args: argparse.Namespace, model_dir: Path, work_dir: Path, max_
     ]  # fmt: skip
     if args.max_num_batched_tokens is not None:
         server_args += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
-    quantized = args.galley_quantization != "none"
+    quantized = args.galley_quantization is not None  # else the server's default
     models = (
         f'[[models]]\nname = "bench"\npath = "{model_dir}"\nquantization = "{args.galley_quantization}"\n'
         if quantized

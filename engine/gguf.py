@@ -26,6 +26,7 @@ import numpy as np
 import structlog
 import torch
 
+from engine.block_panels import FORMATS, QuantBlocks, from_gguf, panel_bytes_per_weight
 from engine.load_progress import LoadProgress
 from engine.quantization import Int4Groups
 
@@ -110,16 +111,17 @@ def hf_folder_for(gguf_file: Path) -> Path:
     return folder
 
 
-def read_weights(gguf_file: Path, hf_config, int4_blocks: bool = False,
-                 progress: LoadProgress | None = None) -> dict[str, torch.Tensor | Int4Groups]:
+def read_weights(gguf_file: Path, hf_config, int4_blocks: bool = False, blocks: bool = False,
+                 progress: LoadProgress | None = None) -> dict[str, torch.Tensor | Int4Groups | QuantBlocks]:
     """The file's tensors under HF names, de-quantized to float32; with `int4_blocks`, the linears'
-    Q4_0/Q4_1/Q4_K tensors as their 4-bit codes and per-32 scales instead (exact, for int4).
+    Q4_0/Q4_1/Q4_K tensors as their 4-bit codes and per-32 scales instead (exact, for int4); with
+    `blocks`, the linears' and the embedding's tensors of `engine.block_panels.FORMATS` as they are.
     `progress` advances by the file's bytes (a tensor's de-quantizing time follows its size)."""
     from gguf.quants import dequantize
 
     arch, tensors = read_tensors(gguf_file)
     heads, kv_heads = hf_config.num_attention_heads, hf_config.num_key_value_heads
-    out: dict[str, torch.Tensor | Int4Groups] = {}
+    out: dict[str, torch.Tensor | Int4Groups | QuantBlocks] = {}
     total_bytes, done_bytes = sum(t.n_bytes for t in tensors), 0
     for i, tensor in enumerate(tensors):
         if progress is not None:
@@ -129,16 +131,18 @@ def read_weights(gguf_file: Path, hf_config, int4_blocks: bool = False,
         if name is None:
             log.warning("skipping an unknown GGUF tensor", tensor=tensor.name)
             continue
-        weight: torch.Tensor | Int4Groups | None = None
+        weight: torch.Tensor | Int4Groups | QuantBlocks | None = None
         if int4_blocks and name.endswith(("_proj.weight", "lm_head.weight")):
             weight = int4_groups(tensor.data, tensor.tensor_type.name)
+        elif blocks and name.endswith(("_proj.weight", "lm_head.weight", "embed_tokens.weight")):
+            weight = from_gguf(tensor.data, tensor.tensor_type.name)
         if weight is None:
             array = np.ascontiguousarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
             weight = torch.from_numpy(array if array.flags.writeable else array.copy())  # F32 tensors are the mmap
         if arch in PERMUTED_ARCHS and name.endswith(("q_proj.weight", "k_proj.weight")):
             num_heads = heads if "q_proj" in name else kv_heads
-            weight = (weight.map_rows(partial(unpermute, num_heads=num_heads)) if isinstance(weight, Int4Groups)
-                      else unpermute(weight, num_heads))
+            weight = (weight.map_rows(partial(unpermute, num_heads=num_heads))
+                      if isinstance(weight, Int4Groups | QuantBlocks) else unpermute(weight, num_heads))
         out[name] = weight
     if progress is not None:
         progress.advance(total_bytes, total_bytes, tensors=f"{len(tensors)}/{len(tensors)}")
@@ -153,17 +157,20 @@ class GGUFTensor:
     data: np.ndarray  # a view of the memory-mapped file: [rows..., bytes per row] for quantized types
 
 
-def float_bytes(gguf_file: Path, element_size: int = 4) -> int:
-    """What the file's tensors take de-quantized to `element_size`-byte floats: a pre-load memory
-    estimate (a Q4 file grows ~7x in float32), from the header walk alone (no weights read)."""
+def loaded_bytes(gguf_file: Path, keep_blocks: bool = True) -> int:
+    """What the file's tensors take once loaded, a pre-load memory estimate from the header walk alone
+    (no weights read): as the kernels' block panels for the types kept as blocks (`keep_blocks`, the
+    default on CPU), else de-quantized to float32 (a Q4 file grows ~7x)."""
     from gguf import GGML_QUANT_SIZES
 
     _, tensors = read_tensors(gguf_file)
-    elements = 0
+    total = 0.0
     for t in tensors:
         block_size, type_size = GGML_QUANT_SIZES[t.tensor_type]
-        elements += t.n_bytes // type_size * block_size
-    return elements * element_size
+        elements = t.n_bytes // type_size * block_size
+        kept = keep_blocks and t.tensor_type.name in FORMATS
+        total += elements * (panel_bytes_per_weight(t.tensor_type.name) if kept else 4)
+    return int(total)
 
 
 def read_tensors(gguf_file: Path) -> tuple[str, list[GGUFTensor]]:
@@ -238,36 +245,11 @@ def read_value(buf: memoryview, offset: int, value_type: int) -> tuple[object, i
 
 def int4_groups(data: np.ndarray, qtype: str) -> Int4Groups | None:
     """A Q4_0, Q4_1 or Q4_K tensor ([N, bytes per row] blocks) as int4 codes in groups of 32 with
-    w = (q - 8) * scale + zero: Q4_0 w = d (q - 8); Q4_1 w = d q + m; Q4_K w = d sc q - dmin m per
-    32 of a 256 super-block. None for other types (they are de-quantized and quantized again)."""
-    rows = data.shape[0]
-    if qtype in ("Q4_0", "Q4_1"):
-        head = 2 if qtype == "Q4_0" else 4
-        blocks = data.reshape(-1, head + 16)
-        d = blocks[:, :2].copy().view(np.float16).astype(np.float32)[:, 0]
-        zero = -8 * d if qtype == "Q4_0" else blocks[:, 2:4].copy().view(np.float16).astype(np.float32)[:, 0]
-        codes = nibbles(blocks[:, head:])  # [blocks, 32]: low nibbles are elements 0-15, high 16-31
-        scale, zero = d, zero + 8 * d
-    elif qtype == "Q4_K":
-        from gguf.quants import Q4_K
-
-        blocks = data.reshape(-1, 144)
-        d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
-        dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
-        sc, m = Q4_K.get_scale_min(blocks[:, 4:16])
-        scale = (d * sc.astype(np.float32)).reshape(-1)  # [blocks * 8]
-        zero = (-dmin * m.astype(np.float32)).reshape(-1) + 8 * scale
-        # 4 chunks of 32 bytes, each the low nibbles of sub-block 2i and the high ones of 2i + 1
-        codes = nibbles(blocks[:, 16:].reshape(-1, 32))
-    else:
+    w = (q - 8) * scale + zero; None for other types (they are de-quantized and quantized again)."""
+    blocks = from_gguf(data, qtype)
+    if blocks is None or blocks.bits != 4:
         return None
-    return Int4Groups(torch.from_numpy(codes.reshape(rows, -1)), torch.from_numpy(scale.reshape(rows, -1)),
-                      torch.from_numpy(zero.reshape(rows, -1)))
-
-
-def nibbles(packed: np.ndarray) -> np.ndarray:
-    """[n, b] bytes -> [n, 2b] codes: the b low nibbles, then the b high ones (GGUF's order)."""
-    return np.concatenate([packed & 0x0F, packed >> 4], axis=1)
+    return Int4Groups(blocks.codes, blocks.scale, blocks.min + 8 * blocks.scale)
 
 
 def hf_name(gguf_name: str) -> str | None:

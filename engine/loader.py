@@ -18,8 +18,10 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 import torch
+from torch import nn
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
 
+from engine.block_panels import BlockEmbedding, QuantBlocks
 from engine.gguf import GGUF_BLOCK, find_gguf, hf_folder_for, is_gguf_file, read_weights
 from engine.load_progress import LoadProgress, ProgressCallback
 from engine.models.llama import SUPPORTED_ARCHITECTURES, LlamaForCausalLM
@@ -241,10 +243,13 @@ def load_model(source: str, device: str = "cpu", dtype: str = "auto",
     with torch.device("meta"):
         model = LlamaForCausalLM(hf_config)
     int4_blocks = spec is not None and spec.gguf_blocks and spec.group_size == GGUF_BLOCK
+    # the file's own blocks unless told "none" or quantizing; only the CPU float32 kernels read them
+    keep_blocks = quantization is None and can_pack(torch_device, torch_dtype)
     progress.enter("reading weights")
-    checkpoint = (read_weights(gguf_file, hf_config, int4_blocks=int4_blocks, progress=progress) if gguf_file
-                  else read_checkpoint(path, progress))
+    checkpoint = (read_weights(gguf_file, hf_config, int4_blocks=int4_blocks, blocks=keep_blocks, progress=progress)
+                  if gguf_file else read_checkpoint(path, progress))
     weights = fuse_weights(checkpoint, model.shape.num_layers, model.shape.tie_word_embeddings)
+    blocks = {name: weights.pop(name) for name, w in list(weights.items()) if isinstance(w, QuantBlocks)}
     int4_codes: dict[str, Int4Groups] = {}
     for name, weight in list(weights.items()):
         if isinstance(weight, Int4Groups):  # codes for int4 linears; exact floats for the rest
@@ -254,13 +259,14 @@ def load_model(source: str, device: str = "cpu", dtype: str = "auto",
                 weights[name] = weight.dequantize(rounded=False)
     weights = {name: t.to(device=torch_device, dtype=torch_dtype) for name, t in weights.items()}
     missing, unexpected = model.load_state_dict(weights, strict=False, assign=True)
-    missing = [name for name in missing if name.removesuffix(".weight") not in int4_codes]
+    missing = [name for name in missing if name.removesuffix(".weight") not in int4_codes and name not in blocks]
     if missing or unexpected:
         raise ModelLoadError(
             f"checkpoint of {source!r} does not fit its config: missing {missing}, unexpected {unexpected}"
         )
-    if model.shape.tie_word_embeddings:
+    if model.shape.tie_word_embeddings and "lm_head.weight" not in blocks:
         model.lm_head.weight = model.embed_tokens.weight
+    place_blocks(model, blocks, torch_device)
     model.rotary = type(model.rotary)(hf_config, model.shape.head_dim).to(torch_device)
     if spec is not None:
         progress.enter("quantizing")
@@ -270,6 +276,20 @@ def load_model(source: str, device: str = "cpu", dtype: str = "auto",
         pack_linears(model)
     model.eval()
     return finish_load(path, model, hf_config, torch_dtype, torch_device, progress, arch, "native")
+
+
+def place_blocks(model: LlamaForCausalLM, blocks: dict[str, QuantBlocks], device: torch.device) -> None:
+    """The weights kept as a GGUF file's blocks (`engine.block_panels`): linears as block panels, the
+    embedding as a block table; a shape the panels do not take is de-quantized."""
+    for name, weight in blocks.items():
+        module_name = name.removesuffix(".weight")
+        module = model.get_submodule(module_name)
+        if isinstance(module, nn.Embedding):
+            model.set_submodule(module_name, BlockEmbedding(weight))
+        elif weight.can_pack():
+            model.set_submodule(module_name, PackedLinear(module, weight))
+        else:
+            module.weight = nn.Parameter(weight.dequantize().to(device), requires_grad=False)
 
 
 def finish_load(path: Path, model: LlamaForCausalLM | GenericCausalLM, hf_config, dtype: torch.dtype,

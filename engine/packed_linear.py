@@ -23,6 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from engine.block_panels import QuantBlocks, panels_to_float
+
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype == torch.float32
@@ -41,12 +43,14 @@ def to_panels(weight: torch.Tensor) -> torch.Tensor:
 
 
 class PackedLinear(nn.Module):
-    """y = x @ W.T + b with W stored as panels (read-only: inference only)."""
+    """y = x @ W.T + b with W stored as panels (read-only: inference only): float32, or a GGUF file's
+    blocks (`engine.block_panels`, `from_blocks`)."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, blocks: QuantBlocks | None = None) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.panels = nn.Parameter(to_panels(linear.weight.detach()), requires_grad=False)
+        panels = to_panels(linear.weight.detach()) if blocks is None else blocks.to_panels()
+        self.panels = nn.Parameter(panels, requires_grad=False)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
 
     def forward(self, x: torch.Tensor, kernels: Any = None) -> torch.Tensor:  # [num_tokens, in_features]
@@ -54,13 +58,15 @@ class PackedLinear(nn.Module):
             out = x.new_empty(x.shape[0], self.out_features)
             kernels.panel_linear(out, x.contiguous(), self.panels, self.bias)
             return out
+        panels = self.panels if self.panels.is_floating_point() else panels_to_float(self.panels)
         # [num_panels, num_tokens, 16] -> [num_tokens, out_features]
-        out = torch.matmul(x, self.panels).transpose(0, 1).reshape(len(x), self.panels.shape[0] * PANEL)
+        out = torch.matmul(x, panels).transpose(0, 1).reshape(len(x), self.panels.shape[0] * PANEL)
         out = out[:, : self.out_features]
         return out if self.bias is None else out + self.bias
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        blocks = "" if self.panels.is_floating_point() else f", {self.panels.dtype} blocks"
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}{blocks}"
 
 
 def linear(layer: nn.Module, x: torch.Tensor, kernels: Any) -> torch.Tensor:

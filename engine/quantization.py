@@ -28,6 +28,8 @@ import structlog
 import torch
 from torch import nn
 
+from engine.block_panels import QuantBlocks
+
 log = structlog.get_logger(__name__)
 
 QUANTIZATIONS = ("int8", "int4")
@@ -126,12 +128,16 @@ class Int4Groups:
         return (self.q.float() - 8) * scale.repeat_interleave(g, 1) + zero.repeat_interleave(g, 1)
 
 
-def cat_rows(parts: list) -> torch.Tensor | Int4Groups:
-    """Fuse weights (q/k/v, gate/up) that may be int4 codes: codes stay codes when every part is,
-    with one group size; otherwise all are de-quantized (a GGUF file may mix Q4_K and Q6_K)."""
+def cat_rows(parts: list) -> torch.Tensor | Int4Groups | QuantBlocks:
+    """Fuse weights (q/k/v, gate/up) that may be int4 codes or a GGUF file's blocks: codes stay codes
+    when every part is, with one group size, blocks when every part is; otherwise all are
+    de-quantized (a GGUF file may mix Q4_K with Q6_K, or with a type kept as floats)."""
     if all(isinstance(p, Int4Groups) for p in parts) and len({p.group_size for p in parts}) == 1:
         return Int4Groups.cat(parts)
-    return torch.cat([p.dequantize(rounded=False) if isinstance(p, Int4Groups) else p for p in parts])
+    if all(isinstance(p, QuantBlocks) for p in parts):
+        return QuantBlocks.cat(parts)
+    return torch.cat([p.dequantize(rounded=False) if isinstance(p, Int4Groups)
+                      else p.dequantize() if isinstance(p, QuantBlocks) else p for p in parts])
 
 
 class Int8Linear(nn.Module):

@@ -1,16 +1,25 @@
-// The linear layers over panels (`engine.packed_linear`) and the MLP: panel_linear, SiLU-and-multiply,
-// and silu_mlp, the whole MLP a chunk of rows at a time.
+// The linear layers over panels (`engine.packed_linear`: float32, or a GGUF file's blocks) and the
+// MLP: panel_linear, SiLU-and-multiply, and silu_mlp, the whole MLP a chunk of rows at a time.
 
 #include "common.h"
 #include "panel_gemm.h"
+#include "block_gemm.h"
 
 namespace {
 
-// [K, N] panels for N outputs; the bias, if any, as a pointer
+// panels for N outputs over K inputs: float32 [P, K, 16], or blocks [P, K / 32 (Q4) or K / 16 (Q8), 384];
+// the bias, if any, as a pointer
 const float* check_panels(const at::Tensor& panels, const c10::optional<at::Tensor>& bias, int64_t K, int64_t N) {
-  check_float(panels, "panels");
-  TORCH_CHECK(panels.is_contiguous() && panels.dim() == 3 && panels.size(1) == K && panels.size(2) == 16 &&
+  TORCH_CHECK(panels.device().is_cpu() && panels.is_contiguous() && panels.dim() == 3 &&
               panels.size(0) == (N + 15) / 16, "panels of the wrong shape");
+  if (panels.scalar_type() == at::kFloat) {
+    TORCH_CHECK(panels.size(1) == K && panels.size(2) == 16, "float panels of the wrong shape");
+  } else {
+    const int64_t block_k = panels.scalar_type() == at::kByte ? Q4::K : Q8::K;
+    TORCH_CHECK(panels.scalar_type() == at::kByte || panels.scalar_type() == at::kChar, "panels: float32, or blocks");
+    TORCH_CHECK(K % block_k == 0 && panels.size(1) == K / block_k && panels.size(2) == BLOCK_BYTES,
+                "blocks of the wrong shape");
+  }
   if (!bias.has_value() || !bias->defined()) return nullptr;
   check_float(*bias, "bias");
   TORCH_CHECK(bias->is_contiguous() && bias->numel() == N, "bias of the wrong size");
@@ -24,7 +33,7 @@ void panel_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& panels,
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && out.is_contiguous() && out.size(0) == x.size(0));
   const int64_t M = x.size(0), K = x.size(1), N = out.size(1);
   const float* bp = check_panels(panels, bias, K, N);
-  if (M > 0) panel_gemm(out.data_ptr<float>(), x.data_ptr<float>(), panels.data_ptr<float>(), bp, M, K, N);
+  if (M > 0) weight_gemm(out.data_ptr<float>(), x.data_ptr<float>(), panels, bp, M, K, N);
 }
 
 // out = silu(gate) * up for rows [gate | up] of the fused gate-up projection. silu rounds as
@@ -67,7 +76,7 @@ void silu_mlp(at::Tensor out, const at::Tensor& x, const at::Tensor& gate_up,
   check_float(out, "silu_mlp out");
   check_float(x, "silu_mlp x");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && out.is_contiguous() && out.size(0) == x.size(0));
-  const int64_t M = x.size(0), H = x.size(1), N = out.size(1), I = down.size(1);
+  const int64_t M = x.size(0), H = x.size(1), N = out.size(1), I = panel_inputs(down);
   const float* gub = check_panels(gate_up, gate_up_bias, H, 2 * I);
   const float* db = check_panels(down, down_bias, I, N);
   if (M == 0) return;
@@ -78,9 +87,9 @@ void silu_mlp(at::Tensor out, const at::Tensor& x, const at::Tensor& gate_up,
   float* op = out.data_ptr<float>();
   for (int64_t m0 = 0; m0 < M; m0 += chunk) {
     const int64_t rows = std::min(chunk, M - m0);
-    panel_gemm(gu.data_ptr<float>(), xp + m0 * H, gate_up.data_ptr<float>(), gub, rows, H, 2 * I);
+    weight_gemm(gu.data_ptr<float>(), xp + m0 * H, gate_up, gub, rows, H, 2 * I);
     silu_mul_rows(act.data_ptr<float>(), gu.data_ptr<float>(), rows, I);
-    panel_gemm(op + m0 * N, act.data_ptr<float>(), down.data_ptr<float>(), db, rows, I, N);
+    weight_gemm(op + m0 * N, act.data_ptr<float>(), down, db, rows, I, N);
   }
 }
 

@@ -195,10 +195,10 @@ void panel_gemm_packed(float* y, const float* x, const float* panels, const floa
 }
 #endif
 
-// all M rows against panels [p, p + np); next: the thread's next group of np_next panels, or null
-void panel_group(int64_t M, float* y, const float* x, const float* panels, const float* bias, int64_t K,
+// all M rows against panels [p, p + np), the first at w; next: the thread's next group of np_next
+// panels, or null
+void panel_group(int64_t M, float* y, const float* x, const float* w, const float* bias, int64_t K,
                  int64_t N, int64_t p, int64_t np, const float* next, int64_t np_next) {
-  const float* w = panels + p * K * 16;
   // the rows shared out evenly (32 as 5, 5, 5, 5, 6, 6 rather than 6 x 5 + 2): a tile of one or two
   // rows waits on its few FMA chains' latency for nearly as long as a full tile takes
   const int64_t tiles = (M + TILE_ROWS - 1) / TILE_ROWS, base = M / tiles, extra = M % tiles;
@@ -233,7 +233,7 @@ void panel_gemm(float* y, const float* x, const float* panels, const float* bias
       for (int64_t g = first; g < last; ++g) {
         const int64_t p = g * GROUP_PANELS, np = std::min(GROUP_PANELS, P - p);
         const int64_t np_next = g + 1 < last ? std::min(GROUP_PANELS, P - p - np) : 0;
-        panel_group(rows, y + m0 * N, x + m0 * K, panels, bias, K, N, p, np,
+        panel_group(rows, y + m0 * N, x + m0 * K, panels + p * K * 16, bias, K, N, p, np,
                     np_next ? panels + (p + np) * K * 16 : nullptr, np_next);
       }
     });

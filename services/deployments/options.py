@@ -82,7 +82,8 @@ OPTIONS: dict[str, Option] = {option.name: option for option in (
     Option("backend", str, "native: our fused decoder (Llama, Mistral, Qwen2, Qwen3); generic: the model's own "
            "transformers code over the paged cache (any *ForCausalLM); auto (default): native where it can",
            GENERATE, choices=BACKENDS),
-    Option("quantization", str, "weight-only linears; none: off (default)", GENERATE, choices=QUANTIZATIONS),
+    Option("quantization", str, "weight-only linears; unset: off, a GGUF file's own blocks kept on CPU; "
+           "none: off, a GGUF file de-quantized", GENERATE, choices=QUANTIZATIONS),
     Option("speculative", dict, "a [speculative] table (method, model, ...) replacing the server's", GENERATE),
     Option("sampling_defaults", dict, "what a request that leaves a field out gets: temperature, top_p, top_k, "
            "min_p, repetition_penalty, frequency_penalty, presence_penalty, max_tokens; over the model's "

