@@ -138,21 +138,24 @@ void block_tile(float* y, const float* x, const uint8_t* panel, const float* bia
 #endif
 }
 
-// Rows de-quantized in registers: up to two. With 3-6 rows GCC 12 kept block_tile's accumulators in
-// memory (a store after every FMA, 2-3x slower; the float tile's same loop does not); a group of
-// panels de-quantized into a buffer for the float tiles is faster there (SmolLM2's 3072 x 576: one row
-// 110 us, two 94, three 200, four 237, sixteen 457; float32 from cache 110-409).
-constexpr int64_t SMALL_ROWS = 2;
+// Rows de-quantized in registers: up to four, two at a time (each pair decodes the panel again).
+// In one tile of 3-6 rows GCC 12 kept block_tile's accumulators in memory (a store after every
+// FMA, 2-3x slower; the float tile's same loop does not). SmolLM2's Q4_1 file, decode steps A/B
+// in one process (bench/kernels_ab.py): 3 and 4 sequences 1.26-1.27x faster as pairs than through
+// a buffer of float panels; 5 and 6 0.79-0.86x as pairs, so those take the buffer.
+constexpr int64_t SMALL_ROWS = 4;
 
 // y[0:M] = x[0:M] @ W.T (+ bias) for W as blocks [P][K / F::K][BLOCK_BYTES]
 template <class F>
 void block_gemm(float* y, const float* x, const uint8_t* blocks, const float* bias, int64_t M, int64_t K,
                 int64_t N) {
   const int64_t P = (N + 15) / 16, panel_bytes = K / F::K * BLOCK_BYTES;
-  if (M <= SMALL_ROWS) {  // each panel decoded once, block by block, beside its FMAs
+  if (M <= SMALL_ROWS) {  // each panel decoded per pair of rows, block by block, beside its FMAs
     at::parallel_for(0, P, 1, [&](int64_t first, int64_t last) {
       for (int64_t p = first; p < last; ++p)
-        (M == 1 ? block_tile<F, 1> : block_tile<F, 2>)(y, x, blocks + p * panel_bytes, bias, K, N, p);
+        for (int64_t m = 0; m < M; m += 2)
+          (M - m == 1 ? block_tile<F, 1> : block_tile<F, 2>)(y + m * N, x + m * K, blocks + p * panel_bytes, bias,
+                                                             K, N, p);
     });
     return;
   }
