@@ -22,6 +22,7 @@ from torch import nn
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
 
 from engine.block_panels import BlockEmbedding, QuantBlocks
+from engine.cpu_kernels import CPU_KERNELS
 from engine.gguf import GGUF_BLOCK, find_gguf, hf_folder_for, is_gguf_file, read_weights
 from engine.load_progress import LoadProgress, ProgressCallback
 from engine.models.llama import SUPPORTED_ARCHITECTURES, LlamaForCausalLM
@@ -243,8 +244,9 @@ def load_model(source: str, device: str = "cpu", dtype: str = "auto",
     with torch.device("meta"):
         model = LlamaForCausalLM(hf_config)
     int4_blocks = spec is not None and spec.gguf_blocks and spec.group_size == GGUF_BLOCK
-    # the file's own blocks unless told "none" or quantizing; only the CPU float32 kernels read them
-    keep_blocks = quantization is None and can_pack(torch_device, torch_dtype)
+    # the file's own blocks unless told "none" or quantizing; the CPU float32 kernels read them (where
+    # they failed to build, the torch path would de-quantize every block at every step: floats instead)
+    keep_blocks = quantization is None and can_pack(torch_device, torch_dtype) and not CPU_KERNELS.failed
     progress.enter("reading weights")
     checkpoint = (read_weights(gguf_file, hf_config, int4_blocks=int4_blocks, blocks=keep_blocks, progress=progress)
                   if gguf_file else read_checkpoint(path, progress))

@@ -50,3 +50,13 @@ def test_gguf_greedy_equals_transformers_on_the_same_file(gguf_files, family, qt
     hf = AutoModelForCausalLM.from_pretrained(file.parent, gguf_file=file.name, dtype=torch.float32).eval()
     hf.generation_config.eos_token_id = None  # so min_new_tokens suppresses no token: we ignore EOS too
     assert ours == [generate_greedy(hf, prompt, GREEDY.max_tokens) for prompt in batch]
+
+
+def test_without_the_kernels_a_gguf_file_is_de_quantized_at_load(gguf_files, monkeypatch):
+    """Where the kernels failed to build, the torch path would de-quantize every block at every step."""
+    from engine.cpu_kernels import CPU_KERNELS
+
+    monkeypatch.setattr(CPU_KERNELS, "failed", True)
+    loaded = load_model(str(gguf_files[("llama", "Q4_0")]))
+    assert loaded.model.layers[0].mlp.gate_up_proj.panels.dtype == torch.float32
+    assert isinstance(loaded.model.embed_tokens, torch.nn.Embedding)
