@@ -35,7 +35,7 @@ from services.inference.prompts import decode_tokens, encode_chat, encode_prompt
 from services.inference.requests import ChatInput, GenerationInput, PromptInput
 from services.inference.structured import constrain
 from services.inference.tools import chat_template_of, constrained_params, prompt_with_tools
-from services.inference.vision import encode_vision_chat, has_images
+from services.inference.vision import encode_vision_chat, has_images, image_names
 from services.observability.metrics import Metrics
 from services.sampling import sampling_params
 from services.streams.hub import LiveStream, StreamHub
@@ -123,7 +123,8 @@ class Inference:
         tools = prompt_with_tools(model.tokenizer, history + ask.messages, ask.tools, model.tool_parser)
         images = None
         if has_images(tools.messages):
-            prompt_ids, images = await encode_vision_chat(model, tools.messages,
+            names = ["conversation_id"] * len(image_names(history)) + image_names(ask.messages)
+            prompt_ids, images = await encode_vision_chat(model, tools.messages, names=names,
                                                           template_kwargs=tools.template_kwargs(ask.template_kwargs))
         else:
             prompt_ids = await encode_chat(model, tools.messages,

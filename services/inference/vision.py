@@ -41,13 +41,23 @@ def has_images(messages: list[dict[str, Any]]) -> bool:
                for m in messages)
 
 
+def image_names(messages: list[dict[str, Any]], param: str = "messages") -> list[str]:
+    """Where each image part of `messages` sits, in order: `{param}.{i}.content.{j}`."""
+    return [f"{param}.{i}.content.{j}" for i, m in enumerate(messages) if isinstance(m.get("content"), list)
+            for j, p in enumerate(m["content"]) if image_url(p) is not None]
+
+
 async def encode_vision_chat(model: ServedModel, messages: list[dict[str, Any]], param: str = "messages",
-                             template_kwargs: dict[str, Any] | None = None) -> tuple[list[int], ImageInputs]:
+                             template_kwargs: dict[str, Any] | None = None,
+                             names: list[str] | None = None) -> tuple[list[int], ImageInputs]:
     """Token ids (each image a run of image tokens) and the images' arrays and digests; 400 naming the
-    part for an image that is refused, cannot be decoded, or goes to a model that takes no images."""
-    located = [(f"{param}.{i}.content.{j}", url) for i, m in enumerate(messages)
-               if isinstance(m.get("content"), list) for j, p in enumerate(m["content"])
-               if (url := image_url(p)) is not None]
+    part for an image that is refused, cannot be decoded, or goes to a model that takes no images.
+    `names`: each image's place in the request, where `messages` are not the request's own (a
+    conversation's history before them, a tools system message inserted)."""
+    urls = [url for m in messages if isinstance(m.get("content"), list) for p in m["content"]
+            if (url := image_url(p)) is not None]
+    names = names if names is not None and len(names) == len(urls) else image_names(messages, param)
+    located = list(zip(names, urls, strict=True))
     if model.processor is None:
         why = f": {model.images_refused}" if model.images_refused else ""
         raise InvalidRequestError(f"the model `{model.name}` takes no images: image_url parts need a vision-language "

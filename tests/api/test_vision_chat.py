@@ -69,6 +69,10 @@ async def test_image_chat_answers_as_hf_streamed_or_not_and_sees_the_image(make_
     encoded = processor.apply_chat_template(history, add_generation_prompt=True, tokenize=True, return_dict=True,
                                             return_tensors="np")
     assert follow.choices[0].message.content == processor.decode(hf_greedy(llava, encoded), skip_special_tokens=True)
+    # a bad image in a later turn is named where this request has it, not counted after the history's
+    with pytest.raises(openai.BadRequestError) as caught:
+        await sdk.chat.completions.create(messages=[user(text, "data:image/png;base64,bad!")], **turn)
+    assert caught.value.body["param"] == "messages.0.content.0"
     await sdk.close()
 
 
