@@ -14,8 +14,9 @@ float panels' FMAs in their order: logits equal the float path's bit for bit (te
 
 Formats (`QuantBlocks`, from a tensor's GGUF type in `from_gguf`):
 - 4-bit codes in blocks of 32: Q4_0 (min = -8 scale), Q4_1, Q4_K (a sub-block's scale and min);
-- 8-bit codes: Q8_0 (blocks of 32), Q6_K (blocks of 16, min 0).
-Other types (Q5_*, Q2_K, Q3_K, IQ*, F16, ...) are de-quantized to float32 as before. A fused matrix
+- 8-bit codes: Q5_0, Q5_1, Q5_K (5-bit codes, blocks of 32), Q8_0 (blocks of 32), Q6_K (blocks of
+  16, min 0).
+Other types (Q2_K, Q3_K, IQ*, F16, ...) are de-quantized to float32 as before. A fused matrix
 (q/k/v, gate/up) whose parts differ takes the 8-bit form for all; one with a float part is float.
 
 Panels (`to_panels`), what the kernels read: [ceil(N / 16), K / block, 384] bytes, per panel of 16
@@ -35,7 +36,8 @@ from torch import nn
 PANEL = 16
 BLOCK_BYTES = 384
 PANEL_BLOCK = {4: 32, 8: 16}  # k per panel block, by code width
-FORMAT_BITS = {"Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q8_0": 8, "Q6_K": 8}  # the GGUF types kept, by code width
+# the GGUF types kept, by the width of their codes here (5-bit codes take the 8-bit form)
+FORMAT_BITS = {"Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q5_0": 8, "Q5_1": 8, "Q5_K": 8, "Q8_0": 8, "Q6_K": 8}
 FORMATS = tuple(FORMAT_BITS)
 
 
@@ -160,6 +162,24 @@ def from_gguf(data: np.ndarray, qtype: str) -> QuantBlocks | None:
         min_ = (-halves(blocks[:, 2:4])[:, None] * m.astype(np.float32)).reshape(-1)
         # 4 runs of 32 bytes: the low nibbles are sub-block 2i, the high ones 2i + 1
         codes = nibbles(blocks[:, 16:].reshape(-1, 32))
+    elif qtype in ("Q5_0", "Q5_1"):  # d (q - 16), d q + m; the fifth bits of a block's 32 codes in a uint32
+        head = 2 if qtype == "Q5_0" else 4
+        blocks = data.reshape(-1, head + 20)
+        scale = halves(blocks[:, 0:2])
+        min_ = np.zeros_like(scale) if qtype == "Q5_0" else halves(blocks[:, 2:4])
+        fifth = (blocks[:, head:head + 4].copy().view(np.uint32) >> np.arange(32, dtype=np.uint32)) & 1
+        codes = (nibbles(blocks[:, head + 4:]) | fifth.astype(np.uint8) << 4).astype(np.int8)
+        codes = codes - 16 if qtype == "Q5_0" else codes
+    elif qtype == "Q5_K":  # Q4_K's scales and layout, the fifth bit of sub-block i in bit i of qh
+        from gguf.quants import Q4_K
+
+        blocks = data.reshape(-1, 176)
+        sc, m = Q4_K.get_scale_min(blocks[:, 4:16])
+        scale = (halves(blocks[:, 0:2])[:, None] * sc.astype(np.float32)).reshape(-1)
+        min_ = (-halves(blocks[:, 2:4])[:, None] * m.astype(np.float32)).reshape(-1)
+        low = nibbles(blocks[:, 48:].reshape(-1, 32)).reshape(-1, 8, 32)
+        fifth = (blocks[:, None, 16:48] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1  # [blocks, 8, 32]
+        codes = (low | fifth << 4).astype(np.int8)
     elif qtype == "Q8_0":
         blocks = data.reshape(-1, 34)
         scale = halves(blocks[:, 0:2])

@@ -16,7 +16,8 @@ from engine.cpu_kernels import CPU_KERNELS
 from engine.packed_linear import PackedLinear, to_panels
 
 # where each format keeps its float16 scales in a block's bytes (the rest are codes and sub-scales)
-HALF_OFFSETS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2), "Q6_K": (208,)}
+HALF_OFFSETS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2), "Q6_K": (208,), "Q5_0": (0,),
+                "Q5_1": (0, 2), "Q5_K": (0, 2)}
 
 
 def gguf_tensor(qtype: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
@@ -42,7 +43,7 @@ def test_each_format_reads_as_the_gguf_package_dequantizes_it(qtype):
     # the panels the kernels read hold the same floats (the torch path's view of them)
     float_panels = panels_to_float(blocks.to_panels())
     assert torch.equal(float_panels, to_panels(expected))
-    assert from_gguf(data, "Q5_K") is None  # other types stay floats
+    assert from_gguf(data, "Q3_K") is None  # other types stay floats
 
 
 def test_fused_parts_of_different_formats_take_the_eight_bit_form():
@@ -70,7 +71,7 @@ def kernels():
     return CPU_KERNELS.ops
 
 
-@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0", "Q6_K", "mixed"])
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q5_K", "Q8_0", "Q6_K", "mixed"])
 @pytest.mark.parametrize("bias", [False, True])
 def test_block_kernels_equal_the_float_kernels_bit_for_bit(kernels, qtype, bias):
     """Every row count the kernels split differently (one to four rows in registers, a tile, the packed
