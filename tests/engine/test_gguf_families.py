@@ -1,8 +1,9 @@
 """GGUF files of several families (tiny random models written as llama.cpp lays them out,
 tests/gguf_models.py): greedy output through our engine equals transformers' own load of the same
 file, for Llama (q/k permuted), Qwen2 (biases), Qwen3 (q/k norms) and Phi-3 (fused q/k/v and
-gate/up, the generic backend), in each of the block formats the CPU kernels keep, in a batch with
-chunked prefill; the native families on the generic backend and de-quantized too."""
+gate/up, the generic backend), in block formats the CPU kernels keep (Q4_0, Q4_1, Q5_1, Q8_0: those
+the gguf package can write), in a batch with chunked prefill; the native families on the generic
+backend and de-quantized too."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from tests.engine.test_reference import GREEDY, generate_greedy, prompts
 from tests.gguf_models import save_gguf_model
 from tests.helpers import assert_all_blocks_free, run_to_completion
 
-FILES = [("llama", "Q4_0"), ("qwen2", "Q8_0"), ("qwen3", "Q4_1"), ("phi3", "Q8_0")]
+FILES = [("llama", "Q4_0"), ("qwen2", "Q8_0"), ("qwen3", "Q4_1"), ("llama", "Q5_1"), ("phi3", "Q8_0")]
 
 
 @pytest.fixture(scope="module")
