@@ -7,6 +7,7 @@ torch. Nothing here does work; it only describes requests, sequences, batches an
 from __future__ import annotations
 
 import enum
+import io
 import time
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -115,6 +116,19 @@ class ImageInputs:
 
     arrays: dict[str, np.ndarray]
     digests: tuple[str, ...]
+
+    def to_bytes(self) -> bytes:
+        """The arrays and digests as one `.npz` (no pickles), kept with a stream to resume it."""
+        out = io.BytesIO()
+        np.savez(out, **{f"array_{name}": value for name, value in self.arrays.items()},
+                 digests=np.array(self.digests, dtype=np.str_))
+        return out.getvalue()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> ImageInputs:
+        with np.load(io.BytesIO(data), allow_pickle=False) as saved:
+            arrays = {name.removeprefix("array_"): saved[name] for name in saved.files if name.startswith("array_")}
+            return cls(arrays, tuple(str(d) for d in saved["digests"]))
 
 
 @dataclass

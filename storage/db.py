@@ -45,6 +45,7 @@ MIGRATIONS: tuple[Migration, ...] = (
     streams.add_stream_tenant_id,
     conversations.add_message_extra,
     registry.widen_model_kinds,
+    streams.create_stream_images,
 )
 
 

@@ -1,4 +1,6 @@
-"""Stream records: table `streams`, what a generation has emitted so far, to resume or replay it.
+"""Stream records: table `streams`, what a generation has emitted so far, to resume or replay it;
+table `stream_images`, a running stream's prompt images (opaque bytes), so it can resume after a
+restart; they are deleted when it finishes (a replay needs only the texts).
 
 The stream hub inserts a record when a generation starts, checkpoints the emitted tokens
 and their text deltas as it goes, and finishes it once; a retention job deletes old final
@@ -115,6 +117,11 @@ def add_stream_tenant_id(db: sqlite_utils.Database) -> None:
     db.execute("ALTER TABLE streams ADD COLUMN tenant_id TEXT")
 
 
+def create_stream_images(db: sqlite_utils.Database) -> None:
+    """Migration: a running stream's prompt images, one blob per stream."""
+    db.execute("CREATE TABLE stream_images (stream_id TEXT PRIMARY KEY, images BLOB NOT NULL)")
+
+
 def dumps(value: Any) -> str:
     return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
 
@@ -141,11 +148,14 @@ def to_utc_text(iso_time: str) -> str:
 # ---- streams ---------------------------------------------------------------------------
 
 
-def insert_stream(db: sqlite_utils.Database, record: StreamRecord) -> StreamRecord:
-    """Stores a new record (created_at/updated_at default to now) and returns it as stored."""
+def insert_stream(db: sqlite_utils.Database, record: StreamRecord, images: bytes | None = None) -> StreamRecord:
+    """Stores a new record (created_at/updated_at default to now), with its prompt's images if any,
+    and returns it as stored."""
     created_at = record.created_at or utc_now()
     stored = dataclasses.replace(record, created_at=created_at, updated_at=record.updated_at or created_at)
     db.table("streams").insert(to_row(stored))
+    if images is not None:
+        db.execute("INSERT INTO stream_images (stream_id, images) VALUES (?, ?)", [record.id, images])
     return stored
 
 
@@ -173,6 +183,12 @@ def finish_stream(db: sqlite_utils.Database, stream_id: str, token_ids: list[int
          StreamStatus.RUNNING.value])
     if cursor.rowcount == 0:
         require_stream(db, stream_id)
+    db.execute("DELETE FROM stream_images WHERE stream_id = ?", [stream_id])
+
+
+def stream_images(db: sqlite_utils.Database, stream_id: str) -> bytes | None:
+    rows = list(db.query("SELECT images FROM stream_images WHERE stream_id = ?", [stream_id]))
+    return rows[0]["images"] if rows else None
 
 
 def require_stream(db: sqlite_utils.Database, stream_id: str) -> None:
@@ -197,6 +213,7 @@ def delete_streams_finished_before(db: sqlite_utils.Database, iso_time: str) -> 
     placeholders = ", ".join("?" for _ in FINAL_STATUSES)
     cursor = db.execute(f"DELETE FROM streams WHERE status IN ({placeholders}) AND updated_at < ?",
                         [*FINAL_STATUSES, to_utc_text(iso_time)])
+    db.execute("DELETE FROM stream_images WHERE stream_id NOT IN (SELECT id FROM streams)")
     return cursor.rowcount
 
 
@@ -223,8 +240,8 @@ class StreamStore:
     def __init__(self, db: Database) -> None:
         self.db = db
 
-    def insert(self, record: StreamRecord) -> Future[StreamRecord]:
-        return self.db.write(lambda db: insert_stream(db, record))
+    def insert(self, record: StreamRecord, images: bytes | None = None) -> Future[StreamRecord]:
+        return self.db.write(lambda db: insert_stream(db, record, images))
 
     def checkpoint(self, stream_id: str, token_ids: list[int], texts: list[str]) -> Future[None]:
         ids, txt = list(token_ids), list(texts)  # copies: the writer thread reads them later
@@ -250,6 +267,10 @@ class StreamStore:
 
     def get(self, stream_id: str) -> StreamRecord | None:
         return self.db.read(lambda db: get_stream(db, stream_id))
+
+    def images(self, stream_id: str) -> bytes | None:
+        """A running stream's prompt images as inserted; None once it finished, or without any."""
+        return self.db.read(lambda db: stream_images(db, stream_id))
 
     def with_status(self, status: str) -> list[StreamRecord]:
         """Every record with this status, oldest first."""

@@ -5,8 +5,8 @@ events, any number of followers (the original SSE response, a reconnect with
 Last-Event-ID, a WebSocket) read from any index. Emitted tokens and their text deltas are
 checkpointed to SQLite every `checkpoint_tokens` tokens or `checkpoint_seconds`, and at the
 end, so a finished stream can be replayed after it left memory and an unfinished one can
-be resumed after a crash (re-prefill prompt + emitted tokens; every sampled request has a
-seed from admission, so the tokens regenerated since the last checkpoint are those sent).
+be resumed after a crash (re-prefill prompt, with its images, + emitted tokens; every sampled request
+has a seed from admission, so the tokens regenerated since the last checkpoint are those sent).
 When the last follower leaves, the stream continues or is cancelled, by its `on_disconnect` policy.
 
 Nothing is lost silently: no event is sent before the stream's record is stored, a failed
@@ -27,7 +27,7 @@ from typing import Any
 
 import structlog
 
-from engine.types import FinishReason, GenerationRequest, Priority, SamplingParams, TokenEvent
+from engine.types import FinishReason, GenerationRequest, ImageInputs, Priority, SamplingParams, TokenEvent
 from scheduling.rollout import parse_model_ref
 from scheduling.router import RequestStream, Router
 from services.answers.deltas import answer_message
@@ -178,7 +178,7 @@ class StreamHub:
             for event in replayed(resumed):
                 live.append(event)
         else:
-            inserted = self.store.insert(record)
+            inserted = self.store.insert(record, gen.images.to_bytes() if gen.images is not None else None)
         self.live[live.id] = live
         self._background.spawn(self._produce(live, request_stream, inserted))
         return live
@@ -317,23 +317,24 @@ class StreamHub:
         current = self.tenant(tenant)
         return record.tenant_id is None or (current is not None and current.id == record.tenant_id)
 
-    def resume_request(self, record: StreamRecord, owner: Tenant | None) -> GenerationRequest:
-        """The generation that continues `record`, under its owner's current weight and priority cap."""
+    def resume_request(self, record: StreamRecord, owner: Tenant | None, images: bytes | None = None):
+        """The generation that continues `record` (with its prompt's stored `images`), under its owner's
+        current weight and priority cap."""
         priority = record.request.get("priority", "normal")
         if owner is not None and not owner.allows_priority(priority):
             priority = owner.max_priority
-        return GenerationRequest(record.id.split("-", 1)[-1], list(record.prompt_token_ids),
-                                 params_from_json(record.request["params"]), tenant=record.tenant,
-                                 priority=Priority[priority.upper()], weight=owner.weight if owner else 1.0,
-                                 resume_token_ids=list(record.token_ids))
+        return GenerationRequest(
+            record.id.split("-", 1)[-1], list(record.prompt_token_ids), params_from_json(record.request["params"]),
+            tenant=record.tenant, priority=Priority[priority.upper()], weight=owner.weight if owner else 1.0,
+            resume_token_ids=list(record.token_ids), images=images and ImageInputs.from_bytes(images))
 
-    def not_resumable(self, record: StreamRecord) -> tuple[str, str] | None:
-        """(final status, why) when `record` must not resume: its model is gone, or its owner is no
-        longer who started it (deleted, or its name re-created), holds no key, or may not use the model."""
+    def not_resumable(self, record: StreamRecord, images: bytes | None = None) -> tuple[str, str] | None:
+        """(final status, why) when `record` must not resume: model gone, its prompt's `images` not stored, or
+        its owner no longer who started it (deleted, name re-created), holding no key, or denied the model."""
         if self.router.find(record.model) is None:
             return StreamStatus.FAILED, "model gone"
-        if record.request.get("images"):  # its token ids alone would run the image tokens without their images
-            return StreamStatus.FAILED, "its prompt's images are not kept across a restart"
+        if record.request.get("images") and images is None:  # the image tokens would run without their images
+            return StreamStatus.FAILED, "its prompt's images were not stored with it"
         if self.auth is None:
             return None
         owner = self.tenant(record.tenant)
@@ -358,14 +359,15 @@ class StreamHub:
         records = await asyncio.to_thread(self.store.with_status, StreamStatus.RUNNING)
         resumed = 0
         for record in records:
-            refused = self.not_resumable(record)
+            images = await asyncio.to_thread(self.store.images, record.id) if record.request.get("images") else None
+            refused = self.not_resumable(record, images)
             if refused is not None:
                 await self._give_up(record, *refused)
                 continue
             owner = self.tenant(record.tenant)
-            limits = limits_of(owner) if owner is not None else None
             try:
-                rs = self.router.submit(self.router.find(record.model), self.resume_request(record, owner), limits)
+                request = self.resume_request(record, owner, images)
+                rs = self.router.submit(self.router.find(record.model), request, owner and limits_of(owner))
             except Exception as exc:  # e.g. the queue is full: it stays running for the next start
                 log.warning("cannot resume stream now", stream_id=record.id, error=str(exc))
                 continue

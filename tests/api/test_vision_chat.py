@@ -118,26 +118,40 @@ async def test_a_model_served_text_only_says_why_its_images_are_refused(make_sta
     await sdk.close()
 
 
-async def test_a_stream_with_images_is_not_resumed_after_a_restart_without_them(make_stack, llava):  # noqa: F811
-    """A restart keeps a stream's token ids, not its images: resuming would run the image tokens without
-    their images (an answer the model never gave), so such a stream ends failed, saying why."""
+async def test_a_stream_with_images_resumes_after_a_restart_with_them(make_stack, llava):  # noqa: F811
+    """A running stream keeps its prompt's images (until it finishes), so after a crash it resumes
+    with them and gives the tokens it would have; one stored without them ends failed, saying why."""
     import dataclasses
 
     from api.services import SERVICES
+    from services.inference.vision import encode_vision_chat
     from storage.streams import StreamStatus
 
     stack = await make_stack([ModelVersion("vlm", "1", str(llava))])
     sdk = sdk_for(stack)
-    streamed = await sdk.chat.completions.create(model="vlm", messages=[user("What?", data_url(pictures(1)[0]))],
-                                                 max_tokens=3, stream=True)
+    messages = [user("What?", data_url(pictures(1)[0]))]
+    streamed = await sdk.chat.completions.create(model="vlm", messages=messages, max_tokens=8, stream=True,
+                                                 temperature=0, extra_body={"ignore_eos": True})
     stream_id = [c async for c in streamed][0].id
     hub = stack.app[SERVICES].streams
     finished = hub.store.get(stream_id)
-    assert finished.request["images"] and finished.status == StreamStatus.FINISHED
-    crashed = dataclasses.replace(finished, id=stream_id + "x", status=StreamStatus.RUNNING, token_ids=[], texts=[])
-    await asyncio.wrap_future(hub.store.insert(crashed))  # as a crash would leave it: running, not live
-    assert await hub.recover() == 0
-    assert hub.store.get(crashed.id).status == StreamStatus.FAILED
+    assert finished.request["images"] and finished.status == StreamStatus.FINISHED and len(finished.token_ids) == 8
+    assert hub.store.images(stream_id) is None  # a finished stream's images are gone: a replay needs only text
+    _, images = await encode_vision_chat(hub.router.find("vlm"), messages)
+    for suffix, stored in (("a", images.to_bytes()), ("b", None)):  # as a crash would leave them: running
+        crashed = dataclasses.replace(finished, id=stream_id + suffix, status=StreamStatus.RUNNING,
+                                      token_ids=finished.token_ids[:3], texts=finished.texts[:3])
+        await asyncio.wrap_future(hub.store.insert(crashed, stored))
+    assert await hub.recover() == 1
+    for _ in range(200):
+        resumed = hub.store.get(stream_id + "a")
+        if resumed.status != StreamStatus.RUNNING:
+            break
+        await asyncio.sleep(0.05)
+    assert resumed.status == StreamStatus.FINISHED and resumed.token_ids == finished.token_ids
+    assert hub.store.images(stream_id + "a") is None
+    unstored = hub.store.get(stream_id + "b")
+    assert unstored.status == StreamStatus.FAILED and unstored.token_ids == finished.token_ids[:3]
     await sdk.close()
 
 
