@@ -198,7 +198,9 @@ class EngineLoader:
             path = package_path(spec.source) if spec.source.startswith("pkg:") else Path(spec.source).expanduser()
         except ModelLoadError:
             return 0  # loading will fail and say why
-        keep_blocks = spec.options.get("quantization") is None
+        devices = [spec.options["device"]] if "device" in spec.options else self.cfg.devices
+        keep_blocks = (spec.options.get("quantization") is None and all(d == "cpu" for d in devices)
+                       and spec.options.get("dtype", self.cfg.dtype) in ("auto", "float32"))  # as load_model decides
         return checkpoint_bytes(path, keep_blocks) + int(self.cfg.cache.kv_cache_gib * GIB)
 
     def load(self, spec: ModelVersion, on_progress: ProgressCallback | None = None) -> Served:

@@ -176,6 +176,15 @@ def test_the_header_walk_finds_the_tensors_gguf_reader_finds():
     per_weight = {"Q4_1": 0.75, "Q8_0": 1.5, "F32": 4}
     blocks_bytes = int(sum(int(t.n_elements) * per_weight[t.tensor_type.name] for t in reader.tensors))
     assert checkpoint_bytes(file) == checkpoint_bytes(file.parent) == blocks_bytes < 1.5 * file.stat().st_size
+    # a version's pre-load estimate takes the form load_model will use: blocks only on CPU in float32, unset
+    from launch import GIB, EngineLoader
+    from storage.registry import ModelVersion
+
+    loader = EngineLoader(EngineConfig(), max_waiting=4, workers=[])
+    kv = int(loader.cfg.cache.kv_cache_gib * GIB)
+    for options, weights in [({}, blocks_bytes), ({"quantization": "none"}, float32_bytes),
+                             ({"dtype": "bfloat16"}, float32_bytes), ({"device": "cuda:0"}, float32_bytes)]:
+        assert loader.estimate_bytes(ModelVersion("m", "1", SMOLLM2, options=options)) == weights + kv, options
 
 
 def test_a_safetensors_load_reports_each_tensor(llama_path):
