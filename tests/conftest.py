@@ -71,6 +71,16 @@ def llama_path(tiny_models):
     return tiny_models["llama"]
 
 
+@pytest.fixture(scope="session")
+def kernels():
+    """The C++ CPU kernels (`torch.ops.galley_cpu`), built once; the test skips where they cannot be."""
+    from engine.cpu_kernels import CPU_KERNELS
+
+    if not CPU_KERNELS.wait(timeout_s=900):
+        pytest.skip("the C++ kernels could not be built here (no compiler?)")
+    return CPU_KERNELS.ops
+
+
 @pytest.fixture
 def db(tmp_path):
     """A real SQLite file in the test's data dir."""

@@ -12,7 +12,6 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
 from engine.block_panels import FORMATS, BlockEmbedding, QuantBlocks, from_gguf, panels_to_float
-from engine.cpu_kernels import CPU_KERNELS
 from engine.packed_linear import PackedLinear, to_panels
 
 # where each format keeps its float16 scales in a block's bytes (the rest are codes and sub-scales)
@@ -62,13 +61,6 @@ def test_block_embedding_looks_up_de_quantized_rows():
     blocks = from_gguf(gguf_tensor("Q8_0", 100, 64), "Q8_0")
     ids = torch.tensor([3, 99, 0, 3])
     assert torch.equal(BlockEmbedding(blocks)(ids), blocks.dequantize()[ids])
-
-
-@pytest.fixture(scope="module")
-def kernels():
-    if not CPU_KERNELS.wait(timeout_s=900):
-        pytest.skip("the C++ kernels could not be built here (no compiler?)")
-    return CPU_KERNELS.ops
 
 
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q5_K", "Q8_0", "Q6_K", "mixed"])

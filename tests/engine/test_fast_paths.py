@@ -20,7 +20,6 @@ from torch import nn
 
 from engine import cpu_kernels
 from engine.attention import build_metadata, paged_attention
-from engine.cpu_kernels import CPU_KERNELS
 from engine.loader import load_model
 from engine.models.llama import RMSNorm, apply_rotary, rotate_qk
 from engine.packed_linear import PackedLinear, to_panels
@@ -54,13 +53,6 @@ def test_cpu_float32_models_load_with_packed_linears(tiny_models):
     for layer in linears:
         names = [name for name, _ in layer.named_parameters()]
         assert names == ["panels"] + (["bias"] if layer.bias is not None else [])
-
-
-@pytest.fixture(scope="module")
-def kernels():
-    if not CPU_KERNELS.wait(timeout_s=900):
-        pytest.skip("the C++ kernels could not be built here (no compiler?)")
-    return CPU_KERNELS.ops
 
 
 @pytest.mark.parametrize("sliding_window", [None, 5])
