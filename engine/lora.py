@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -167,10 +167,21 @@ def check_shape(module: str, a: torch.Tensor, b: torch.Tensor, in_features: int,
 
 @dataclass
 class LoraAdapter:
-    """An adapter loaded on one replica: its weights keyed as the model's `LoraStep.add` calls name them."""
+    """An adapter loaded on one replica: its weights keyed as the model's `LoraStep.add` calls name them
+    (`{layer}.{linear}`)."""
 
     name: str
     weights: dict[str, LoraWeights]
+    _by_layer: dict[tuple[int, int], LoraWeights] | None = field(default=None, repr=False, compare=False)
+
+    def by_layer(self, linears: tuple[str, ...]) -> dict[tuple[int, int], LoraWeights]:
+        """The weights keyed (layer, index of the linear in `linears`), worked out once: a step asks each layer."""
+        if self._by_layer is None:
+            self._by_layer = {}
+            for key, weights in self.weights.items():
+                layer, linear = key.split(".", 1)
+                self._by_layer[int(layer), linears.index(linear)] = weights
+        return self._by_layer
 
     @property
     def num_bytes(self) -> int:
@@ -198,6 +209,19 @@ class LoraStep:
                     rows.addmm_(shrunk, weights.expand)  # the expand and the add in one op
                 else:
                     rows += (shrunk @ weights.expand).to(rows.dtype)
+        return out
+
+    def layer_arguments(self, num_layers: int, linears: tuple[str, ...]) -> list[tuple[list[torch.Tensor], list[int]]]:
+        """Per layer, the step's adapters as the fused C++ layer op takes them: [shrink, expand, ...] of
+        each adapted linear, and (linear's index in `linears`, start, end, pair) per row slice."""
+        out: list[tuple[list[torch.Tensor], list[int]]] = [([], []) for _ in range(num_layers)]
+        for adapter, slices in self.groups:
+            for (layer, index), weights in adapter.by_layer(linears).items():
+                tensors, rows = out[layer]
+                pair = len(tensors) // 2
+                tensors += (weights.shrink, weights.expand)
+                for start, end in slices:
+                    rows += (index, start, end, pair)
         return out
 
     def touches(self, key: str) -> bool:

@@ -65,6 +65,7 @@ void decoder_layer(at::Tensor x, at::Tensor residual, const at::Tensor& cos, con
                    const c10::optional<at::Tensor>& decode_block_tables,
                    const c10::optional<at::Tensor>& decode_context_lens, at::IntArrayRef prefill_bounds,
                    at::TensorList prefill_tables, int64_t num_heads, double eps, int64_t block_size, double scale,
-                   int64_t sliding_window);  // decoder_layer.cpp
+                   int64_t sliding_window, at::TensorList lora_weights,
+                   at::IntArrayRef lora_slices);  // decoder_layer.cpp
 
 }  // namespace

@@ -1,8 +1,33 @@
 // A whole decoder layer as one op, made of the other files' kernels.
 
 #include "common.h"
+#include "panel_gemm.h"
+#include "block_gemm.h"
 
 namespace {
+
+// The step's LoRA deltas on one of the layer's linears (0 qkv, 1 o, 2 gate_up, 3 down): for each
+// (linear, start, end, pair) of `slices`, rows [start, end) of `out` += (x's rows @ shrink) @ expand,
+// with weights[2 pair] the shrink [in, rank] and weights[2 pair + 1] the expand [rank, out]. The same
+// two ATen GEMMs `engine.lora.LoraStep.add` runs, so the same sums; a loop here, not in Python.
+void add_lora(at::Tensor& out, const at::Tensor& x, int64_t linear, at::TensorList weights,
+              at::IntArrayRef slices) {
+  for (size_t i = 0; i + 3 < slices.size(); i += 4) {
+    if (slices[i] != linear) continue;
+    const int64_t start = slices[i + 1], end = slices[i + 2], pair = slices[i + 3];
+    TORCH_CHECK(0 <= start && start <= end && end <= out.size(0), "adapter rows outside the step");
+    TORCH_CHECK(0 <= pair && 2 * pair + 1 < static_cast<int64_t>(weights.size()), "no such adapter weights");
+    const at::Tensor &shrink = weights[2 * pair], &expand = weights[2 * pair + 1];
+    TORCH_CHECK(shrink.size(0) == x.size(1) && expand.size(1) == out.size(1), "adapter weights of the wrong shape");
+    out.slice(0, start, end).addmm_(x.slice(0, start, end).mm(shrink), expand);
+  }
+}
+
+bool adapts(int64_t linear, at::IntArrayRef slices) {
+  for (size_t i = 0; i + 3 < slices.size(); i += 4)
+    if (slices[i] == linear) return true;
+  return false;
+}
 
 // One decoder layer of `engine.models.llama` (pre-norm attention, then a SiLU MLP) for a packed
 // step, as one op: the same kernels in the same order as the model's per-op path, so the same
@@ -10,6 +35,7 @@ namespace {
 // sequence those took a fifth of the step). In place: residual += x, then x = the layer's output
 // (the next layer's norm adds it). Keys and values of the step's tokens go to their cache slots.
 // prefill_bounds: (start, end, start_pos) per prefill chunk, each read through its own table.
+// lora_weights, lora_slices: the step's adapters on this layer (add_lora); empty without any.
 void decoder_layer(at::Tensor x, at::Tensor residual, const at::Tensor& cos, const at::Tensor& sin,
                    const at::Tensor& input_norm, const at::Tensor& qkv_panels,
                    const c10::optional<at::Tensor>& qkv_bias,
@@ -21,7 +47,12 @@ void decoder_layer(at::Tensor x, at::Tensor residual, const at::Tensor& cos, con
                    const c10::optional<at::Tensor>& decode_block_tables,
                    const c10::optional<at::Tensor>& decode_context_lens, at::IntArrayRef prefill_bounds,
                    at::TensorList prefill_tables, int64_t num_heads, double eps, int64_t block_size, double scale,
-                   int64_t sliding_window) {
+                   int64_t sliding_window, at::TensorList lora_weights, at::IntArrayRef lora_slices) {
+  TORCH_CHECK(lora_slices.size() % 4 == 0, "four ints per adapter slice");
+  for (const at::Tensor& w : lora_weights) {
+    check_float(w, "decoder_layer lora weights");
+    TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), "adapter weights: contiguous matrices");
+  }
   check_float(k_cache, "decoder_layer k_cache");
   check_float(v_cache, "decoder_layer v_cache");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes());
@@ -33,6 +64,7 @@ void decoder_layer(at::Tensor x, at::Tensor residual, const at::Tensor& cos, con
   add_rms_norm(x, residual, input_norm, eps);
   at::Tensor qkv = at::empty({T, q_size + 2 * kv_size}, x.options());
   panel_linear(qkv, x, qkv_panels, qkv_bias);
+  add_lora(qkv, x, 0, lora_weights, lora_slices);
   at::Tensor q = qkv.narrow(1, 0, q_size).view({T, H, D});
   at::Tensor k = qkv.narrow(1, q_size, kv_size).view({T, KVH, D});
   if (q_norm.has_value() && q_norm->defined()) norm_heads(q, *q_norm, static_cast<float>(eps));
@@ -62,8 +94,20 @@ void decoder_layer(at::Tensor x, at::Tensor residual, const at::Tensor& cos, con
   }
   at::Tensor o = at::empty({T, x.size(1)}, x.options());
   panel_linear(o, attn.view({T, q_size}), o_panels, o_bias);
+  add_lora(o, attn.view({T, q_size}), 1, lora_weights, lora_slices);
   add_rms_norm(o, residual, post_norm, eps);
-  silu_mlp(x, o, gate_up, gate_up_bias, down, down_bias);
+  if (!adapts(2, lora_slices) && !adapts(3, lora_slices)) {
+    silu_mlp(x, o, gate_up, gate_up_bias, down, down_bias);
+    return;
+  }
+  // an adapted MLP, step by step as MLP.forward runs it: its deltas land between the kernels
+  const int64_t I = panel_inputs(down);
+  at::Tensor gu = at::empty({T, 2 * I}, x.options()), act = at::empty({T, I}, x.options());
+  panel_linear(gu, o, gate_up, gate_up_bias);
+  add_lora(gu, o, 2, lora_weights, lora_slices);
+  silu_and_mul(act, gu);
+  panel_linear(x, act, down, down_bias);
+  add_lora(x, act, 3, lora_weights, lora_slices);
 }
 
 }  // namespace

@@ -20,7 +20,7 @@ TORCH_LIBRARY(galley_cpu, m) {
         "Tensor post_norm, Tensor gate_up, Tensor? gate_up_bias, Tensor down, Tensor? down_bias, "
         "Tensor(c!) k_cache, Tensor(d!) v_cache, Tensor slot_mapping, int num_decodes, Tensor? decode_block_tables, "
         "Tensor? decode_context_lens, int[] prefill_bounds, Tensor[] prefill_tables, int num_heads, float eps, "
-        "int block_size, float scale, int sliding_window) -> ()");
+        "int block_size, float scale, int sliding_window, Tensor[] lora_weights, int[] lora_slices) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(galley_cpu, CPU, m) {

@@ -23,6 +23,9 @@ from engine.attention import AttentionMetadata, paged_attention
 from engine.lora import AdapterError, LoraStep, LoraWeights, PeftAdapter, check_shape, stack_parts
 from engine.packed_linear import PackedLinear, linear
 
+# the C++ decoder_layer op's linears, by the index its adapter slices name them with
+FUSED_LINEARS = ("qkv", "o", "gate_up", "down")
+
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
@@ -212,8 +215,8 @@ class MLP(nn.Module):
                 prefix: str = "") -> torch.Tensor:
         gate_up_proj, down_proj = self.gate_up_proj, self.down_proj
         if lora is not None and (lora.touches(prefix + "gate_up") or lora.touches(prefix + "down")):
-            gate, up = adapted(gate_up_proj, x, kernels, lora, prefix + "gate_up").split(self.intermediate_size, dim=-1)
-            return adapted(down_proj, self.act(gate) * up, kernels, lora, prefix + "down")
+            gate_up = adapted(gate_up_proj, x, kernels, lora, prefix + "gate_up")
+            return adapted(down_proj, self.gated(gate_up, kernels), kernels, lora, prefix + "down")
         if kernels is not None and self.silu and isinstance(gate_up_proj, PackedLinear) and isinstance(
             down_proj, PackedLinear
         ):  # the whole MLP in one op, a chunk of rows at a time
@@ -221,13 +224,16 @@ class MLP(nn.Module):
             kernels.silu_mlp(out, x.contiguous(), gate_up_proj.panels, gate_up_proj.bias, down_proj.panels,
                              down_proj.bias)
             return out
-        gate_up = linear(gate_up_proj, x, kernels)
+        return linear(self.down_proj, self.gated(linear(gate_up_proj, x, kernels), kernels), kernels)
+
+    def gated(self, gate_up: torch.Tensor, kernels: Any) -> torch.Tensor:
+        """act(gate) * up for rows [gate | up]."""
         if kernels is not None and self.silu:  # one pass instead of silu, then mul
             out = gate_up.new_empty(gate_up.shape[0], self.intermediate_size)
             kernels.silu_and_mul(out, gate_up)
-            return linear(self.down_proj, out, kernels)
+            return out
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return linear(self.down_proj, self.act(gate) * up, kernels)
+        return self.act(gate) * up
 
 
 class DecoderLayer(nn.Module):
@@ -284,13 +290,13 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
         logits_indices: torch.Tensor,  # [num_samples] which tokens' logits are needed
-        lora: LoraStep | None = None,  # the step's adapters: then every layer runs per op, adding their deltas
+        lora: LoraStep | None = None,  # the step's adapters, whose deltas each layer adds to its linears
     ) -> torch.Tensor:  # [num_samples, vocab_size] float32
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, x.dtype)
-        weights = self.fused_weights() if self.fused and meta.kernels is not None and lora is None else None
+        weights = self.fused_weights() if self.fused and meta.kernels is not None else None
         if weights is not None:
-            x, residual = self.fused_layers(x, cos, sin, kv_caches, meta, weights)
+            x, residual = self.fused_layers(x, cos, sin, kv_caches, meta, weights, lora)
         else:
             residual = None
             for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
@@ -329,14 +335,19 @@ class LlamaForCausalLM(nn.Module):
             self._fused_weights = weights if all(w is not None for w in weights) else []
         return self._fused_weights or None
 
-    def fused_layers(self, x, cos, sin, kv_caches, meta: AttentionMetadata, weights: list[tuple]):
+    def fused_layers(self, x, cos, sin, kv_caches, meta: AttentionMetadata, weights: list[tuple],
+                     lora: LoraStep | None = None):
         """The layers' formulas and kernels as `DecoderLayer.forward` runs them, one C++ call per layer:
         at one decoding sequence the per-op path's Python took a fifth of the step. The first layer's
-        norm adds the embeddings to a zero residual, which gives the same stream; both change in place."""
+        norm adds the embeddings to a zero residual, which gives the same stream; both change in place.
+        The step's adapters go in as each layer's (weights, slices) (`LoraStep.layer_arguments`)."""
         s, residual, x = self.shape, x, torch.zeros_like(x)
         step = (meta.slot_mapping, meta.num_decodes, meta.decode_block_tables, meta.decode_context_lens,
                 meta.prefill_bounds, [chunk.block_table for chunk in meta.prefills], s.num_heads, s.rms_norm_eps,
                 meta.block_size, s.head_dim**-0.5, meta.sliding_window or 0)
-        for layer_weights, (k_cache, v_cache) in zip(weights, kv_caches, strict=True):
-            meta.kernels.decoder_layer(x, residual, cos, sin, *layer_weights, k_cache, v_cache, *step)
+        adapters = lora.layer_arguments(s.num_layers, FUSED_LINEARS) if lora is not None else [([], [])] * s.num_layers
+        for layer_weights, (k_cache, v_cache), (lora_weights, lora_slices) in zip(weights, kv_caches, adapters,
+                                                                                   strict=True):
+            meta.kernels.decoder_layer(x, residual, cos, sin, *layer_weights, k_cache, v_cache, *step, lora_weights,
+                                       lora_slices)
         return x, residual

@@ -154,3 +154,56 @@ def test_an_adapter_of_another_model_does_not_fit(adapters, tiny_models, tmp_pat
     with pytest.raises(AdapterError, match="embedding"):
         read_adapter(str(embedding))
     assert engine.runner.adapters == {}
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_fused_layer_op_adds_adapters_as_the_per_op_path(tiny_models, kernels, family):
+    """The C++ layer op adds a step's adapter deltas where the per-op path does (q/k/v before the norms and
+    rotary, o, and an adapted MLP's gate/up and down): the same logits and cache, bit for bit, for two
+    adapters on their own rows of a step of decodes and prefill chunks, beside rows of the base."""
+    from engine.attention import build_metadata
+    from engine.lora import LoraAdapter, LoraStep, PeftAdapter
+    from tests.engine.test_fast_paths import CountingKernels
+
+    model = load_model(str(tiny_models[family]), dtype="float32").model
+    s, block_size, num_blocks = model.shape, 4, 64
+    torch.manual_seed(0)
+    h, q, kv, inter = s.hidden_size, s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim, s.intermediate_size
+    sizes = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h), "gate_proj": (h, inter),
+             "up_proj": (h, inter), "down_proj": (inter, h)}  # (in, out)
+    parts = {"self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"), "mlp": ("gate_proj", "up_proj", "down_proj")}
+
+    def adapter(name: str, targets: list[str], rank: int) -> LoraAdapter:
+        modules = {f"model.layers.{i}.{kind}.{t}": (torch.randn(rank, sizes[t][0]), torch.randn(sizes[t][1], rank), 0.5)
+                   for i in range(s.num_layers) for kind, names in parts.items() for t in names if t in targets}
+        return LoraAdapter(name, model.lora_weights(PeftAdapter(tiny_models[family], modules, ""), torch.device("cpu"),
+                                                    torch.float32))
+
+    caches = [(torch.randn(num_blocks * block_size, s.num_kv_heads, s.head_dim),
+               torch.randn(num_blocks * block_size, s.num_kv_heads, s.head_dim)) for _ in range(s.num_layers)]
+    free = iter(torch.randperm(num_blocks).tolist())
+    decodes = [([next(free) for _ in range(-(-n // block_size))], n) for n in (9, 30, 1)]
+    chunks = [([next(free) for _ in range(-(-(start + n) // block_size))], start, n) for start, n in [(0, 13), (7, 9)]]
+    positions = [n - 1 for _, n in decodes] + [p for _, start, n in chunks for p in range(start, start + n)]
+    tables = [table for table, _ in decodes] + [table for table, _, n in chunks for _ in range(n)]
+    slots = [table[p // block_size] * block_size + p % block_size for table, p in zip(tables, positions)]
+    input_ids = torch.randint(0, s.vocab_size, (len(slots),))
+    logits_at = torch.tensor([0, 1, 2, 3 + 13 - 1, len(slots) - 1])
+    # decodes 0-1 and the first chunk: attention only; decode 2 and the second chunk: every linear
+    lora = LoraStep([(adapter("a", ["q_proj", "v_proj"], 4), [(0, 2), (3, 16)]),
+                     (adapter("b", list(sizes), 8), [(2, 3), (16, 25)])])
+    results = []
+    for fused in (False, True):
+        model.fused, counting = fused, CountingKernels(kernels, "decoder_layer")
+        meta = build_metadata(decodes, chunks, slots, block_size, None, torch.device("cpu"), counting)
+        cache = [(k.clone(), v.clone()) for k, v in caches]
+        with torch.inference_mode():
+            logits = model(input_ids, torch.tensor(positions), cache, meta, logits_at, lora=lora)
+            base = model(input_ids, torch.tensor(positions), [(k.clone(), v.clone()) for k, v in caches], meta,
+                         logits_at)
+        assert counting.calls == (2 * s.num_layers if fused else 0)
+        assert not torch.equal(logits[:3], base[:3]) and not torch.equal(logits[4], base[4])  # the deltas count
+        results.append((logits, cache))
+    (expected, expected_cache), (got, got_cache) = results
+    assert torch.equal(got, expected)
+    assert all(torch.equal(a, b) for pair, other in zip(got_cache, expected_cache) for a, b in zip(pair, other))
