@@ -83,7 +83,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--rank", type=int, default=16)
-    parser.add_argument("--adapters", type=int, default=4, help="adapters in the mixed workload (with the base)")
+    parser.add_argument("--adapters", type=int, default=8, help="adapters in the mixed workload (with the base)")
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--streams", type=int, default=32)

@@ -46,6 +46,7 @@ _FILES = (
     "linear.cpp",
     "decode_attention.cpp",
     "prefill_attention.cpp",
+    "lora.cpp",
     "decoder_layer.cpp",
     "ops.cpp",
 )

@@ -9,9 +9,10 @@ output, as PEFT's unmerged `LoraLayer` computes it in eval mode (no dropout): sc
 (`LlamaForCausalLM.lora_weights`, `GenericCausalLM.lora_weights`); the runner holds the loaded
 adapters and gives each step a `LoraStep`: the rows of the packed batch that belong to each
 adapter in it. Rows of the base model (and of other adapters) get no delta, so requests to the
-base and to many adapters share a step. A step's cost grows by one small pair of GEMMs per
-adapted linear and adapter in the step, on its own rows (what vLLM's punica kernels batch; a
-torch loop over the step's adapters here).
+base and to many adapters share a step. A step's cost grows by a shrink and an expand per adapted
+linear and adapter in the step, on its own rows (vLLM's punica kernels). On CPU float32 they run in
+the C++ `lora_add` (inside the fused decoder layer op on the native backend), which reads each
+adapter weight once a step: with many adapters in a step, that reading is most of their cost.
 
 What PEFT can express and this does not compute is refused at load, naming it (DoRA, trained
 biases, `modules_to_save`, embedding or fan-in-fan-out adapters, ...): never served wrong.
@@ -24,6 +25,7 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -137,26 +139,33 @@ def scale_of(config: dict, module: str, rank: int) -> float:
 
 @dataclass(frozen=True)
 class LoraWeights:
-    """One adapted linear of a model, in its own layout: delta = (x @ shrink) @ expand (punica's names),
-    i.e. A.T and (B * scale).T, stored transposed and contiguous for the matmuls. A fused linear (the
-    native q/k/v, gate/up) stacks its parts' A rows, and B is block diagonal: each part's B in its own
-    output rows and rank columns (zeros where a part is not adapted)."""
+    """One adapted linear of a model, in its own layout: shrink = x @ A.T to the rank, then each part's
+    expand, (B * scale).T, into its own output columns (punica's shrink and expand). A fused linear (the
+    native q/k/v, gate/up) stacks its parts' A rows in `shrink` and keeps each part's B to itself, so
+    no zeros between the parts are stored, read or multiplied."""
 
-    shrink: torch.Tensor  # [in_features, rank]
-    expand: torch.Tensor  # [rank, out_features]
+    shrink: torch.Tensor  # [rank, in_features]: A, the parts' rows one after another
+    expand: torch.Tensor  # the parts' expands [part rank, part columns], flat and one after another
+    parts: torch.Tensor  # int64 [num_parts, 4] on the CPU: rank start, rank end, first column, end column
+    expands: tuple[tuple[slice, slice, torch.Tensor], ...]  # (ranks, columns, expand as a matrix) per part
+
+    @property
+    def num_bytes(self) -> int:
+        return self.shrink.numel() * self.shrink.element_size() + self.expand.numel() * self.expand.element_size()
 
 
 def stack_parts(parts: list[tuple[slice, torch.Tensor, torch.Tensor, float]], out_features: int,
-                  device: torch.device, dtype: torch.dtype) -> LoraWeights:
-    """`parts`: (output rows of the fused linear, A, B, scale) of each adapted part."""
-    rank = sum(a.shape[0] for _, a, _, _ in parts)
-    b = torch.zeros(out_features, rank, dtype=torch.float32)
-    column = 0
-    for rows, a_part, b_part, scale in parts:
-        b[rows, column : column + a_part.shape[0]] = b_part.float() * scale
-        column += a_part.shape[0]
-    a = torch.cat([a_part.float() for _, a_part, _, _ in parts])
-    return LoraWeights(a.T.to(device=device, dtype=dtype).contiguous(), b.T.to(device=device, dtype=dtype).contiguous())
+                device: torch.device, dtype: torch.dtype) -> LoraWeights:
+    """`parts`: (output columns of the fused linear, A, B, scale) of each adapted part."""
+    shrink = torch.cat([a.float() for _, a, _, _ in parts]).to(device=device, dtype=dtype).contiguous()
+    flat = torch.cat([(b.float() * scale).T.reshape(-1) for _, _, b, scale in parts]).to(device=device, dtype=dtype)
+    spans, expands, rank, offset = [], [], 0, 0
+    for columns, a, _, _ in parts:
+        ranks, width = slice(rank, rank + a.shape[0]), columns.stop - columns.start
+        spans.append((ranks.start, ranks.stop, columns.start, columns.stop))
+        expands.append((ranks, columns, flat[offset:offset + a.shape[0] * width].view(a.shape[0], width)))
+        rank, offset = ranks.stop, offset + a.shape[0] * width
+    return LoraWeights(shrink, flat, torch.tensor(spans, dtype=torch.long), tuple(expands))
 
 
 def check_shape(module: str, a: torch.Tensor, b: torch.Tensor, in_features: int, out_features: int) -> None:
@@ -185,8 +194,7 @@ class LoraAdapter:
 
     @property
     def num_bytes(self) -> int:
-        return sum(w.shrink.numel() * w.shrink.element_size() + w.expand.numel() * w.expand.element_size()
-                   for w in self.weights.values())
+        return sum(w.num_bytes for w in self.weights.values())
 
 
 class LoraStep:
@@ -196,32 +204,37 @@ class LoraStep:
     def __init__(self, groups: list[tuple[LoraAdapter, list[tuple[int, int]]]]) -> None:
         self.groups = groups  # (adapter, its (start, end) row slices)
 
-    def add(self, out: torch.Tensor, x: torch.Tensor, key: str) -> torch.Tensor:
-        """`out` (a linear's output for `x`, [rows, out]) plus each adapter's delta on its own rows, in place."""
+    def add(self, out: torch.Tensor, x: torch.Tensor, key: str, kernels: Any = None) -> torch.Tensor:
+        """`out` (a linear's output for `x`, [rows, out]) plus each adapter's delta on its own rows, in place:
+        by the C++ `lora_add` where the step has the kernels (CPU, float32), else by torch's GEMMs."""
         for adapter, slices in self.groups:
             weights = adapter.weights.get(key)
             if weights is None:
                 continue
             for start, end in slices:
+                if kernels is not None:
+                    kernels.lora_add(out, x, weights.shrink, weights.expand, weights.parts, start, end)
+                    continue
                 rows = out[start:end]  # a view: the add lands in `out`
-                shrunk = x[start:end].to(weights.shrink.dtype) @ weights.shrink  # [rows, rank]
-                if rows.dtype == weights.expand.dtype:
-                    rows.addmm_(shrunk, weights.expand)  # the expand and the add in one op
-                else:
-                    rows += (shrunk @ weights.expand).to(rows.dtype)
+                shrunk = x[start:end].to(weights.shrink.dtype) @ weights.shrink.T  # [rows, rank]
+                for ranks, columns, expand in weights.expands:
+                    if rows.dtype == expand.dtype:
+                        rows[:, columns].addmm_(shrunk[:, ranks], expand)  # the expand and the add in one op
+                    else:
+                        rows[:, columns] += (shrunk[:, ranks] @ expand).to(rows.dtype)
         return out
 
     def layer_arguments(self, num_layers: int, linears: tuple[str, ...]) -> list[tuple[list[torch.Tensor], list[int]]]:
-        """Per layer, the step's adapters as the fused C++ layer op takes them: [shrink, expand, ...] of
-        each adapted linear, and (linear's index in `linears`, start, end, pair) per row slice."""
+        """Per layer, the step's adapters as the fused C++ layer op takes them: [shrink, expand, parts, ...]
+        of each adapted linear, and (linear's index in `linears`, start, end, entry) per row slice."""
         out: list[tuple[list[torch.Tensor], list[int]]] = [([], []) for _ in range(num_layers)]
         for adapter, slices in self.groups:
             for (layer, index), weights in adapter.by_layer(linears).items():
                 tensors, rows = out[layer]
-                pair = len(tensors) // 2
-                tensors += (weights.shrink, weights.expand)
+                entry = len(tensors) // 3
+                tensors += (weights.shrink, weights.expand, weights.parts)
                 for start, end in slices:
-                    rows += (index, start, end, pair)
+                    rows += (index, start, end, entry)
         return out
 
     def touches(self, key: str) -> bool:

@@ -54,6 +54,8 @@ void panel_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& panels,
 void silu_mlp(at::Tensor out, const at::Tensor& x, const at::Tensor& gate_up,
               const c10::optional<at::Tensor>& gate_up_bias, const at::Tensor& down,
               const c10::optional<at::Tensor>& down_bias);  // linear.cpp
+void lora_add(at::Tensor out, const at::Tensor& x, const at::Tensor& shrink, const at::Tensor& expand,
+              const at::Tensor& parts, int64_t start, int64_t end);  // lora.cpp
 void decoder_layer(at::Tensor x, at::Tensor residual, const at::Tensor& cos, const at::Tensor& sin,
                    const at::Tensor& input_norm, const at::Tensor& qkv_panels,
                    const c10::optional<at::Tensor>& qkv_bias,

@@ -7,19 +7,16 @@
 namespace {
 
 // The step's LoRA deltas on one of the layer's linears (0 qkv, 1 o, 2 gate_up, 3 down): for each
-// (linear, start, end, pair) of `slices`, rows [start, end) of `out` += (x's rows @ shrink) @ expand,
-// with weights[2 pair] the shrink [in, rank] and weights[2 pair + 1] the expand [rank, out]. The same
-// two ATen GEMMs `engine.lora.LoraStep.add` runs, so the same sums; a loop here, not in Python.
+// (linear, start, end, entry) of `slices`, lora_add over rows [start, end) with weights[3 entry ...]
+// (shrink, expand, parts), as `engine.lora.LoraStep.add` calls it on the per-op path.
 void add_lora(at::Tensor& out, const at::Tensor& x, int64_t linear, at::TensorList weights,
               at::IntArrayRef slices) {
   for (size_t i = 0; i + 3 < slices.size(); i += 4) {
     if (slices[i] != linear) continue;
-    const int64_t start = slices[i + 1], end = slices[i + 2], pair = slices[i + 3];
-    TORCH_CHECK(0 <= start && start <= end && end <= out.size(0), "adapter rows outside the step");
-    TORCH_CHECK(0 <= pair && 2 * pair + 1 < static_cast<int64_t>(weights.size()), "no such adapter weights");
-    const at::Tensor &shrink = weights[2 * pair], &expand = weights[2 * pair + 1];
-    TORCH_CHECK(shrink.size(0) == x.size(1) && expand.size(1) == out.size(1), "adapter weights of the wrong shape");
-    out.slice(0, start, end).addmm_(x.slice(0, start, end).mm(shrink), expand);
+    const int64_t entry = slices[i + 3];
+    TORCH_CHECK(0 <= entry && 3 * entry + 2 < static_cast<int64_t>(weights.size()), "no such adapter weights");
+    lora_add(out, x, weights[3 * entry], weights[3 * entry + 1], weights[3 * entry + 2], slices[i + 1],
+             slices[i + 2]);
   }
 }
 
@@ -49,10 +46,6 @@ void decoder_layer(at::Tensor x, at::Tensor residual, const at::Tensor& cos, con
                    at::TensorList prefill_tables, int64_t num_heads, double eps, int64_t block_size, double scale,
                    int64_t sliding_window, at::TensorList lora_weights, at::IntArrayRef lora_slices) {
   TORCH_CHECK(lora_slices.size() % 4 == 0, "four ints per adapter slice");
-  for (const at::Tensor& w : lora_weights) {
-    check_float(w, "decoder_layer lora weights");
-    TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), "adapter weights: contiguous matrices");
-  }
   check_float(k_cache, "decoder_layer k_cache");
   check_float(v_cache, "decoder_layer v_cache");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes());

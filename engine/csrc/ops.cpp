@@ -15,6 +15,7 @@ TORCH_LIBRARY(galley_cpu, m) {
   m.def("panel_linear(Tensor(a!) out, Tensor x, Tensor panels, Tensor? bias) -> ()");
   m.def("silu_mlp(Tensor(a!) out, Tensor x, Tensor gate_up, Tensor? gate_up_bias, Tensor down, "
         "Tensor? down_bias) -> ()");
+  m.def("lora_add(Tensor(a!) out, Tensor x, Tensor shrink, Tensor expand, Tensor parts, int start, int end) -> ()");
   m.def("decoder_layer(Tensor(a!) x, Tensor(b!) residual, Tensor cos, Tensor sin, Tensor input_norm, "
         "Tensor qkv_panels, Tensor? qkv_bias, Tensor? q_norm, Tensor? k_norm, Tensor o_panels, Tensor? o_bias, "
         "Tensor post_norm, Tensor gate_up, Tensor? gate_up_bias, Tensor down, Tensor? down_bias, "
@@ -32,5 +33,6 @@ TORCH_LIBRARY_IMPL(galley_cpu, CPU, m) {
   m.impl("silu_and_mul", silu_and_mul);
   m.impl("panel_linear", panel_linear);
   m.impl("silu_mlp", silu_mlp);
+  m.impl("lora_add", lora_add);
   m.impl("decoder_layer", decoder_layer);
 }

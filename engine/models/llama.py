@@ -153,7 +153,7 @@ class RotaryEmbedding(nn.Module):
 def adapted(layer: nn.Module, x: torch.Tensor, kernels: Any, lora: LoraStep | None, key: str) -> torch.Tensor:
     """`linear(layer, x)`, plus the step's adapter deltas for it."""
     out = linear(layer, x, kernels)
-    return out if lora is None else lora.add(out, x, key)
+    return out if lora is None else lora.add(out, x, key, kernels)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

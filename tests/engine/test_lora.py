@@ -207,3 +207,30 @@ def test_fused_layer_op_adds_adapters_as_the_per_op_path(tiny_models, kernels, f
     (expected, expected_cache), (got, got_cache) = results
     assert torch.equal(got, expected)
     assert all(torch.equal(a, b) for pair, other in zip(got_cache, expected_cache) for a, b in zip(pair, other))
+
+
+@pytest.mark.parametrize("rows", [0, 1, 3, 7, 33])
+@pytest.mark.parametrize("ranks, widths", [([16], [576]), ([4, 8, 1], [64, 97, 9]), ([5, 17], [130, 70]), ([3], [7])],
+                         ids=["one", "qkv-like", "gate-up-like", "narrow"])
+def test_lora_kernel_matches_torch(kernels, rows, ranks, widths):
+    """The C++ `lora_add` against the torch path on a fused linear's parts (ranks and widths off the
+    vector and chunk sizes, a column gap between parts); a row's delta does not depend on its batch."""
+    from engine.lora import LoraAdapter, LoraStep, stack_parts
+
+    torch.manual_seed(0)
+    in_features, columns, parts = 83, 0, []
+    for rank, width in zip(ranks, widths):
+        parts.append((slice(columns + 2, columns + 2 + width), torch.randn(rank, in_features),
+                      torch.randn(width, rank), 0.5))
+        columns += 2 + width
+    weights = stack_parts(parts, columns, torch.device("cpu"), torch.float32)
+    step = LoraStep([(LoraAdapter("a", {"0.x": weights}), [(2, 2 + rows)])])
+    x, out = torch.randn(rows + 4, in_features), torch.randn(rows + 4, columns)
+    want = step.add(out.clone(), x, "0.x")
+    got = step.add(out.clone(), x, "0.x", kernels)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)  # float32 sums in another order
+    assert torch.equal(got[:2], out[:2]) and torch.equal(got[2 + rows:], out[2 + rows:])  # other rows untouched
+    for row in range(rows):  # each row alone, as in a step of one
+        alone = LoraStep([(LoraAdapter("a", {"0.x": weights}), [(0, 1)])]).add(out[2 + row:3 + row].clone(),
+                                                                              x[2 + row:3 + row], "0.x", kernels)
+        assert torch.equal(alone[0], got[2 + row])
