@@ -47,6 +47,7 @@ _FILES = (
     "decode_attention.cpp",
     "prefill_attention.cpp",
     "lora.cpp",
+    "moe.cpp",
     "decoder_layer.cpp",
     "ops.cpp",
 )

@@ -1,12 +1,9 @@
 """Loads an HF model folder (or hub id), or a GGUF file (`engine.gguf`), into a decoder the runner
-steps: config, tokenizer and weights.
-
-Two backends. Native (`engine.models.llama`, the families of `SUPPORTED_ARCHITECTURES`): reads
-safetensors (sharded or not) or PyTorch `.bin` checkpoints and fuses q/k/v and gate/up into its
-layout, for the fused CPU kernels. Generic (`engine.models.generic`): any other causal LM that
-transformers' `AutoModelForCausalLM` builds, with its own modelling code over our paged attention. Whatever either
-cannot serve fails here, at load, with a message that names it.
-"""
+steps: config, tokenizer and weights. Two backends. Native (`engine.models.llama`, the families of
+`SUPPORTED_ARCHITECTURES`, mixtures of experts among them): reads safetensors (sharded or not) or PyTorch
+`.bin` checkpoints and fuses q/k/v and gate/up into its layout, for the fused CPU kernels. Generic
+(`engine.models.generic`): any other causal LM that transformers' `AutoModelForCausalLM` builds, with its own
+modelling code over our paged attention. What neither can serve fails here, at load, naming why."""
 
 from __future__ import annotations
 
@@ -26,6 +23,7 @@ from engine.cpu_kernels import CPU_KERNELS
 from engine.gguf import GGUF_BLOCK, find_gguf, hf_folder_for, is_gguf_file, read_weights
 from engine.load_progress import LoadProgress, ProgressCallback
 from engine.models.llama import SUPPORTED_ARCHITECTURES, LlamaForCausalLM
+from engine.models.moe import MOE_ARCHITECTURES, fuse_expert_weights
 from engine.packed_linear import PackedLinear, can_pack, pack_linears
 from engine.quantization import Int4Groups, Int4Linear, Int8Linear, QuantizationSpec, cat_rows, quantize_model
 
@@ -176,6 +174,7 @@ def fuse_weights(hf: dict[str, torch.Tensor | Int4Groups], num_layers: int,
             for name in ("self_attn.o_proj", "mlp.down_proj"):
                 if f"{p}{name}.{suffix}" in hf:
                     out[f"{p}{name}.{suffix}"] = hf[f"{p}{name}.{suffix}"]
+        fuse_expert_weights(hf, p, out)
         for name in ("input_layernorm", "post_attention_layernorm", "self_attn.q_norm", "self_attn.k_norm"):
             if f"{p}{name}.weight" in hf:
                 out[f"{p}{name}.weight"] = hf[f"{p}{name}.weight"]
@@ -233,12 +232,13 @@ def load_model(source: str, device: str = "cpu", dtype: str = "auto",
     arch = (getattr(hf_config, "architectures", None) or ["unknown"])[0]
     if backend not in BACKENDS:
         raise ModelLoadError(f"backend {backend!r} is not one of {', '.join(BACKENDS)}")
-    if backend == "native" and arch not in SUPPORTED_ARCHITECTURES:
+    native = arch in SUPPORTED_ARCHITECTURES and not (gguf_file and arch in MOE_ARCHITECTURES)  # GGUF experts: generic
+    if backend == "native" and not native:
         raise ModelLoadError(f"architecture {arch} of {source!r} has no native backend; native: "
                              f"{', '.join(SUPPORTED_ARCHITECTURES)} (backend generic serves others)")
     torch_device = torch.device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
-    if backend == "generic" or arch not in SUPPORTED_ARCHITECTURES:
+    if backend == "generic" or not native:
         model = load_generic(source, path, gguf_file, hf_config, spec, torch_device, torch_dtype, progress)
         return finish_load(path, model, hf_config, torch_dtype, torch_device, progress, arch, "generic")
     with torch.device("meta"):

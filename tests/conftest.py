@@ -61,7 +61,7 @@ def tiny_models(tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="session")
 def generic_models(tmp_path_factory) -> dict:
-    """Tiny random models of the families only the generic backend serves (tests.models.GENERIC_FAMILIES)."""
+    """Tiny random models of the families beyond the dense native ones (tests.models.GENERIC_FAMILIES)."""
     root = tmp_path_factory.mktemp("generic")
     return {family: save_generic_model(family, root / family) for family in GENERIC_FAMILIES}
 

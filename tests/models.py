@@ -77,14 +77,17 @@ def model_for(family: str, vocab_size: int, **overrides):
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "llama3-rope")
 
-# Families only the generic backend serves (engine.models.generic): the config class and its overrides.
-# gemma3 mixes sliding-window (of 8 tokens) and full layers; qwen3moe and mixtral are mixtures of experts.
+# Families beyond the dense native ones: the config class and its overrides. gemma3 mixes sliding-window
+# (of 8 tokens) and full layers; qwen3moe and mixtral are mixtures of experts (native, and generic when asked).
 GENERIC_FAMILIES: dict[str, tuple[str, dict]] = {
     "gemma3": ("Gemma3TextConfig", dict(head_dim=16, sliding_window=8,
                                         layer_types=["sliding_attention", "full_attention"])),
     "phi3": ("Phi3Config", dict(pad_token_id=0)),
     "qwen3moe": ("Qwen3MoeConfig", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16)),
     "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2)),
+    # a dense first layer, then experts whose top 2 weights are renormalised
+    "qwen3moe-mixed": ("Qwen3MoeConfig", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                              head_dim=16, mlp_only_layers=[0], norm_topk_prob=True)),
     "olmo2": ("Olmo2Config", {}),
     "granite": ("GraniteConfig", {}),
     "gpt_neox": ("GPTNeoXConfig", {}),

@@ -56,18 +56,22 @@ void silu_mlp(at::Tensor out, const at::Tensor& x, const at::Tensor& gate_up,
               const c10::optional<at::Tensor>& down_bias);  // linear.cpp
 void lora_add(at::Tensor out, const at::Tensor& x, const at::Tensor& shrink, const at::Tensor& expand,
               const at::Tensor& parts, int64_t start, int64_t end);  // lora.cpp
+void moe_mlp(at::Tensor out, const at::Tensor& x, const at::Tensor& router, at::TensorList experts, int64_t top_k,
+             bool normalize);  // moe.cpp
 void decoder_layer(at::Tensor x, at::Tensor residual, const at::Tensor& cos, const at::Tensor& sin,
                    const at::Tensor& input_norm, const at::Tensor& qkv_panels,
                    const c10::optional<at::Tensor>& qkv_bias,
                    const c10::optional<at::Tensor>& q_norm, const c10::optional<at::Tensor>& k_norm,
                    const at::Tensor& o_panels, const c10::optional<at::Tensor>& o_bias, const at::Tensor& post_norm,
-                   const at::Tensor& gate_up, const c10::optional<at::Tensor>& gate_up_bias, const at::Tensor& down,
-                   const c10::optional<at::Tensor>& down_bias, at::Tensor k_cache, at::Tensor v_cache,
+                   const c10::optional<at::Tensor>& gate_up, const c10::optional<at::Tensor>& gate_up_bias,
+                   const c10::optional<at::Tensor>& down, const c10::optional<at::Tensor>& down_bias,
+                   at::Tensor k_cache, at::Tensor v_cache,
                    const at::Tensor& slot_mapping, int64_t num_decodes,
                    const c10::optional<at::Tensor>& decode_block_tables,
                    const c10::optional<at::Tensor>& decode_context_lens, at::IntArrayRef prefill_bounds,
                    at::TensorList prefill_tables, int64_t num_heads, double eps, int64_t block_size, double scale,
-                   int64_t sliding_window, at::TensorList lora_weights,
-                   at::IntArrayRef lora_slices);  // decoder_layer.cpp
+                   int64_t sliding_window, at::TensorList lora_weights, at::IntArrayRef lora_slices,
+                   const c10::optional<at::Tensor>& router, at::TensorList experts, int64_t experts_per_token,
+                   bool normalize_experts);  // decoder_layer.cpp
 
 }  // namespace

@@ -33,19 +33,26 @@ bool adapts(int64_t linear, at::IntArrayRef slices) {
 // (the next layer's norm adds it). Keys and values of the step's tokens go to their cache slots.
 // prefill_bounds: (start, end, start_pos) per prefill chunk, each read through its own table.
 // lora_weights, lora_slices: the step's adapters on this layer (add_lora); empty without any.
+// The MLP is dense (gate_up, down) or, given a router, a mixture of experts (moe_mlp).
 void decoder_layer(at::Tensor x, at::Tensor residual, const at::Tensor& cos, const at::Tensor& sin,
                    const at::Tensor& input_norm, const at::Tensor& qkv_panels,
                    const c10::optional<at::Tensor>& qkv_bias,
                    const c10::optional<at::Tensor>& q_norm, const c10::optional<at::Tensor>& k_norm,
                    const at::Tensor& o_panels, const c10::optional<at::Tensor>& o_bias, const at::Tensor& post_norm,
-                   const at::Tensor& gate_up, const c10::optional<at::Tensor>& gate_up_bias, const at::Tensor& down,
-                   const c10::optional<at::Tensor>& down_bias, at::Tensor k_cache, at::Tensor v_cache,
+                   const c10::optional<at::Tensor>& gate_up, const c10::optional<at::Tensor>& gate_up_bias,
+                   const c10::optional<at::Tensor>& down, const c10::optional<at::Tensor>& down_bias,
+                   at::Tensor k_cache, at::Tensor v_cache,
                    const at::Tensor& slot_mapping, int64_t num_decodes,
                    const c10::optional<at::Tensor>& decode_block_tables,
                    const c10::optional<at::Tensor>& decode_context_lens, at::IntArrayRef prefill_bounds,
                    at::TensorList prefill_tables, int64_t num_heads, double eps, int64_t block_size, double scale,
-                   int64_t sliding_window, at::TensorList lora_weights, at::IntArrayRef lora_slices) {
+                   int64_t sliding_window, at::TensorList lora_weights, at::IntArrayRef lora_slices,
+                   const c10::optional<at::Tensor>& router, at::TensorList experts, int64_t experts_per_token,
+                   bool normalize_experts) {
   TORCH_CHECK(lora_slices.size() % 4 == 0, "four ints per adapter slice");
+  const bool sparse = router.has_value() && router->defined();
+  TORCH_CHECK(sparse || (gate_up.has_value() && down.has_value()), "a dense MLP's weights, or a router and experts");
+  TORCH_CHECK(!sparse || (!adapts(2, lora_slices) && !adapts(3, lora_slices)), "adapters on experts");
   check_float(k_cache, "decoder_layer k_cache");
   check_float(v_cache, "decoder_layer v_cache");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes());
@@ -89,17 +96,21 @@ void decoder_layer(at::Tensor x, at::Tensor residual, const at::Tensor& cos, con
   panel_linear(o, attn.view({T, q_size}), o_panels, o_bias);
   add_lora(o, attn.view({T, q_size}), 1, lora_weights, lora_slices);
   add_rms_norm(o, residual, post_norm, eps);
+  if (sparse) {
+    moe_mlp(x, o, *router, experts, experts_per_token, normalize_experts);
+    return;
+  }
   if (!adapts(2, lora_slices) && !adapts(3, lora_slices)) {
-    silu_mlp(x, o, gate_up, gate_up_bias, down, down_bias);
+    silu_mlp(x, o, *gate_up, gate_up_bias, *down, down_bias);
     return;
   }
   // an adapted MLP, step by step as MLP.forward runs it: its deltas land between the kernels
-  const int64_t I = panel_inputs(down);
+  const int64_t I = panel_inputs(*down);
   at::Tensor gu = at::empty({T, 2 * I}, x.options()), act = at::empty({T, I}, x.options());
-  panel_linear(gu, o, gate_up, gate_up_bias);
+  panel_linear(gu, o, *gate_up, gate_up_bias);
   add_lora(gu, o, 2, lora_weights, lora_slices);
   silu_and_mul(act, gu);
-  panel_linear(x, act, down, down_bias);
+  panel_linear(x, act, *down, down_bias);
   add_lora(x, act, 3, lora_weights, lora_slices);
 }
 

@@ -16,12 +16,14 @@ TORCH_LIBRARY(galley_cpu, m) {
   m.def("silu_mlp(Tensor(a!) out, Tensor x, Tensor gate_up, Tensor? gate_up_bias, Tensor down, "
         "Tensor? down_bias) -> ()");
   m.def("lora_add(Tensor(a!) out, Tensor x, Tensor shrink, Tensor expand, Tensor parts, int start, int end) -> ()");
+  m.def("moe_mlp(Tensor(a!) out, Tensor x, Tensor router, Tensor[] experts, int top_k, bool normalize) -> ()");
   m.def("decoder_layer(Tensor(a!) x, Tensor(b!) residual, Tensor cos, Tensor sin, Tensor input_norm, "
         "Tensor qkv_panels, Tensor? qkv_bias, Tensor? q_norm, Tensor? k_norm, Tensor o_panels, Tensor? o_bias, "
-        "Tensor post_norm, Tensor gate_up, Tensor? gate_up_bias, Tensor down, Tensor? down_bias, "
+        "Tensor post_norm, Tensor? gate_up, Tensor? gate_up_bias, Tensor? down, Tensor? down_bias, "
         "Tensor(c!) k_cache, Tensor(d!) v_cache, Tensor slot_mapping, int num_decodes, Tensor? decode_block_tables, "
         "Tensor? decode_context_lens, int[] prefill_bounds, Tensor[] prefill_tables, int num_heads, float eps, "
-        "int block_size, float scale, int sliding_window, Tensor[] lora_weights, int[] lora_slices) -> ()");
+        "int block_size, float scale, int sliding_window, Tensor[] lora_weights, int[] lora_slices, Tensor? router, "
+        "Tensor[] experts, int experts_per_token, bool normalize_experts) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(galley_cpu, CPU, m) {
@@ -34,5 +36,6 @@ TORCH_LIBRARY_IMPL(galley_cpu, CPU, m) {
   m.impl("panel_linear", panel_linear);
   m.impl("silu_mlp", silu_mlp);
   m.impl("lora_add", lora_add);
+  m.impl("moe_mlp", moe_mlp);
   m.impl("decoder_layer", decoder_layer);
 }

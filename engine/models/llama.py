@@ -21,6 +21,7 @@ from torch import nn
 
 from engine.attention import AttentionMetadata, paged_attention
 from engine.lora import AdapterError, LoraStep, LoraWeights, PeftAdapter, check_shape, stack_parts
+from engine.models.moe import MOE_ARCHITECTURES, Experts, SparseMoe
 from engine.packed_linear import PackedLinear, linear
 
 # the C++ decoder_layer op's linears, by the index its adapter slices name them with
@@ -31,6 +32,7 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    *MOE_ARCHITECTURES,
 )
 
 
@@ -66,6 +68,7 @@ class DecoderShape:
     tie_word_embeddings: bool
     sliding_window: int | None
     max_position_embeddings: int
+    experts: Experts | None = None  # a mixture of experts' routing (engine.models.moe); None: dense
 
     @classmethod
     def from_hf_config(cls, config) -> DecoderShape:
@@ -89,10 +92,11 @@ class DecoderShape:
             qkv_bias=qkv_bias,
             o_bias=model_type not in ("qwen2", "qwen3") and bool(getattr(config, "attention_bias", False)),
             mlp_bias=bool(getattr(config, "mlp_bias", False)),
-            qk_norm=model_type == "qwen3" or arch == "Qwen3ForCausalLM",
+            qk_norm=model_type in ("qwen3", "qwen3_moe") or arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             sliding_window=sliding,
             max_position_embeddings=config.max_position_embeddings,
+            experts=Experts.from_hf_config(config),
         )
 
 
@@ -243,7 +247,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
         self.self_attn = Attention(shape)
         self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
-        self.mlp = MLP(shape)
+        sparse = shape.experts is not None and index in shape.experts.sparse_layers
+        self.mlp = SparseMoe(shape) if sparse else MLP(shape)
 
     def forward(self, x, residual, cos, sin, kv_cache, meta, lora: LoraStep | None = None):
         """x: the previous layer's output, residual: the stream before it (None at the first layer);
@@ -254,19 +259,30 @@ class DecoderLayer(nn.Module):
             x, residual = self.input_layernorm.add_forward(x, residual, meta.kernels)
         x = self.self_attn(x, cos, sin, kv_cache, meta, lora, self.lora_prefix)
         x, residual = self.post_attention_layernorm.add_forward(x, residual, meta.kernels)
+        if isinstance(self.mlp, SparseMoe):
+            return self.mlp(x, meta.kernels), residual
         return self.mlp(x, meta.kernels, lora, self.lora_prefix), residual
 
-    def fused_weights(self) -> tuple | None:
-        """The weights in the order the C++ `decoder_layer` op takes them; None where it cannot run
-        this layer (linears not packed for CPU float32, or an activation other than SiLU)."""
+    def fused_weights(self) -> tuple[tuple, tuple] | None:
+        """The weights in the order the C++ `decoder_layer` op takes them, and its MLP's experts (router
+        panels, each expert's panels, top k, whether to renormalise; None, [], 0, False for a dense MLP);
+        None where it cannot run this layer (linears not packed for CPU float32, an activation other than SiLU)."""
         attn, mlp = self.self_attn, self.mlp
-        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        if not mlp.silu or not all(isinstance(layer, PackedLinear) for layer in linears):
+        if not all(isinstance(layer, PackedLinear) for layer in (attn.qkv_proj, attn.o_proj)):
+            return None
+        if isinstance(mlp, SparseMoe):
+            experts = mlp.fused_weights()
+            if experts is None or not mlp.experts[0].silu:
+                return None
+            dense, routing = (None, None, None, None), (*experts, mlp.top_k, mlp.normalize)
+        elif mlp.silu and all(isinstance(layer, PackedLinear) for layer in (mlp.gate_up_proj, mlp.down_proj)):
+            dense = (mlp.gate_up_proj.panels, mlp.gate_up_proj.bias, mlp.down_proj.panels, mlp.down_proj.bias)
+            routing = (None, [], 0, False)
+        else:
             return None
         qk_norm = (attn.q_norm.weight, attn.k_norm.weight) if attn.shape.qk_norm else (None, None)
         return (self.input_layernorm.weight, attn.qkv_proj.panels, attn.qkv_proj.bias, *qk_norm, attn.o_proj.panels,
-                attn.o_proj.bias, self.post_attention_layernorm.weight, mlp.gate_up_proj.panels, mlp.gate_up_proj.bias,
-                mlp.down_proj.panels, mlp.down_proj.bias)
+                attn.o_proj.bias, self.post_attention_layernorm.weight, *dense), routing
 
 
 class LlamaForCausalLM(nn.Module):
@@ -323,6 +339,9 @@ class LlamaForCausalLM(nn.Module):
                 raise AdapterError(f"the adapter adapts {module}, not a linear of {type(self).__name__} that galley "
                                    "adapts (q/k/v/o_proj, gate/up/down_proj of model.layers.N)")
             fused, rows = places[match[2]]
+            if fused in ("gate_up", "down") and isinstance(self.layers[int(match[1])].mlp, SparseMoe):
+                raise AdapterError(f"the adapter adapts {module}, but layer {match[1]} routes to experts: galley "
+                                   "adapts the attention of a mixture of experts")
             check_shape(module, a, b, inputs[fused], rows.stop - rows.start)
             parts.setdefault(f"{match[1]}.{fused}", []).append((rows, a, b, scale))
         return {key: stack_parts(p, outputs[key.split(".")[1]], device, dtype) for key, p in parts.items()}
@@ -346,8 +365,8 @@ class LlamaForCausalLM(nn.Module):
                 meta.prefill_bounds, [chunk.block_table for chunk in meta.prefills], s.num_heads, s.rms_norm_eps,
                 meta.block_size, s.head_dim**-0.5, meta.sliding_window or 0)
         adapters = lora.layer_arguments(s.num_layers, FUSED_LINEARS) if lora is not None else [([], [])] * s.num_layers
-        for layer_weights, (k_cache, v_cache), (lora_weights, lora_slices) in zip(weights, kv_caches, adapters,
-                                                                                   strict=True):
+        for (layer_weights, routing), (k_cache, v_cache), (lora_weights, lora_slices) in zip(
+                weights, kv_caches, adapters, strict=True):
             meta.kernels.decoder_layer(x, residual, cos, sin, *layer_weights, k_cache, v_cache, *step, lora_weights,
-                                       lora_slices)
+                                       lora_slices, *routing)
         return x, residual

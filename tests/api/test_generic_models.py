@@ -1,5 +1,6 @@
-"""Models only the generic backend serves, through the real app and the openai SDK: greedy text
-equals HF `generate` on the same weights, `/v1/models` says how each model runs, and a model the
+"""Models beyond the dense native families, through the real app and the openai SDK: greedy text
+equals HF `generate` on the same weights, `/v1/models` says how each model runs (a mixture of
+experts natively, Gemma 3 on the generic backend, Qwen3 on either), and a model the
 paged attention cannot compute fails its load with a message that names why (never served wrong)."""
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ async def test_generic_models_answer_as_hf_and_say_how_they_run(make_stack, gene
     sdk = sdk_for(stack)
     cards = {card.id: card.model_extra for card in (await sdk.models.list()).data}
     assert (cards["moe"]["architecture"], cards["moe"]["family"], cards["moe"]["backend"]) == (
-        "Qwen3MoeForCausalLM", "qwen3_moe", "generic")
+        "Qwen3MoeForCausalLM", "qwen3_moe", "native")
     assert (cards["gemma"]["architecture"], cards["gemma"]["backend"]) == ("Gemma3ForCausalLM", "generic")
     assert (cards["qwen-generic"]["backend"], cards["qwen"]["backend"]) == ("generic", "native")
 

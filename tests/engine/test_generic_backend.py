@@ -2,10 +2,10 @@
 cache gives HF `generate`'s greedy tokens, batched, chunked, preempted and with prefix hits; what it
 cannot compute is refused at load with a message that names it.
 
-Tiny random models of families galley has no native decoder for (tests.models.GENERIC_FAMILIES):
-Gemma 3 (sliding-window and full layers mixed), Gemma 2 (soft-capped scores), Phi-3, Qwen3-MoE and
-Mixtral (mixtures of experts), OLMo 2, Granite, GPT-NeoX, GPT-2 (`GPT2LMHeadModel`), OPT; and a
-Qwen3 forced onto the generic backend. GPT-OSS (attention sinks), Llama 4 (chunked attention) and
+Tiny random models (tests.models.GENERIC_FAMILIES): Gemma 3 (sliding-window and full layers mixed),
+Gemma 2 (soft-capped scores), Phi-3, OLMo 2, Granite, GPT-NeoX, GPT-2 (`GPT2LMHeadModel`), OPT, which
+have no native decoder; Qwen3-MoE and Mixtral (mixtures of experts) and a Qwen3, which do, forced
+onto the generic backend. GPT-OSS (attention sinks), Llama 4 (chunked attention) and
 Falcon (no pluggable attention) are refused.
 """
 
@@ -24,7 +24,7 @@ SERVED = ["gemma3", "gemma2", "phi3", "qwen3moe", "mixtral", "olmo2", "granite",
 REFUSED = {"gpt_oss": "attention sinks", "llama4": "chunked_attention", "falcon": "pluggable attention"}
 
 
-def generic_engine(path, num_blocks: int = 256, backend: str = "auto", **engine_kw):
+def generic_engine(path, num_blocks: int = 256, backend: str = "generic", **engine_kw):
     loaded = load_model(str(path), backend=backend)
     assert loaded.backend == "generic"
     return build_engine(loaded, EngineConfig(**engine_kw), num_blocks=num_blocks)
@@ -59,7 +59,7 @@ def test_quantized_greedy_equals_hf_on_the_same_quantized_weights(generic_models
     quantized as on the native path; the reference is HF on the same weights, de-quantized."""
     from tests.engine.test_quantization import assert_greedy_equals_fake_quantized_hf
 
-    assert_greedy_equals_fake_quantized_hf(generic_models[family], method)
+    assert_greedy_equals_fake_quantized_hf(generic_models[family], method, backend="generic")
 
 
 def test_a_native_family_forced_onto_the_generic_backend_matches_hf(tiny_models):

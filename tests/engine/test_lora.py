@@ -62,13 +62,14 @@ def run_mixed(engine, batch: list[tuple[list[int], str]], max_tokens: int | None
     return [outputs[f"p{i}"] for i in range(len(batch))]
 
 
-@pytest.mark.parametrize("base, cpu_kernels", [("llama", True), ("llama", False), ("gemma3", True),
-                                              ("qwen3moe", True)], ids=["native-kernels", "native-torch",
-                                                                       "generic-gemma3", "generic-moe"])
-def test_base_and_adapters_in_one_batch_equal_peft(adapters, base, cpu_kernels):
+@pytest.mark.parametrize("base, cpu_kernels, backend", [
+    ("llama", True, "native"), ("llama", False, "native"), ("gemma3", True, "generic"), ("qwen3moe", True, "generic"),
+    ("qwen3moe", True, "native"),
+], ids=["native-kernels", "native-torch", "generic-gemma3", "generic-moe", "native-moe"])
+def test_base_and_adapters_in_one_batch_equal_peft(adapters, base, cpu_kernels, backend):
     path, folders = adapters[base]
-    engine = build_engine(load_model(str(path)), EngineConfig(max_num_batched_tokens=16, cpu_kernels=cpu_kernels),
-                          num_blocks=256)
+    engine = build_engine(load_model(str(path), backend=backend),
+                          EngineConfig(max_num_batched_tokens=16, cpu_kernels=cpu_kernels), num_blocks=256)
     for name, folder in folders.items():
         engine.add_adapter(name, read_adapter(str(folder)))
     batch = prompts(6, 300, lengths=[5, 30, 12, 19, 3, 26], seed=4)

@@ -1,0 +1,91 @@
+"""Mixtures of experts on the native decoder (engine.models.moe): Qwen3-MoE (top k as they come, or
+renormalised; dense layers among the sparse ones) and Mixtral give HF `generate`'s greedy tokens,
+batched and chunked, on the C++ layer op and on the torch path; the op routes and adds as the
+per-op path does, bit for bit; an adapter on experts is refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.attention import build_metadata
+from engine.loader import load_model
+from engine.lora import AdapterError, PeftAdapter
+from engine.models.moe import SparseMoe
+from engine.types import SamplingParams
+from launch import EngineConfig, build_engine
+from tests.engine.test_fast_paths import CountingKernels
+from tests.engine.test_reference import hf_greedy, prompts
+from tests.helpers import assert_all_blocks_free, run_to_completion
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+MOE = ["qwen3moe", "qwen3moe-mixed", "mixtral"]
+
+
+@pytest.mark.parametrize("cpu_kernels", [True, False], ids=["kernels", "torch"])
+@pytest.mark.parametrize("family", MOE)
+def test_native_moe_greedy_matches_hf(generic_models, family, cpu_kernels):
+    path = generic_models[family]
+    loaded = load_model(str(path))
+    assert loaded.backend == "native"
+    sparse = [isinstance(layer.mlp, SparseMoe) for layer in loaded.model.layers]
+    assert sparse == ([False, True] if family == "qwen3moe-mixed" else [True, True])
+    engine = build_engine(loaded, EngineConfig(max_num_batched_tokens=16, cpu_kernels=cpu_kernels), num_blocks=256)
+    batch = prompts(6, 300, lengths=[3, 17, 40, 9, 26, 1])  # prompts above 16 tokens are chunked
+    assert run_to_completion(engine, batch, GREEDY) == [hf_greedy(path, p, 12) for p in batch]
+    assert_all_blocks_free(engine.scheduler.kv)
+
+
+@pytest.mark.parametrize("family", MOE)
+def test_fused_moe_layer_matches_per_op_path(generic_models, kernels, family):
+    """The C++ layer op with its `moe_mlp` (router, top k, each expert once on its gathered tokens, the
+    weighted outputs added in expert order) gives the per-op path's logits and cache, bit for bit."""
+    model = load_model(str(generic_models[family]), dtype="float32").model
+    s, block_size, num_blocks = model.shape, 4, 64
+    torch.manual_seed(0)
+    caches = [(torch.randn(num_blocks * block_size, s.num_kv_heads, s.head_dim),
+               torch.randn(num_blocks * block_size, s.num_kv_heads, s.head_dim)) for _ in range(s.num_layers)]
+    free = iter(torch.randperm(num_blocks).tolist())
+    decodes = [([next(free) for _ in range(-(-n // block_size))], n) for n in (9, 30, 1)]
+    chunks = [([next(free) for _ in range(-(-(start + n) // block_size))], start, n) for start, n in [(0, 13), (7, 9)]]
+    positions = [n - 1 for _, n in decodes] + [p for _, start, n in chunks for p in range(start, start + n)]
+    tables = [table for table, _ in decodes] + [table for table, _, n in chunks for _ in range(n)]
+    slots = [table[p // block_size] * block_size + p % block_size for table, p in zip(tables, positions)]
+    input_ids = torch.randint(0, s.vocab_size, (len(slots),))
+    logits_at = torch.arange(len(slots))
+    results = []
+    for fused in (False, True):
+        model.fused, counting = fused, CountingKernels(kernels, "decoder_layer")
+        meta = build_metadata(decodes, chunks, slots, block_size, None, torch.device("cpu"), counting)
+        cache = [(k.clone(), v.clone()) for k, v in caches]
+        with torch.inference_mode():
+            results.append((model(input_ids, torch.tensor(positions), cache, meta, logits_at), cache))
+        assert counting.calls == (s.num_layers if fused else 0)
+    (expected, expected_cache), (got, got_cache) = results
+    assert torch.equal(got, expected)
+    assert all(torch.equal(a, b) for pair, other in zip(got_cache, expected_cache) for a, b in zip(pair, other))
+
+
+def test_an_adapter_on_a_layer_of_experts_is_refused(generic_models):
+    """PEFT names a dense MLP's linears; on a layer that routes to experts they adapt nothing we compute."""
+    path = generic_models["qwen3moe-mixed"]
+    model = load_model(str(path)).model
+    s = model.shape
+    dense = {"model.layers.0.mlp.gate_proj": (torch.zeros(4, s.hidden_size), torch.zeros(s.intermediate_size, 4), 1.0)}
+    assert model.lora_weights(PeftAdapter(path, dense, ""), torch.device("cpu"), torch.float32)  # layer 0: dense
+    sparse = {"model.layers.1.mlp.gate_proj": dense["model.layers.0.mlp.gate_proj"]}
+    with pytest.raises(AdapterError, match="layer 1 routes to experts"):
+        model.lora_weights(PeftAdapter(path, sparse, ""), torch.device("cpu"), torch.float32)
+
+
+@pytest.mark.parametrize("family, method", [("qwen3moe", "int4"), ("mixtral", "int8")])
+def test_quantized_moe_greedy_equals_hf_on_the_same_quantized_weights(generic_models, family, method):
+    """Attention quantized as on the dense families; the experts and the router stay float (as transformers'
+    3D expert weights do on the generic backend)."""
+    from engine.quantization import Int4Linear, Int8Linear
+    from tests.engine.test_quantization import assert_greedy_equals_fake_quantized_hf
+
+    assert_greedy_equals_fake_quantized_hf(generic_models[family], method, backend="native")
+    layer = load_model(str(generic_models[family]), quantization=method).model.layers[1]
+    assert isinstance(layer.self_attn.qkv_proj, (Int4Linear, Int8Linear))
+    assert not any(isinstance(m, (Int4Linear, Int8Linear)) for m in layer.mlp.modules())
