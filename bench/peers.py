@@ -13,6 +13,7 @@ keeps them up for the whole run. For each repetition and workload it runs galley
   MT  8 concurrent conversations x 4 turns; a turn's prompt is the previous prompt, its
       output and 192 new tokens; 64 output tokens; mean TTFT per turn
   SP  32 concurrent requests sharing one 512-token prefix plus 64 own tokens; 64 output
+  L   16 concurrent requests, 1024-token prompts, 64 output tokens (long prompts: prefill)
 
 Prompts are token-id lists to streaming /v1/completions (greedy, ignore_eos); every
 repetition draws new ones, since both servers cache prefixes. Each server's prefix-cache hit
@@ -120,7 +121,7 @@ def gguf_model(source: str) -> tuple[Path, ModelShape]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="4 layers, small workloads, 1 repetition (unless set)")
-    p.add_argument("--workloads", default="W,S,MT,SP", help="comma list of W,W16,S,MT,SP")
+    p.add_argument("--workloads", default="W,S,MT,SP", help="comma list of W,W16,S,MT,SP,L")
     p.add_argument("--repetitions", type=int, default=None, help="default 3 (1 with --quick)")
     p.add_argument("--layers", type=int, default=None, help="default 30, SmolLM2-135M (4 with --quick)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="OpenMP threads of each server")

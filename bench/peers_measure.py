@@ -68,6 +68,7 @@ def default_workloads(quick: bool) -> dict[str, Workload]:
             "S": Workload("S", 1, 3, 32, 32),
             "MT": Workload("MT", 4, 3, 48, 16, carry_history=True),
             "SP": Workload("SP", 8, 1, 16, 16, shared_prefix_len=128),
+            "L": Workload("L", 4, 1, 256, 16),
         }
     return {
         "W": Workload("W", 32, 1, 128, 128),
@@ -75,6 +76,7 @@ def default_workloads(quick: bool) -> dict[str, Workload]:
         "S": Workload("S", 1, 6, 128, 128),
         "MT": Workload("MT", 8, 4, 192, 64, carry_history=True),
         "SP": Workload("SP", 32, 1, 64, 64, shared_prefix_len=512),
+        "L": Workload("L", 16, 1, 1024, 64),  # issue 34's long prompts: prefill-bound, TTFT is the point
     }
 
 

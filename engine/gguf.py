@@ -52,6 +52,8 @@ LAYER_TENSORS = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# where an architecture's converter stores a fused linear under its own name (Phi-3's gate/up is `ffn_up`)
+ARCH_LAYER_TENSORS = {"phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}}
 GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 PERMUTED_ARCHS = ("llama",)  # llama.cpp's converter permutes q/k rows of these for its rotary layout
 
@@ -127,7 +129,7 @@ def read_weights(gguf_file: Path, hf_config, int4_blocks: bool = False, blocks: 
         if progress is not None:
             progress.advance(done_bytes, total_bytes, tensors=f"{i}/{len(tensors)}")
         done_bytes += tensor.n_bytes
-        name = hf_name(tensor.name)
+        name = hf_name(tensor.name, arch)
         if name is None:
             log.warning("skipping an unknown GGUF tensor", tensor=tensor.name)
             continue
@@ -252,13 +254,14 @@ def int4_groups(data: np.ndarray, qtype: str) -> Int4Groups | None:
     return Int4Groups(blocks.codes, blocks.scale, blocks.min + 8 * blocks.scale)
 
 
-def hf_name(gguf_name: str) -> str | None:
+def hf_name(gguf_name: str, arch: str = "") -> str | None:
     base, _, suffix = gguf_name.rpartition(".")
     if base in GLOBAL_TENSORS:
         return f"{GLOBAL_TENSORS[base]}.{suffix}"
     match = re.fullmatch(r"blk\.(\d+)\.(\w+)", base)
-    if match and match.group(2) in LAYER_TENSORS:
-        return f"model.layers.{match.group(1)}.{LAYER_TENSORS[match.group(2)]}.{suffix}"
+    names = {**LAYER_TENSORS, **ARCH_LAYER_TENSORS.get(arch, {})}
+    if match and match.group(2) in names:
+        return f"model.layers.{match.group(1)}.{names[match.group(2)]}.{suffix}"
     return None
 
 

@@ -22,10 +22,10 @@ from engine.block_panels import BlockEmbedding, QuantBlocks
 from engine.cpu_kernels import CPU_KERNELS
 from engine.gguf import GGUF_BLOCK, find_gguf, hf_folder_for, is_gguf_file, read_weights
 from engine.load_progress import LoadProgress, ProgressCallback
-from engine.models.llama import SUPPORTED_ARCHITECTURES, LlamaForCausalLM
-from engine.models.moe import MOE_ARCHITECTURES, fuse_expert_weights
+from engine.models.layout import fuse_weights
+from engine.models.llama import SUPPORTED_ARCHITECTURES, LlamaForCausalLM, native_refusal
 from engine.packed_linear import PackedLinear, can_pack, pack_linears
-from engine.quantization import Int4Groups, Int4Linear, Int8Linear, QuantizationSpec, cat_rows, quantize_model
+from engine.quantization import Int4Groups, Int4Linear, Int8Linear, QuantizationSpec, quantize_model
 
 log = structlog.get_logger(__name__)
 
@@ -156,31 +156,6 @@ def read_checkpoint(path: Path, progress: LoadProgress | None = None) -> dict[st
     return tensors
 
 
-def fuse_weights(hf: dict[str, torch.Tensor | Int4Groups], num_layers: int,
-                 tied: bool) -> dict[str, torch.Tensor | Int4Groups]:
-    """HF parameter names -> ours, concatenating q/k/v and gate/up (int4 codes stay codes if all are)."""
-    hf = {name.removeprefix("model."): tensor for name, tensor in hf.items()}
-    out = {"embed_tokens.weight": hf["embed_tokens.weight"], "norm.weight": hf["norm.weight"]}
-    out["lm_head.weight"] = hf["embed_tokens.weight"] if tied else hf["lm_head.weight"]
-    for i in range(num_layers):
-        p = f"layers.{i}."
-        for suffix in ("weight", "bias"):
-            parts = [hf.get(f"{p}self_attn.{n}_proj.{suffix}") for n in "qkv"]
-            if parts[0] is not None:
-                out[f"{p}self_attn.qkv_proj.{suffix}"] = cat_rows(parts)
-            gate_up = [hf.get(f"{p}mlp.{n}_proj.{suffix}") for n in ("gate", "up")]
-            if gate_up[0] is not None:
-                out[f"{p}mlp.gate_up_proj.{suffix}"] = cat_rows(gate_up)
-            for name in ("self_attn.o_proj", "mlp.down_proj"):
-                if f"{p}{name}.{suffix}" in hf:
-                    out[f"{p}{name}.{suffix}"] = hf[f"{p}{name}.{suffix}"]
-        fuse_expert_weights(hf, p, out)
-        for name in ("input_layernorm", "post_attention_layernorm", "self_attn.q_norm", "self_attn.k_norm"):
-            if f"{p}{name}.weight" in hf:
-                out[f"{p}{name}.weight"] = hf[f"{p}{name}.weight"]
-    return out
-
-
 def eos_token_ids(path: Path, hf_config, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
     ids: set[int] = set()
     sources = [getattr(hf_config, "eos_token_id", None), tokenizer.eos_token_id]
@@ -232,13 +207,12 @@ def load_model(source: str, device: str = "cpu", dtype: str = "auto",
     arch = (getattr(hf_config, "architectures", None) or ["unknown"])[0]
     if backend not in BACKENDS:
         raise ModelLoadError(f"backend {backend!r} is not one of {', '.join(BACKENDS)}")
-    native = arch in SUPPORTED_ARCHITECTURES and not (gguf_file and arch in MOE_ARCHITECTURES)  # GGUF experts: generic
-    if backend == "native" and not native:
-        raise ModelLoadError(f"architecture {arch} of {source!r} has no native backend; native: "
-                             f"{', '.join(SUPPORTED_ARCHITECTURES)} (backend generic serves others)")
+    refusal = native_refusal(arch, hf_config, gguf=gguf_file is not None)
+    if backend == "native" and refusal:
+        raise ModelLoadError(f"{source!r} has no native backend: {refusal} (backend generic serves it)")
     torch_device = torch.device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
-    if backend == "generic" or not native:
+    if backend == "generic" or refusal:
         model = load_generic(source, path, gguf_file, hf_config, spec, torch_device, torch_dtype, progress)
         return finish_load(path, model, hf_config, torch_dtype, torch_device, progress, arch, "generic")
     with torch.device("meta"):

@@ -32,8 +32,24 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Phi3ForCausalLM",  # Phi-3 and Phi-4: q/k/v and gate/up fused in the checkpoint already
     *MOE_ARCHITECTURES,
 )
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def native_refusal(architecture: str, hf_config, gguf: bool = False) -> str | None:
+    """Why the native decoder does not compute this model (the generic backend then serves it); None if it does."""
+    if architecture not in SUPPORTED_ARCHITECTURES:
+        return f"architecture {architecture} is not one of {', '.join(SUPPORTED_ARCHITECTURES)}"
+    if gguf and architecture in MOE_ARCHITECTURES:
+        return "a GGUF file's experts are not read natively"
+    rope = getattr(hf_config, "rope_parameters", None) or {}
+    if rope.get("rope_type", "default") not in ROPE_TYPES:
+        return f"rope type {rope['rope_type']!r} is not one of {', '.join(ROPE_TYPES)}"
+    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+        return f"partial rotary embeddings (partial_rotary_factor {rope['partial_rotary_factor']})"
+    return None
 
 
 # The activations these families use, as transformers' ACT2FN computes them; others come from ACT2FN

@@ -17,7 +17,6 @@ import torch
 from torch import nn
 
 from engine.packed_linear import PackedLinear, linear
-from engine.quantization import cat_rows
 
 if TYPE_CHECKING:
     from engine.models.llama import DecoderShape
@@ -92,28 +91,3 @@ class SparseMoe(nn.Module):
         if not all(isinstance(layer, PackedLinear) for layer in linears):
             return None
         return self.gate.panels, [e.panels for e in linears[1:]]
-
-
-# a checkpoint's names of the router and of expert E's gate, up and down linears, per family
-CHECKPOINT_NAMES = {
-    "qwen3_moe": ("mlp.gate", "mlp.experts.{}.gate_proj", "mlp.experts.{}.up_proj", "mlp.experts.{}.down_proj"),
-    "mixtral": ("block_sparse_moe.gate", "block_sparse_moe.experts.{}.w1", "block_sparse_moe.experts.{}.w3",
-                "block_sparse_moe.experts.{}.w2"),
-}
-
-
-def fuse_expert_weights(hf: dict[str, Any], layer: str, out: dict[str, Any]) -> None:
-    """A layer's router and experts from a checkpoint's names (`layer` is "layers.N."; either family's
-    naming) to ours, each expert's gate and up concatenated as the dense MLP's are."""
-    for router, gate, up, down in CHECKPOINT_NAMES.values():
-        if f"{layer}{router}.weight" not in hf:
-            continue
-        out[f"{layer}mlp.gate.weight"] = hf[f"{layer}{router}.weight"]
-        expert = 0
-        while f"{layer}{gate.format(expert)}.weight" in hf:
-            e, ours = (lambda name, e=expert: hf[f"{layer}{name.format(e)}.weight"]), f"{layer}mlp.experts.{expert}."
-            out[f"{ours}gate_up_proj.weight"] = cat_rows([e(gate), e(up)])
-            out[f"{ours}down_proj.weight"] = e(down)
-            expert += 1
-
-

@@ -1,9 +1,9 @@
 """GGUF files of several families (tiny random models written as llama.cpp lays them out,
 tests/gguf_models.py): greedy output through our engine equals transformers' own load of the same
-file, for Llama (q/k permuted), Qwen2 (biases), Qwen3 (q/k norms) and Phi-3 (fused q/k/v and
-gate/up, the generic backend), in block formats the CPU kernels keep (Q4_0, Q4_1, Q5_1, Q8_0: those
-the gguf package can write), in a batch with chunked prefill; the native families on the generic
-backend and de-quantized too."""
+file, for Llama (q/k permuted), Qwen2 (biases), Qwen3 (q/k norms) and Phi-3 (q/k/v and gate/up
+fused in the file: `attn_qkv`, `ffn_up`), in block formats the CPU kernels keep (Q4_0, Q4_1, Q5_1,
+Q8_0: those the gguf package can write), in a batch with chunked prefill; on the generic backend
+and de-quantized too."""
 
 from __future__ import annotations
 
@@ -33,12 +33,10 @@ def gguf_files(tmp_path_factory):
 @pytest.mark.parametrize("family, qtype", FILES)
 @pytest.mark.parametrize("how", ["default", "generic", "de-quantized"])
 def test_gguf_greedy_equals_transformers_on_the_same_file(gguf_files, family, qtype, how):
-    if family == "phi3" and how != "default":
-        pytest.skip("phi3 has only the generic backend, which de-quantizes")
     file = gguf_files[(family, qtype)]
     options = {"generic": {"backend": "generic"}, "de-quantized": {"quantization": "none"}}.get(how, {})
     loaded = load_model(str(file), **options)
-    assert loaded.backend == ("generic" if family == "phi3" or how == "generic" else "native")
+    assert loaded.backend == ("generic" if how == "generic" else "native")
     if loaded.backend == "native":  # the file's own blocks, unless told to de-quantize
         panels = loaded.model.layers[0].mlp.gate_up_proj.panels
         assert panels.dtype == {"default": torch.uint8 if qtype.startswith("Q4") else torch.int8,
