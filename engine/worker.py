@@ -26,7 +26,7 @@ from concurrent.futures import Future
 import structlog
 
 from engine.batcher import BatcherStats, DynamicBatcher, Pending
-from engine.cpu_share import CpuShare
+from engine.cpu_share import CHECK_INTERVAL_S, CpuShare
 from engine.engine import LLMEngine
 from engine.inbox import (
     STOP,
@@ -212,13 +212,16 @@ class DeviceWorker:
 
     def _wait_s(self) -> float | None:
         """How long the inbox may be waited on: not at all while an engine has work or an encoder
-        batch is due, else until the next encoder batch or profile stop is due (None: no limit)."""
+        batch is due, else until the next encoder batch, profile stop or CPU share check is due
+        (None: no limit)."""
         if any(engine.has_work() for engine in self.engines.values()):
             return 0.0
         deadlines = [d for d in (b.deadline() for b in self.encoders.values()) if d is not None]
         waits = [max(0.0, min(deadlines) - time.monotonic())] if deadlines else []
         if self.profiler.timeout_s() is not None:
             waits.append(self.profiler.timeout_s())
+        if self.cpu_share is not None:  # idle, it still checks the neighbours: work resumes on today's threads
+            waits.append(CHECK_INTERVAL_S)
         return min(waits) if waits else None
 
     def _drain(self) -> bool:

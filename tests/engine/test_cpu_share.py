@@ -48,3 +48,29 @@ def test_niced_and_idle_time_are_not_a_neighbour(tmp_path):
     assert read_cpu_times(str(stat), str(own)) == CpuTimes(100 + 20 + 1 + 2 + 3, 75)
     assert read_cpu_times(str(tmp_path / "missing"), str(own)) is None
     assert read_cpu_times() is not None  # this machine's /proc
+
+
+def test_an_idle_worker_still_checks_its_neighbours(monkeypatch):
+    """A neighbour busy while no request came (another server starting, a build) is not held against the
+    next requests: idle, the worker checks once a CHECK_INTERVAL_S, so it is on all its threads again
+    before work resumes. Checked only after steps, the first check after an idle spell counted it."""
+    import time
+
+    from engine import worker as worker_module
+
+    start = time.monotonic()
+
+    def read() -> CpuTimes:  # others: 0.8 cores for the first 1.5 s, then nothing; ours: idle
+        return CpuTimes(round(min(time.monotonic() - start, 1.5) * 0.8 * 100), 0)
+
+    monkeypatch.setattr(worker_module, "CpuShare", lambda: CpuShare(max_threads=2, read=read, ticks_per_s=100))
+    worker = worker_module.DeviceWorker("cpu-idle-test", emit=lambda events: None)
+    worker.start()
+    try:
+        seen, deadline = set(), time.monotonic() + 10
+        while time.monotonic() < deadline and not (1 in seen and worker.cpu_share.threads == 2):
+            seen.add(worker.cpu_share.threads)
+            time.sleep(0.05)
+        assert 1 in seen and worker.cpu_share.threads == 2  # one thread beside the neighbour, all once it left
+    finally:
+        worker.stop()
