@@ -9,11 +9,12 @@ x 64/64 of the SmolLM2-135M shape, 2 cores): quiet, 182 tok/s on 2 threads and 1
 from two busy threads (CFS weights 1024 : 15; 196 tok/s beside it, 193 without), so niced time is
 not counted: /proc/stat keeps it apart.
 
-The worker checks after each round of steps and, idle, once a CHECK_INTERVAL_S: a neighbour that
-was busy while no request came (another server starting, a build) is not held against the next
-requests. Checked only between steps, a neighbour gone during an idle minute was still counted in
-the first check after it: beside vLLM's start-up, galley then ran W's first 12 s on one thread (150
-tok/s, TTFT 8.8 s; 202 tok/s and 4.9 s once it checked while idle).
+The worker checks after each round of steps and, idle, once a CHECK_INTERVAL_S. Idle checks only
+give threads back: a neighbour busy while no request came (another server starting or serving, a
+build) may be gone when work comes, and the first check of a busy spell only starts its measurement.
+Before, checked only between steps, a busy spell inherited what an idle minute had seen: beside
+vLLM's start-up galley ran W's first 12 s on one thread (150 tok/s, TTFT 8.8 s, against 200 tok/s
+and 5.4 s), and each run right after vLLM's own ran its first seconds on one thread.
 
 Linux only (/proc); elsewhere the thread count never changes.
 """
@@ -70,21 +71,28 @@ class CpuShare:
         self.ticks_per_s = ticks_per_s or os.sysconf("SC_CLK_TCK")
         self.last = (clock(), read())
         self.quiet_checks = 0
+        self.busy = True  # whether the worker stepped between the last two checks
 
-    def tick(self) -> None:
-        """Call after each round of steps (on the worker's thread): at most once per CHECK_INTERVAL_S,
-        sets torch's threads by how much of the machine other processes took since the last check."""
+    def tick(self, busy: bool = True) -> None:
+        """Call after each round of steps (`busy`) and now and then while idle, on the worker's thread: at
+        most once per CHECK_INTERVAL_S, sets torch's threads by how much of the machine other processes
+        took since the last check."""
         now = self.clock()
+        if busy and not self.busy:  # work resumed: measure from here, not over the idle spell
+            self.busy, self.last = True, (now, self.read())
+            return
         if self.max_threads < 2 or now - self.last[0] < CHECK_INTERVAL_S:
             return
         times, (then, before) = self.read(), self.last
-        self.last = (now, times)
+        self.last, self.busy = (now, times), busy
         if times is None or before is None:
             return
         others = max(0, (times.machine - before.machine) - (times.own - before.own)) / self.ticks_per_s / (now - then)
         wanted = self.threads
         if others >= BUSY_NEIGHBOUR_CORES:
-            wanted, self.quiet_checks = 1, 0
+            self.quiet_checks = 0
+            if busy:  # idle, a neighbour costs nothing yet
+                wanted = 1
         elif others < QUIET_NEIGHBOUR_CORES:
             self.quiet_checks += 1
             if self.quiet_checks >= 2:

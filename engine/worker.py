@@ -143,10 +143,10 @@ class DeviceWorker:
                     return
                 self._busy_since_s = time.monotonic()
                 stepped_s = self._step_engines()
-                self._run_encoders(stepped_s)
+                encoded = self._run_encoders(stepped_s)
                 self.profiler.tick()
                 if self.cpu_share is not None:
-                    self.cpu_share.tick()
+                    self.cpu_share.tick(busy=stepped_s > 0 or encoded)
             except Exception:  # a bug outside the guarded parts: log it and go on with the next round
                 log.exception("worker loop failed; continuing", device=self.device)
 
@@ -190,7 +190,7 @@ class DeviceWorker:
         stuck = busy_since is not None and time.monotonic() - busy_since > self.stall_after_s
         return self._thread.is_alive() and not stuck
 
-    def _run_encoders(self, stepped_s: float) -> None:
+    def _run_encoders(self, stepped_s: float) -> bool:
         """At most one batch per encoder between steps. While engines generate, encoders get about
         as much device time as the steps took (`_encode_credit_s`: step time earned, batch time
         spent, never more than one step ahead), in batches sized to it, so streams keep their
@@ -199,7 +199,7 @@ class DeviceWorker:
             self._encode_credit_s = 0.0
         else:
             self._encode_credit_s = min(self._encode_credit_s + stepped_s, stepped_s)
-        now = time.monotonic()
+        now, encoded = time.monotonic(), False
         for encoder_id, batcher in self.encoders.items():
             if not batcher.due(now) or (stepped_s and self._encode_credit_s <= 0):
                 continue
@@ -207,8 +207,10 @@ class DeviceWorker:
             started = time.perf_counter()
             with self.profiler.label(f"encode {encoder_id}"):
                 batcher.run_once(limit)
+            encoded = True
             if stepped_s:
                 self._encode_credit_s -= time.perf_counter() - started
+        return encoded
 
     def _wait_s(self) -> float | None:
         """How long the inbox may be waited on: not at all while an engine has work or an encoder

@@ -50,27 +50,48 @@ def test_niced_and_idle_time_are_not_a_neighbour(tmp_path):
     assert read_cpu_times() is not None  # this machine's /proc
 
 
+def test_idle_checks_only_give_threads_back_and_a_busy_spell_measures_from_its_start():
+    """While idle, a busy neighbour costs nothing yet (it may be gone when work comes: another server
+    starting or serving, a build), a neighbour gone gives the threads back; the first check of a busy
+    spell only starts its measurement, so a busy spell never inherits what the idle one saw."""
+    before = torch.get_num_threads()
+    machine = Machine()
+    share = CpuShare(max_threads=2, read=lambda: machine.times, clock=lambda: machine.now, ticks_per_s=100)
+    try:
+        seen = []
+        for others, busy in [(0.8, True), (1.9, False), (1.9, False), (0.0, False), (0.0, False), (1.9, False),
+                             (1.9, True), (0.0, True), (0.8, True)]:
+            machine.advance(others, own_cores=2.0 if busy else 0.0)
+            share.tick(busy=busy)
+            seen.append(share.threads)
+        # busy beside 0.8: one thread; idle beside 1.9: no change; idle and quiet twice: all again; idle
+        # beside 1.9: no change; work resumes while the neighbour ran: measured from here (no change);
+        # a quiet second and a busy one: one thread
+        assert seen == [1, 1, 1, 1, 2, 2, 2, 2, 1]
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_an_idle_worker_still_checks_its_neighbours(monkeypatch):
-    """A neighbour busy while no request came (another server starting, a build) is not held against the
-    next requests: idle, the worker checks once a CHECK_INTERVAL_S, so it is on all its threads again
-    before work resumes. Checked only after steps, the first check after an idle spell counted it."""
+    """A neighbour gone while no request came gives the threads back before work resumes: idle, the
+    worker checks once a CHECK_INTERVAL_S (before, it checked after steps only)."""
     import time
 
     from engine import worker as worker_module
 
     start = time.monotonic()
 
-    def read() -> CpuTimes:  # others: 0.8 cores for the first 1.5 s, then nothing; ours: idle
-        return CpuTimes(round(min(time.monotonic() - start, 1.5) * 0.8 * 100), 0)
+    def read() -> CpuTimes:  # others: 0.8 cores for the first 0.5 s, then nothing; ours: idle
+        return CpuTimes(round(min(time.monotonic() - start, 0.5) * 0.8 * 100), 0)
 
     monkeypatch.setattr(worker_module, "CpuShare", lambda: CpuShare(max_threads=2, read=read, ticks_per_s=100))
     worker = worker_module.DeviceWorker("cpu-idle-test", emit=lambda events: None)
+    worker.cpu_share.threads = 1  # as a neighbour seen in the last busy spell left it
     worker.start()
     try:
-        seen, deadline = set(), time.monotonic() + 10
-        while time.monotonic() < deadline and not (1 in seen and worker.cpu_share.threads == 2):
-            seen.add(worker.cpu_share.threads)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and worker.cpu_share.threads != 2:
             time.sleep(0.05)
-        assert 1 in seen and worker.cpu_share.threads == 2  # one thread beside the neighbour, all once it left
+        assert worker.cpu_share.threads == 2
     finally:
         worker.stop()
