@@ -1,4 +1,5 @@
-"""The Llama decoder family (Llama 2/3, Mistral, Qwen2/2.5, Qwen3) over a packed batch.
+"""The Llama decoder family (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, Phi-3/4, and with the experts of
+`engine.models.moe` Qwen3-MoE and Mixtral) over a packed batch.
 
 Reads like the HF reference on purpose (same RMSNorm and rotary formulas), so greedy
 outputs match `transformers`; differs in layout: fused qkv and gate/up projections, a flat
