@@ -154,8 +154,8 @@ class LoraWeights:
         return self.shrink.numel() * self.shrink.element_size() + self.expand.numel() * self.expand.element_size()
 
 
-def stack_parts(parts: list[tuple[slice, torch.Tensor, torch.Tensor, float]], out_features: int,
-                device: torch.device, dtype: torch.dtype) -> LoraWeights:
+def stack_parts(parts: list[tuple[slice, torch.Tensor, torch.Tensor, float]], device: torch.device,
+                dtype: torch.dtype) -> LoraWeights:
     """`parts`: (output columns of the fused linear, A, B, scale) of each adapted part."""
     shrink = torch.cat([a.float() for _, a, _, _ in parts]).to(device=device, dtype=dtype).contiguous()
     flat = torch.cat([(b.float() * scale).T.reshape(-1) for _, _, b, scale in parts]).to(device=device, dtype=dtype)

@@ -228,8 +228,7 @@ class GenericCausalLM(nn.Module):
                                    "layers only")
             inner = module.inner if isinstance(module, FlatLinear) else module
             check_shape(name, a, b, inner.in_features, inner.out_features)
-            weights[name] = stack_parts([(slice(0, inner.out_features), a, b, scale)], inner.out_features, device,
-                                          dtype)
+            weights[name] = stack_parts([(slice(0, inner.out_features), a, b, scale)], device, dtype)
         for name in weights.keys() - self.lora_hooked:
             self.hf.get_submodule(name).register_forward_hook(partial(self._add_lora, name))
             self.lora_hooked.add(name)

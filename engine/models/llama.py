@@ -348,7 +348,6 @@ class LlamaForCausalLM(nn.Module):
                   "mlp.gate_proj": ("gate_up", slice(0, inter)), "mlp.up_proj": ("gate_up", slice(inter, 2 * inter)),
                   "mlp.down_proj": ("down", slice(0, s.hidden_size))}
         inputs = {"qkv": s.hidden_size, "o": q, "gate_up": s.hidden_size, "down": inter}
-        outputs = {"qkv": q + 2 * kv, "o": s.hidden_size, "gate_up": 2 * inter, "down": s.hidden_size}
         parts: dict[str, list] = {}
         for module, (a, b, scale) in adapter.modules.items():
             match = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", module)
@@ -361,7 +360,7 @@ class LlamaForCausalLM(nn.Module):
                                    "adapts the attention of a mixture of experts")
             check_shape(module, a, b, inputs[fused], rows.stop - rows.start)
             parts.setdefault(f"{match[1]}.{fused}", []).append((rows, a, b, scale))
-        return {key: stack_parts(p, outputs[key.split(".")[1]], device, dtype) for key, p in parts.items()}
+        return {key: stack_parts(p, device, dtype) for key, p in parts.items()}
 
     def fused_weights(self) -> list[tuple] | None:
         """Each layer's weights for the fused op, gathered on first use (they do not change once

@@ -224,7 +224,7 @@ def test_lora_kernel_matches_torch(kernels, rows, ranks, widths):
         parts.append((slice(columns + 2, columns + 2 + width), torch.randn(rank, in_features),
                       torch.randn(width, rank), 0.5))
         columns += 2 + width
-    weights = stack_parts(parts, columns, torch.device("cpu"), torch.float32)
+    weights = stack_parts(parts, torch.device("cpu"), torch.float32)
     step = LoraStep([(LoraAdapter("a", {"0.x": weights}), [(2, 2 + rows)])])
     x, out = torch.randn(rows + 4, in_features), torch.randn(rows + 4, columns)
     want = step.add(out.clone(), x, "0.x")
