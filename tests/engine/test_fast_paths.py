@@ -350,15 +350,7 @@ def test_fused_layer_kernel_matches_per_op_path(tiny_models, kernels, family, sl
     model = load_model(str(tiny_models[family]), dtype="float32").model
     s, block_size, num_blocks = model.shape, 4, 64
     torch.manual_seed(0)
-    caches = [(torch.randn(num_blocks * block_size, s.num_kv_heads, s.head_dim),
-               torch.randn(num_blocks * block_size, s.num_kv_heads, s.head_dim)) for _ in range(s.num_layers)]
-    free = iter(torch.randperm(num_blocks).tolist())
-    decodes = [([next(free) for _ in range(-(-n // block_size))], n) for n in (9, 30, 1)]
-    chunks = [([next(free) for _ in range(-(-(start + n) // block_size))], start, n) for start, n in [(0, 13), (7, 9)]]
-    positions = [n - 1 for _, n in decodes] + [p for _, start, n in chunks for p in range(start, start + n)]
-    tables = [table for table, _ in decodes] + [table for table, _, n in chunks for _ in range(n)]
-    slots = [table[p // block_size] * block_size + p % block_size for table, p in zip(tables, positions)]
-    input_ids = torch.randint(0, s.vocab_size, (len(slots),))
+    caches, decodes, chunks, positions, slots, input_ids = mixed_step(s, block_size, num_blocks)
     logits_at = torch.tensor([0, 1, 2, 3 + 13 - 1, len(slots) - 1])
     results = []
     for fused in (False, True):
@@ -372,3 +364,18 @@ def test_fused_layer_kernel_matches_per_op_path(tiny_models, kernels, family, sl
     (expected, expected_cache), (got, got_cache) = results
     assert torch.equal(got, expected)
     assert all(torch.equal(a, b) for pair, other in zip(got_cache, expected_cache) for a, b in zip(pair, other))
+
+
+def mixed_step(s, block_size: int = 4, num_blocks: int = 64) -> tuple:
+    """A step of three decodes (9, 30 and 1 tokens of context) beside two prefill chunks (13 tokens from
+    the start, 9 after a cached prefix of 7) over random caches, for a model of shape `s`: (caches,
+    decodes, chunks, positions, slots, input_ids), as the fused-op tests run it."""
+    caches = [(torch.randn(num_blocks * block_size, s.num_kv_heads, s.head_dim),
+               torch.randn(num_blocks * block_size, s.num_kv_heads, s.head_dim)) for _ in range(s.num_layers)]
+    free = iter(torch.randperm(num_blocks).tolist())
+    decodes = [([next(free) for _ in range(-(-n // block_size))], n) for n in (9, 30, 1)]
+    chunks = [([next(free) for _ in range(-(-(start + n) // block_size))], start, n) for start, n in [(0, 13), (7, 9)]]
+    positions = [n - 1 for _, n in decodes] + [p for _, start, n in chunks for p in range(start, start + n)]
+    tables = [table for table, _ in decodes] + [table for table, _, n in chunks for _ in range(n)]
+    slots = [table[p // block_size] * block_size + p % block_size for table, p in zip(tables, positions)]
+    return caches, decodes, chunks, positions, slots, torch.randint(0, s.vocab_size, (len(slots),))

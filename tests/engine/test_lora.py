@@ -164,7 +164,7 @@ def test_fused_layer_op_adds_adapters_as_the_per_op_path(tiny_models, kernels, f
     adapters on their own rows of a step of decodes and prefill chunks, beside rows of the base."""
     from engine.attention import build_metadata
     from engine.lora import LoraAdapter, LoraStep, PeftAdapter
-    from tests.engine.test_fast_paths import CountingKernels
+    from tests.engine.test_fast_paths import CountingKernels, mixed_step
 
     model = load_model(str(tiny_models[family]), dtype="float32").model
     s, block_size, num_blocks = model.shape, 4, 64
@@ -180,15 +180,7 @@ def test_fused_layer_op_adds_adapters_as_the_per_op_path(tiny_models, kernels, f
         return LoraAdapter(name, model.lora_weights(PeftAdapter(tiny_models[family], modules, ""), torch.device("cpu"),
                                                     torch.float32))
 
-    caches = [(torch.randn(num_blocks * block_size, s.num_kv_heads, s.head_dim),
-               torch.randn(num_blocks * block_size, s.num_kv_heads, s.head_dim)) for _ in range(s.num_layers)]
-    free = iter(torch.randperm(num_blocks).tolist())
-    decodes = [([next(free) for _ in range(-(-n // block_size))], n) for n in (9, 30, 1)]
-    chunks = [([next(free) for _ in range(-(-(start + n) // block_size))], start, n) for start, n in [(0, 13), (7, 9)]]
-    positions = [n - 1 for _, n in decodes] + [p for _, start, n in chunks for p in range(start, start + n)]
-    tables = [table for table, _ in decodes] + [table for table, _, n in chunks for _ in range(n)]
-    slots = [table[p // block_size] * block_size + p % block_size for table, p in zip(tables, positions)]
-    input_ids = torch.randint(0, s.vocab_size, (len(slots),))
+    caches, decodes, chunks, positions, slots, input_ids = mixed_step(s, block_size, num_blocks)
     logits_at = torch.tensor([0, 1, 2, 3 + 13 - 1, len(slots) - 1])
     # decodes 0-1 and the first chunk: attention only; decode 2 and the second chunk: every linear
     lora = LoraStep([(adapter("a", ["q_proj", "v_proj"], 4), [(0, 2), (3, 16)]),

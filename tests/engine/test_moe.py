@@ -14,7 +14,7 @@ from engine.lora import AdapterError, PeftAdapter
 from engine.models.moe import SparseMoe
 from engine.types import SamplingParams
 from launch import EngineConfig, build_engine
-from tests.engine.test_fast_paths import CountingKernels
+from tests.engine.test_fast_paths import CountingKernels, mixed_step
 from tests.engine.test_reference import hf_greedy, prompts
 from tests.helpers import assert_all_blocks_free, run_to_completion
 
@@ -43,15 +43,7 @@ def test_fused_moe_layer_matches_per_op_path(generic_models, kernels, family):
     model = load_model(str(generic_models[family]), dtype="float32").model
     s, block_size, num_blocks = model.shape, 4, 64
     torch.manual_seed(0)
-    caches = [(torch.randn(num_blocks * block_size, s.num_kv_heads, s.head_dim),
-               torch.randn(num_blocks * block_size, s.num_kv_heads, s.head_dim)) for _ in range(s.num_layers)]
-    free = iter(torch.randperm(num_blocks).tolist())
-    decodes = [([next(free) for _ in range(-(-n // block_size))], n) for n in (9, 30, 1)]
-    chunks = [([next(free) for _ in range(-(-(start + n) // block_size))], start, n) for start, n in [(0, 13), (7, 9)]]
-    positions = [n - 1 for _, n in decodes] + [p for _, start, n in chunks for p in range(start, start + n)]
-    tables = [table for table, _ in decodes] + [table for table, _, n in chunks for _ in range(n)]
-    slots = [table[p // block_size] * block_size + p % block_size for table, p in zip(tables, positions)]
-    input_ids = torch.randint(0, s.vocab_size, (len(slots),))
+    caches, decodes, chunks, positions, slots, input_ids = mixed_step(s, block_size, num_blocks)
     logits_at = torch.arange(len(slots))
     results = []
     for fused in (False, True):
