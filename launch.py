@@ -58,6 +58,7 @@ class EngineConfig:
     seed: int = 0
     worker_stall_seconds: float = 60.0  # a device worker busy this long on one round of steps: /ready says 503
     cpu_kernels: bool = True  # CPU float32: C++ decode attention, norms, rotary (built in the background, cached)
+    cuda_graphs: bool = True  # CUDA: decode steps replayed from graphs captured at load (engine/cuda_graphs.py)
     adapt_threads: bool = True  # CPU: one thread while another busy process holds a core (engine/cpu_share.py)
     policy: str = "fair"  # fair (priority classes + per-tenant fair share) | fifo
     fair_share: FairShareConfig = FairShareConfig()
@@ -85,6 +86,14 @@ def build_engine(loaded: LoadedModel, cfg: EngineConfig, num_blocks: int | None 
         log.warning("KV cache smaller than the context; capping max_model_len",
                     max_model_len=max_model_len, kv_tokens=num_blocks * block_size)
         max_model_len = num_blocks * block_size
+    if cfg.cuda_graphs and loaded.device.type == "cuda":
+        started = time.perf_counter()
+        why_not = runner.capture_graphs(cfg.max_num_seqs, max_model_len)
+        if why_not is None:
+            log.info("cuda graphs captured", batch_sizes=runner.graphs.sizes,
+                     seconds=round(time.perf_counter() - started, 1))
+        else:
+            log.warning("decode steps run without cuda graphs", reason=why_not)
     queue = FairQueue(cfg.fair_share) if cfg.policy == "fair" else FifoQueue()
     kv = KVCacheManager(num_blocks, block_size, cfg.cache.enable_prefix_caching, cfg.cache.prefix_cache_idle_seconds)
     scheduler = Scheduler(cfg.scheduler, kv, queue)

@@ -3,7 +3,8 @@
 Random-weight Llama models of two real shapes (SmolLM2-135M and Llama-3-8B), built on the device in
 bfloat16, saved once to a temp folder (our loader reads folders) and kept in memory as the HF
 baseline. Per shape: the in-process engine with one stream and with N streams (prefill and decode
-timed apart: TTFT, inter-token latency p50/p99), and HF `generate` (dynamic cache) with one stream
+timed apart: TTFT, inter-token latency p50/p99), its decode steps replayed from CUDA graphs and
+again op by op, and HF `generate` (dynamic cache) with one stream
 and on a static batch of N. The single stream is also given as a fraction of the bandwidth limit:
 tokens/s if every decode step read the weights once at the measured device-to-device copy rate.
 
@@ -127,6 +128,10 @@ def measure(shape: str, args, device: torch.device, dtype: torch.dtype, bandwidt
     hf_run(hf, [prompts[0][:8]], 4)
     one = engine_run(engine, prompts[:1], args.output_len, "one")
     many = engine_run(engine, prompts, args.output_len, "many")
+    graphs, engine.runner.graphs = engine.runner.graphs, None  # the same engine op by op, to see what graphs buy
+    eager_one = engine_run(engine, prompts[:1], args.output_len, "eager-one")
+    eager_many = engine_run(engine, prompts, args.output_len, "eager-many")
+    engine.runner.graphs = graphs
     hf_one, hf_many = hf_run(hf, prompts[:1], args.output_len), hf_run(hf, prompts, args.output_len)
     limit = bandwidth / weights  # decode steps/s if each read every weight once at the copy rate
     decode_tok_s = 1000 / one["itl_p50_ms"] if one["itl_p50_ms"] else None
@@ -134,11 +139,15 @@ def measure(shape: str, args, device: torch.device, dtype: torch.dtype, bandwidt
         "shape": shape, "dtype": str(dtype), "weights_gb": weights / 1e9, "build_and_load_s": build_s,
         "engine_1": {k: v for k, v in one.items() if k != "outputs"},
         f"engine_{args.streams}": {k: v for k, v in many.items() if k != "outputs"},
+        "cuda_graphs": graphs.sizes if graphs is not None else None,
+        "engine_1_eager": {k: v for k, v in eager_one.items() if k != "outputs"},
+        f"engine_{args.streams}_eager": {k: v for k, v in eager_many.items() if k != "outputs"},
         "hf_1": {k: v for k, v in hf_one.items() if k != "outputs"},
         f"hf_{args.streams}": {k: v for k, v in hf_many.items() if k != "outputs"},
         "bandwidth_limit_tok_s": limit,
         "single_stream_decode_fraction_of_limit": decode_tok_s / limit if decode_tok_s else None,
         f"engine_{args.streams}_over_hf_batch": many["tok_s"] / hf_many["tok_s"],
+        "graphs_equal_eager": one["outputs"] == eager_one["outputs"] and many["outputs"] == eager_many["outputs"],
         "greedy_equals_hf_one": one["outputs"] == hf_one["outputs"],
         "greedy_equals_hf_batch": many["outputs"] == hf_many["outputs"],
     }

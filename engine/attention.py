@@ -2,8 +2,9 @@
 
 Tokens of one step are packed: decode tokens first (one per sequence), then the prefill
 chunks. Decodes run as one call: the C++ kernel of `engine.cpu_kernels` when the runner
-passes those ops (it reads the blocks in place), else one batched SDPA call over keys
-gathered from the paged cache. Each prefill chunk runs its own call (causal, offset by what is
+passes those ops (it reads the blocks in place), the step's `decode_kernel` where it has one
+(a CUDA graph's Triton kernel, also in place), else one batched SDPA call over keys gathered
+from the paged cache. Each prefill chunk runs its own call (causal, offset by what is
 already cached): the C++ prefill kernel over the blocks in place, else SDPA. The metadata is
 built once per step and shared by all layers.
 """
@@ -37,6 +38,8 @@ class AttentionMetadata:
     prefills: list[PrefillChunk]
     sliding_window: int | None = None
     kernels: Any = None  # torch.ops.galley_cpu (engine.cpu_kernels) once built, for CPU float32; else None
+    # a decode attention over the blocks in place, the C++ op's signature (CUDA graphs: engine/triton_attention.py)
+    decode_kernel: Any = None
     _windows: dict[int | None, AttentionMetadata] = field(default_factory=dict, repr=False)
 
     @property
@@ -58,7 +61,7 @@ class AttentionMetadata:
         if self.kernels is not None:
             return replace(self, sliding_window=window, _windows={})
         decode_mask = None
-        if self.num_decodes:
+        if self.num_decodes and self.decode_kernel is None:
             width = self.decode_block_tables.shape[1] * self.block_size
             lens = self.decode_context_lens
             decode_mask = visible_mask(lens - 1, width, lens[:, None], window)[:, None, None, :]
@@ -177,6 +180,9 @@ def paged_attention(
     if nd and meta.kernels is not None:
         meta.kernels.paged_decode_attention(out[:nd], q[:nd].contiguous(), k_cache, v_cache, meta.decode_block_tables,
                                             meta.decode_context_lens, meta.block_size, scale, meta.sliding_window or 0)
+    elif nd and meta.decode_kernel is not None:
+        meta.decode_kernel(out[:nd], q[:nd].contiguous(), k_cache, v_cache, meta.decode_block_tables,
+                           meta.decode_context_lens, meta.block_size, scale, meta.sliding_window or 0)
     elif nd:
         keys = gather_blocks(k_cache, meta.decode_block_tables, meta.block_size)  # [nd, kv_heads, ctx, head_dim]
         values = gather_blocks(v_cache, meta.decode_block_tables, meta.block_size)

@@ -220,8 +220,8 @@ class LoraStep:
                 for ranks, columns, expand in weights.expands:
                     if rows.dtype == expand.dtype:
                         rows[:, columns].addmm_(shrunk[:, ranks], expand)  # the expand and the add in one op
-                    else:
-                        rows[:, columns] += (shrunk[:, ranks] @ expand).to(rows.dtype)
+                    else:  # half-precision rows, float32 adapter: added in float32 and rounded once, as PEFT does
+                        rows[:, columns] = (rows[:, columns].float() + shrunk[:, ranks] @ expand).to(rows.dtype)
         return out
 
     def layer_arguments(self, num_layers: int, linears: tuple[str, ...]) -> list[tuple[list[torch.Tensor], list[int]]]:

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from engine.attention import build_metadata
 from engine.cpu_kernels import CPU_KERNELS
+from engine.cuda_graphs import DecodeGraphs
 from engine.lora import LoraAdapter, LoraStep, PeftAdapter
 from engine.models.llama import LlamaForCausalLM
 from engine.types import ScheduledBatch, ScheduledSeq
@@ -56,7 +58,8 @@ class ModelRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         s = model.shape
-        num_slots = num_blocks * block_size
+        self.scratch_block = num_blocks  # one more block, no sequence's: padding rows of a graphed step write there
+        num_slots = (num_blocks + 1) * block_size
         self.kv_caches = [
             (
                 torch.zeros(num_slots, s.num_kv_heads, s.head_dim, device=device, dtype=dtype),
@@ -72,10 +75,35 @@ class ModelRunner:
         # a prompt's image features, computed at its first chunk with image tokens and held until its last
         # (a prompt evicted from here by newer ones, or preempted, computes them again)
         self.image_features: OrderedDict[str, torch.Tensor] = OrderedDict()
+        self.graphs: DecodeGraphs | None = None  # decode steps replayed from CUDA graphs (`capture_graphs`)
+
+    def capture_graphs(self, max_batch: int, max_model_len: int, decode_kernel: Any = None) -> str | None:
+        """Capture the decode steps' CUDA graphs (engine/cuda_graphs.py); returns why not where they cannot
+        be. `decode_kernel`: tests on CPU give the C++ op, which runs the same padded steps uncaptured."""
+        capture = self.device.type == "cuda"
+        if capture and decode_kernel is None:
+            from engine import triton_attention
+
+            if not triton_attention.AVAILABLE:
+                return "triton is not installed"
+            decode_kernel = triton_attention.paged_decode_attention
+        if decode_kernel is None:
+            return "CUDA graphs need a CUDA device"
+        if not isinstance(self.model, LlamaForCausalLM) or self.model.shape.experts is not None:
+            return f"{type(self.model).__name__} is not a dense native decoder"
+        try:
+            self.graphs = DecodeGraphs(self.model, self.kv_caches, self.block_size, self.scratch_block,
+                                       -(-max_model_len // self.block_size), max_batch, self.model.shape.sliding_window,
+                                       decode_kernel, capture)
+        except (RuntimeError, torch.cuda.OutOfMemoryError) as exc:  # eager steps still serve the model
+            self.graphs = None
+            return f"capture failed: {exc}"
+        return None
 
     def add_adapter(self, name: str, adapter: PeftAdapter) -> LoraAdapter:
-        """Load a LoRA adapter onto this replica (AdapterError: it does not fit the model)."""
-        loaded = LoraAdapter(name, self.model.lora_weights(adapter, self.device, self.dtype))
+        """Load a LoRA adapter onto this replica (AdapterError: it does not fit the model). Its weights are
+        float32 whatever the model's dtype, as PEFT keeps them over a half-precision model (autocast_adapter_dtype)."""
+        loaded = LoraAdapter(name, self.model.lora_weights(adapter, self.device, torch.float32))
         self.adapters[name] = loaded
         return loaded
 
@@ -120,6 +148,9 @@ class ModelRunner:
             if item.num_logits:
                 logits_indices.extend(range(len(input_ids) - item.num_logits, len(input_ids)))
                 sampled.append(item)
+        if (self.graphs is not None and not prefills and not adapter_rows and not image_rows
+                and self.graphs.fits(len(input_ids)) and logits_indices == list(range(len(input_ids)))):
+            return sampled, self.graphs.run(input_ids, positions, slot_mapping, decodes)
         kernels = self.cpu_kernels.ops if self.cpu_kernels is not None else None
         meta = build_metadata(decodes, prefills, slot_mapping, bs, self.model.shape.sliding_window, self.device,
                               kernels)

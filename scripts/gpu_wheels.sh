@@ -8,7 +8,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PACKAGES=(orjson structlog sqlite-utils sqlite-fts4 click-default-group pydantic pydantic-core annotated-types
           typing-inspection gguf llguidance pytest-aiohttp pytest-asyncio openai jiter distro sniffio transformers
-          huggingface-hub jsonschema jsonschema-specifications referencing rpds-py peft)
+          huggingface-hub jsonschema jsonschema-specifications referencing rpds-py peft
+          httpx2 httpcore2 truststore)  # huggingface-hub 2 talks through httpx2
 PLATFORMS=(--platform any --platform manylinux2014_x86_64)
 for n in 17 24 27 28 31 34 35 39; do PLATFORMS+=(--platform "manylinux_2_${n}_x86_64"); done
 pins=()

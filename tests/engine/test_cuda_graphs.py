@@ -1,0 +1,64 @@
+"""Decode steps through the CUDA-graph buffers (engine/cuda_graphs.py), checked on CPU: the same static
+buffers, bucket padding and scratch block a captured graph reads, run uncaptured with the C++ decode
+attention (the Triton kernel's signature). Greedy tokens equal HF's; tests/engine/test_gpu.py captures
+and replays the graphs on CUDA."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.cuda_graphs import bucket_sizes
+from engine.loader import load_model
+from launch import EngineConfig, build_engine
+from tests.engine.test_gpu import GREEDY, hf_model
+from tests.engine.test_reference import generate_greedy, prompts
+from tests.helpers import assert_all_blocks_free, run_to_completion
+
+
+def test_bucket_sizes_cover_every_batch_with_less_than_half_of_it_padding():
+    sizes = bucket_sizes(256)
+    assert sizes[:4] == [1, 2, 4, 8] and sizes[-1] == 256
+    for n in range(1, 257):
+        bucket = next(b for b in sizes if b >= n)
+        assert bucket < 2 * n
+    assert bucket_sizes(5) == [1, 2, 4, 5]
+
+
+def graphed_engine(path, kernels, max_batch: int):
+    engine = build_engine(load_model(str(path), dtype="float32"),
+                          EngineConfig(max_num_batched_tokens=24, cpu_kernels=False), num_blocks=128)
+    assert engine.runner.capture_graphs(max_batch, 512, kernels.paged_decode_attention) is None
+    return engine
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "mistral"])
+def test_graphed_decode_steps_match_hf(tiny_models, kernels, family):
+    """Seven prompts in buckets of up to 8 rows (padded steps of 7, then fewer as they finish; chunked
+    prefills beside them run eagerly), then again as prefix hits: HF's tokens each time; the scratch
+    block is never handed out, so padding rows never touch a sequence's cache."""
+    engine = graphed_engine(tiny_models[family], kernels, max_batch=8)
+    graphs = engine.runner.graphs
+    batch = prompts(7, 300)
+    model = hf_model(tiny_models[family], "cpu", "float32")
+    expected = [generate_greedy(model, p, GREEDY.max_tokens) for p in batch]
+    assert run_to_completion(engine, batch, GREEDY) == expected
+    replays = graphs.replays
+    assert replays >= GREEDY.max_tokens - 1  # the decode steps ran through the buffers
+    assert run_to_completion(engine, batch, GREEDY) == expected
+    assert graphs.replays > replays
+    assert engine.runner.scratch_block == engine.scheduler.kv.num_blocks  # past every block the scheduler owns
+    assert_all_blocks_free(engine.scheduler.kv)
+
+
+def test_a_step_wider_than_the_largest_bucket_runs_eagerly(tiny_models, kernels):
+    engine = graphed_engine(tiny_models["llama"], kernels, max_batch=2)
+    batch = prompts(5, 300)
+    model = hf_model(tiny_models["llama"], "cpu", "float32")
+    assert run_to_completion(engine, batch, GREEDY) == [generate_greedy(model, p, GREEDY.max_tokens) for p in batch]
+
+
+def test_models_the_graphs_cannot_run_are_named(generic_models, kernels):
+    engine = build_engine(load_model(str(generic_models["mixtral"]), dtype="float32"),
+                          EngineConfig(cpu_kernels=False), num_blocks=16)
+    assert "not a dense native decoder" in engine.runner.capture_graphs(4, 64, kernels.paged_decode_attention)
+    assert engine.runner.capture_graphs(4, 64) == "CUDA graphs need a CUDA device"
