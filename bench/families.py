@@ -92,7 +92,7 @@ def hf_tok_s(path: Path, prompts: list[list[int]], output_len: int, batched: boo
     def generate(batch: list[list[int]]) -> list[list[int]]:
         ids = torch.tensor(batch)  # prompts of one length: no padding
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=output_len,
-                             min_new_tokens=output_len, do_sample=False, pad_token_id=0)
+                             eos_token_id=None, do_sample=False, pad_token_id=0)
         return out[:, ids.shape[1]:].tolist()
 
     generate([prompts[0][:8]])

@@ -19,7 +19,7 @@ def hf_generate(model: LlamaForCausalLM, prompts: list[list[int]], max_new_token
         attention_mask=torch.ones_like(input_ids),
         do_sample=False,
         max_new_tokens=max_new_tokens,
-        min_new_tokens=max_new_tokens,
+        eos_token_id=None,  # as ignore_eos: no stop at EOS, and no EOS masked (min_new_tokens would)
         pad_token_id=0,
     )
     return out[:, input_ids.shape[1] :]

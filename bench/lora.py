@@ -70,7 +70,7 @@ def peft_tok_s(base: Path, adapter: Path, prompts: list[list[int]], output_len: 
     def generate(prompt: list[int]) -> list[int]:
         ids = torch.tensor([prompt])
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=output_len,
-                             min_new_tokens=output_len, do_sample=False, pad_token_id=0)
+                             eos_token_id=None, do_sample=False, pad_token_id=0)
         return out[0, ids.shape[1]:].tolist()
 
     generate(prompts[0][:8])

@@ -27,9 +27,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def hf_model(path, device: str, dtype: str):
-    """HF's model; a mixture of experts through transformers' own per-expert loop (`eager`), whose order of
-    adds our experts follow: its default on CUDA, a grouped GEMM, rounds otherwise (a first GPU run saw
-    Mixtral's tokens differ from it in float32 too)."""
+    """HF's model; a mixture of experts through transformers' own per-expert loop (`eager`), whose adds
+    our experts follow: its default, a grouped GEMM, sums a token's experts in float32 and rounds once,
+    which differs from the loop's half-precision adds in the last bit."""
     return AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], experts_implementation="eager").to(
         device).eval()
 

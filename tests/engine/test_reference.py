@@ -34,10 +34,12 @@ def hf_greedy(path, prompt: list[int], max_new_tokens: int) -> list[int]:
 
 
 def generate_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
-    """HF `generate`'s greedy tokens after `prompt`, exactly max_new_tokens of them, on the model's device."""
+    """HF `generate`'s greedy tokens after `prompt`, exactly max_new_tokens of them, on the model's device.
+    No EOS stops it and none is masked: what `ignore_eos` asks of the engine (`min_new_tokens` would mask
+    EOS instead, and a tiny Mixtral picks its EOS, 2, in these tests' prompts)."""
     ids = torch.tensor([prompt], device=model.device)
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                         min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
+                         eos_token_id=None, do_sample=False, pad_token_id=0)
     return out[0, len(prompt):].tolist()
 
 
