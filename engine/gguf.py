@@ -51,7 +51,11 @@ LAYER_TENSORS = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",  # a mixture's router
 }
+# a mixture's experts, stacked in one 3-D tensor per linear ([experts, rows, columns]), split per expert
+EXPERT_TENSORS = {"ffn_gate_exps": "mlp.experts.{}.gate_proj", "ffn_up_exps": "mlp.experts.{}.up_proj",
+                  "ffn_down_exps": "mlp.experts.{}.down_proj"}
 # where an architecture's converter stores a fused linear under its own name (Phi-3's gate/up is `ffn_up`)
 ARCH_LAYER_TENSORS = {"phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}}
 GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -119,8 +123,6 @@ def read_weights(gguf_file: Path, hf_config, int4_blocks: bool = False, blocks: 
     Q4_0/Q4_1/Q4_K tensors as their 4-bit codes and per-32 scales instead (exact, for int4); with
     `blocks`, the linears' and the embedding's tensors of `engine.block_panels.FORMATS` as they are.
     `progress` advances by the file's bytes (a tensor's de-quantizing time follows its size)."""
-    from gguf.quants import dequantize
-
     arch, tensors = read_tensors(gguf_file)
     heads, kv_heads = hf_config.num_attention_heads, hf_config.num_key_value_heads
     out: dict[str, torch.Tensor | Int4Groups | QuantBlocks] = {}
@@ -129,18 +131,15 @@ def read_weights(gguf_file: Path, hf_config, int4_blocks: bool = False, blocks: 
         if progress is not None:
             progress.advance(done_bytes, total_bytes, tensors=f"{i}/{len(tensors)}")
         done_bytes += tensor.n_bytes
+        if experts := expert_names(tensor.name):  # each expert's slice, as a 2-D tensor of its own
+            out.update((name, weight_of(data, tensor.tensor_type, name, int4_blocks, blocks))
+                       for name, data in zip(experts(len(tensor.data)), tensor.data))
+            continue
         name = hf_name(tensor.name, arch)
         if name is None:
             log.warning("skipping an unknown GGUF tensor", tensor=tensor.name)
             continue
-        weight: torch.Tensor | Int4Groups | QuantBlocks | None = None
-        if int4_blocks and name.endswith(("_proj.weight", "lm_head.weight")):
-            weight = int4_groups(tensor.data, tensor.tensor_type.name)
-        elif blocks and name.endswith(("_proj.weight", "lm_head.weight", "embed_tokens.weight")):
-            weight = from_gguf(tensor.data, tensor.tensor_type.name)
-        if weight is None:
-            array = np.ascontiguousarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
-            weight = torch.from_numpy(array if array.flags.writeable else array.copy())  # F32 tensors are the mmap
+        weight = weight_of(tensor.data, tensor.tensor_type, name, int4_blocks, blocks)
         if arch in PERMUTED_ARCHS and name.endswith(("q_proj.weight", "k_proj.weight")):
             num_heads = heads if "q_proj" in name else kv_heads
             weight = (weight.map_rows(partial(unpermute, num_heads=num_heads))
@@ -149,6 +148,34 @@ def read_weights(gguf_file: Path, hf_config, int4_blocks: bool = False, blocks: 
     if progress is not None:
         progress.advance(total_bytes, total_bytes, tensors=f"{len(tensors)}/{len(tensors)}")
     return out
+
+
+def weight_of(data: np.ndarray, qtype, name: str, int4_blocks: bool,
+              blocks: bool) -> torch.Tensor | Int4Groups | QuantBlocks:
+    """One 2-D tensor of the file under its HF `name`: codes or blocks where asked and the type allows,
+    else de-quantized to float32."""
+    from gguf.quants import dequantize
+
+    weight = None
+    if int4_blocks and name.endswith(("_proj.weight", "lm_head.weight")):
+        weight = int4_groups(data, qtype.name)
+    elif blocks and name.endswith(("_proj.weight", "lm_head.weight", "embed_tokens.weight")):
+        weight = from_gguf(data, qtype.name)
+    if weight is None:
+        array = np.ascontiguousarray(dequantize(data, qtype), dtype=np.float32)
+        weight = torch.from_numpy(array if array.flags.writeable else array.copy())  # F32 tensors are the mmap
+    return weight
+
+
+def expert_names(gguf_name: str):
+    """For a stacked experts tensor (`blk.N.ffn_up_exps.weight`), a function of the number of experts
+    giving each one's HF name; None for any other tensor."""
+    base, _, suffix = gguf_name.rpartition(".")
+    match = re.fullmatch(r"blk\.(\d+)\.(\w+)", base)
+    if match is None or match.group(2) not in EXPERT_TENSORS:
+        return None
+    template = f"model.layers.{match.group(1)}.{EXPERT_TENSORS[match.group(2)]}.{suffix}"
+    return lambda count: [template.format(e) for e in range(count)]
 
 
 @dataclass(frozen=True)

@@ -207,7 +207,7 @@ def load_model(source: str, device: str = "cpu", dtype: str = "auto",
     arch = (getattr(hf_config, "architectures", None) or ["unknown"])[0]
     if backend not in BACKENDS:
         raise ModelLoadError(f"backend {backend!r} is not one of {', '.join(BACKENDS)}")
-    refusal = native_refusal(arch, hf_config, gguf=gguf_file is not None)
+    refusal = native_refusal(arch, hf_config)
     if backend == "native" and refusal:
         raise ModelLoadError(f"{source!r} has no native backend: {refusal} (backend generic serves it)")
     torch_device = torch.device(device)

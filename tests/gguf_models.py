@@ -18,12 +18,49 @@ import gguf
 import numpy as np
 import torch
 from gguf.quants import quantize
-from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
 
 from tests.models import COMMON, build_tokenizer, save_generic_model, save_tiny_model
 
 ARCHITECTURES = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2, "qwen3": gguf.MODEL_ARCH.QWEN3,
-                 "phi3": gguf.MODEL_ARCH.PHI3}
+                 "phi3": gguf.MODEL_ARCH.PHI3, "qwen3moe": gguf.MODEL_ARCH.QWEN3MOE}
+# transformers reads neither a qwen3 file's head_dim nor a qwen3moe file's expert width: their defaults
+QWEN3_HEAD_DIM, QWEN3MOE_EXPERT_WIDTH = 128, 768
+
+
+def save_hf_model(family: str, folder: Path, seed: int) -> None:
+    torch.manual_seed(seed)
+    if family == "qwen3":
+        tokenizer = build_tokenizer()
+        Qwen3ForCausalLM(Qwen3Config(**COMMON, vocab_size=len(tokenizer), head_dim=QWEN3_HEAD_DIM,
+                                     tie_word_embeddings=True)).save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+    elif family == "qwen3moe":  # llama.cpp renormalises the top experts' weights (transformers' GGUF default)
+        tokenizer = build_tokenizer()
+        Qwen3MoeForCausalLM(Qwen3MoeConfig(**COMMON, vocab_size=len(tokenizer), head_dim=16, num_experts=4,
+                                           num_experts_per_tok=2, moe_intermediate_size=QWEN3MOE_EXPERT_WIDTH,
+                                           norm_topk_prob=True)).save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+    else:
+        (save_generic_model if family == "phi3" else save_tiny_model)(family, folder, seed)
+
+
+def stacked_experts(name: str, tensor: torch.Tensor) -> list[tuple[str, np.ndarray]]:
+    """transformers' 3-D experts (`mlp.experts.gate_up_proj` [E, 2I, H], `down_proj` [E, H, I]) as
+    llama.cpp stores them: `ffn_gate_exps`, `ffn_up_exps`, `ffn_down_exps`, [E, rows, columns] each."""
+    block = name.split(".")[2]
+    data = tensor.float().numpy()
+    if name.endswith("gate_up_proj"):
+        gate, up = np.split(data, 2, axis=1)
+        return [(f"blk.{block}.ffn_gate_exps.weight", gate), (f"blk.{block}.ffn_up_exps.weight", up)]
+    return [(f"blk.{block}.ffn_down_exps.weight", data)]
 CONTROL, NORMAL = 3, 1  # gguf.TokenType
 
 
@@ -31,14 +68,7 @@ def save_gguf_model(family: str, out: Path, qtype: str = "Q8_0", seed: int = 0) 
     """A tiny random `family` model as the GGUF file `out`, its linears and embedding in `qtype`."""
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        if family == "qwen3":  # transformers reads no head_dim from a qwen3 file: its default, 128
-            torch.manual_seed(seed)
-            tokenizer = build_tokenizer()
-            Qwen3ForCausalLM(Qwen3Config(**COMMON, vocab_size=len(tokenizer), head_dim=128,
-                                         tie_word_embeddings=True)).save_pretrained(folder)
-            tokenizer.save_pretrained(folder)
-        else:
-            (save_generic_model if family == "phi3" else save_tiny_model)(family, folder, seed)
+        save_hf_model(family, folder, seed)
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(folder)
         merges = json.loads((folder / "tokenizer.json").read_text())["model"]["merges"]
@@ -56,6 +86,10 @@ def save_gguf_model(family: str, out: Path, qtype: str = "Q8_0", seed: int = 0) 
     writer.add_rope_dimension_count(head_dim)
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    if family == "qwen3moe":
+        writer.add_expert_count(config.num_experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("default")
     vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])
@@ -75,13 +109,18 @@ def save_gguf_model(family: str, out: Path, qtype: str = "Q8_0", seed: int = 0) 
         if family == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
             data = data.reshape(heads, 2, -1, data.shape[1]).swapaxes(1, 2).reshape(data.shape)
-        gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
-        assert gguf_name is not None, name
-        if data.ndim == 2 and not name.endswith("norm.weight"):
-            qt = gguf.GGMLQuantizationType[qtype]
-            writer.add_tensor(gguf_name, quantize(np.ascontiguousarray(data), qt), raw_dtype=qt)
+        if ".mlp.experts." in name:
+            tensors = stacked_experts(name, tensor)
         else:
-            writer.add_tensor(gguf_name, np.ascontiguousarray(data, dtype=np.float32))
+            gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
+            assert gguf_name is not None, name
+            tensors = [(gguf_name, data)]
+        for gguf_name, data in tensors:  # linears (experts too) in the file's type; norms, biases, the router F32
+            if data.ndim >= 2 and not name.endswith(("norm.weight", "mlp.gate.weight")):
+                qt = gguf.GGMLQuantizationType[qtype]
+                writer.add_tensor(gguf_name, quantize(np.ascontiguousarray(data), qt), raw_dtype=qt)
+            else:
+                writer.add_tensor(gguf_name, np.ascontiguousarray(data, dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -39,12 +39,10 @@ SUPPORTED_ARCHITECTURES = (
 ROPE_TYPES = ("default", "linear", "llama3")
 
 
-def native_refusal(architecture: str, hf_config, gguf: bool = False) -> str | None:
+def native_refusal(architecture: str, hf_config) -> str | None:
     """Why the native decoder does not compute this model (the generic backend then serves it); None if it does."""
     if architecture not in SUPPORTED_ARCHITECTURES:
         return f"architecture {architecture} is not one of {', '.join(SUPPORTED_ARCHITECTURES)}"
-    if gguf and architecture in MOE_ARCHITECTURES:
-        return "a GGUF file's experts are not read natively"
     rope = getattr(hf_config, "rope_parameters", None) or {}
     if rope.get("rope_type", "default") not in ROPE_TYPES:
         return f"rope type {rope['rope_type']!r} is not one of {', '.join(ROPE_TYPES)}"

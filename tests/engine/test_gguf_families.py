@@ -1,7 +1,8 @@
 """GGUF files of several families (tiny random models written as llama.cpp lays them out,
 tests/gguf_models.py): greedy output through our engine equals transformers' own load of the same
 file, for Llama (q/k permuted), Qwen2 (biases), Qwen3 (q/k norms) and Phi-3 (q/k/v and gate/up
-fused in the file: `attn_qkv`, `ffn_up`), in block formats the CPU kernels keep (Q4_0, Q4_1, Q5_1,
+fused in the file: `attn_qkv`, `ffn_up`) and Qwen3-MoE (experts stacked in the file, `ffn_*_exps`:
+each expert's slice kept as its own blocks), in block formats the CPU kernels keep (Q4_0, Q4_1, Q5_1,
 Q8_0: those the gguf package can write), in a batch with chunked prefill; on the generic backend
 and de-quantized too."""
 
@@ -18,7 +19,8 @@ from tests.engine.test_reference import GREEDY, generate_greedy, prompts
 from tests.gguf_models import save_gguf_model
 from tests.helpers import assert_all_blocks_free, run_to_completion
 
-FILES = [("llama", "Q4_0"), ("qwen2", "Q8_0"), ("qwen3", "Q4_1"), ("llama", "Q5_1"), ("phi3", "Q8_0")]
+FILES = [("llama", "Q4_0"), ("qwen2", "Q8_0"), ("qwen3", "Q4_1"), ("llama", "Q5_1"), ("phi3", "Q8_0"),
+         ("qwen3moe", "Q4_0"), ("qwen3moe", "Q8_0")]
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +40,8 @@ def test_gguf_greedy_equals_transformers_on_the_same_file(gguf_files, family, qt
     loaded = load_model(str(file), **options)
     assert loaded.backend == ("generic" if how == "generic" else "native")
     if loaded.backend == "native":  # the file's own blocks, unless told to de-quantize
-        panels = loaded.model.layers[0].mlp.gate_up_proj.panels
+        mlp = loaded.model.layers[0].mlp
+        panels = (mlp.experts[0] if family == "qwen3moe" else mlp).gate_up_proj.panels
         assert panels.dtype == {"default": torch.uint8 if qtype.startswith("Q4") else torch.int8,
                                 "de-quantized": torch.float32}[how]
         assert isinstance(loaded.model.embed_tokens, BlockEmbedding) == (how == "default")
