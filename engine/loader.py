@@ -220,7 +220,8 @@ def load_model(source: str, device: str = "cpu", dtype: str = "auto",
     int4_blocks = spec is not None and spec.gguf_blocks and spec.group_size == GGUF_BLOCK
     # the file's own blocks unless told "none" or quantizing; the CPU float32 kernels read them (where
     # they failed to build, the torch path would de-quantize every block at every step: floats instead)
-    keep_blocks = quantization is None and can_pack(torch_device, torch_dtype) and not CPU_KERNELS.failed
+    block_kernels = can_pack(torch_device, torch_dtype) and not CPU_KERNELS.failed
+    keep_blocks = quantization is None and block_kernels
     progress.enter("reading weights")
     checkpoint = (read_weights(gguf_file, hf_config, int4_blocks=int4_blocks, blocks=keep_blocks, progress=progress)
                   if gguf_file else read_checkpoint(path, progress))
@@ -229,7 +230,8 @@ def load_model(source: str, device: str = "cpu", dtype: str = "auto",
     int4_codes: dict[str, Int4Groups] = {}
     for name, weight in list(weights.items()):
         if isinstance(weight, Int4Groups):  # codes for int4 linears; exact floats for the rest
-            if spec is not None and spec.method_for(name.removesuffix(".weight")) == "int4":
+            experts = block_kernels and spec is not None and spec.block_kernels
+            if spec is not None and spec.method_for(name.removesuffix(".weight"), experts=experts) == "int4":
                 int4_codes[name.removesuffix(".weight")] = weights.pop(name)
             else:
                 weights[name] = weight.dequantize(rounded=False)
@@ -246,7 +248,8 @@ def load_model(source: str, device: str = "cpu", dtype: str = "auto",
     model.rotary = type(model.rotary)(hf_config, model.shape.head_dim).to(torch_device)
     if spec is not None:
         progress.enter("quantizing")
-        quantize_model(model, spec, prequantized=int4_codes, device=torch_device)
+        quantize_model(model, spec, prequantized=int4_codes, device=torch_device,
+                       blocks=block_kernels and spec.block_kernels)
     if can_pack(torch_device, torch_dtype):  # what stays nn.Linear
         progress.enter("building kernels")
         pack_linears(model)

@@ -1,17 +1,23 @@
 """Weight-only int8 and int4 linears for the decoder (the `quantization` model option).
 
-What it owns: turning float weights (or GGUF 4-bit blocks, `engine.gguf`) into torch's packed
-layouts, and the linears that run them. Activations stay in the model's dtype between layers;
-a quantized linear casts its input to bfloat16 for the kernel and its output back.
+What it owns: turning float weights (or GGUF 4-bit blocks, `engine.gguf`) into quantized linears.
+On CPU in float32 (where the C++ kernels run) they become block panels for the block kernels
+(`quantized_blocks` -> `PackedLinear`, engine/block_panels.py): 8-bit codes under one scale a row
+(int8), 4-bit codes with a scale and a min a group (int4); activations stay float32 and the
+kernels multiply by exactly the de-quantized weights; a mixture's experts are quantized too
+(`moe_mlp` runs their panels). Elsewhere (CUDA, bfloat16, the generic backend) torch's packed
+layouts and kernels, below: a quantized linear casts its input to bfloat16 for the kernel and its
+output back.
 
 - int8: per-output-channel symmetric, w = q * scale, `torch._weight_int8pack_mm` (CPU; on CUDA
   torch's kernel is a plain loop per output element, correct but not tuned, and unmeasured here).
 - int4: groupwise asymmetric along K (the tinygemm form), w = (q - 8) * scale + zero with q in
   0..15, `_weight_int4pack_mm_for_cpu` on CPU and `_weight_int4pack_mm` (tinygemm, sm80+) on CUDA.
 
-Why bfloat16 activations: torch's CPU kernels for both have vectorised bf16 paths only; with
+Why bfloat16 activations there: torch's CPU kernels for both have vectorised bf16 paths only; with
 float32 activations they measured 10-20x slower than the float32 oneDNN linear they replace
-(SmolLM2 shapes, M = 1, one thread), with bf16 1-9x faster. Scales live in bfloat16 too (the
+(SmolLM2 shapes, M = 1, one thread), with bf16 1-9x faster; beyond a few rows they lose to float32
+GEMM, which is why CPU float32 takes the block kernels. Scales live in bfloat16 too (the
 kernels take them in the activations' dtype); `dequantize` gives the exact float weights the
 kernels multiply by, for references and fake-quantized models.
 
@@ -28,7 +34,8 @@ import structlog
 import torch
 from torch import nn
 
-from engine.block_panels import QuantBlocks
+from engine.block_panels import PANEL_BLOCK, QuantBlocks
+from engine.packed_linear import PackedLinear
 
 log = structlog.get_logger(__name__)
 
@@ -51,6 +58,7 @@ class QuantizationSpec:
     # (int8 +0.35%) for 3.7x instead of 3.0x fp32's decode tok/s (bench/README.md)
     lm_head: str | None = "int8"
     gguf_blocks: bool = True  # int4 from a GGUF file: its 4-bit blocks as they are (else de-quantized, re-quantized)
+    block_kernels: bool = True  # CPU float32: the block kernels (False: torch's int linears, for benchmarks)
 
     def __post_init__(self) -> None:
         if self.method not in QUANTIZATIONS:
@@ -60,12 +68,13 @@ class QuantizationSpec:
         if self.group_size not in INT4_GROUP_SIZES:
             raise ValueError(f"int4 group size {self.group_size} is not one of {INT4_GROUP_SIZES}")
 
-    def method_for(self, module_name: str) -> str | None:
-        """How the linear named `module_name` is quantized; None: it is not."""
+    def method_for(self, module_name: str, experts: bool = False) -> str | None:
+        """How the linear named `module_name` is quantized; None: it is not. A mixture's experts only with
+        `experts` (the CPU block kernels run them; torch's int kernels are not wired into `moe_mlp`)."""
         if module_name == "lm_head":
             return self.lm_head
-        if ".experts." in module_name:  # a mixture's experts stay float, as transformers' 3D expert weights do
-            return None  # on the generic backend (no reference computes them quantized yet)
+        if ".experts." in module_name and not experts:
+            return None
         return self.method if module_name.rpartition(".")[2] in PROJECTIONS else None
 
     @classmethod
@@ -122,6 +131,10 @@ class Int4Groups:
     def map_rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Int4Groups:
         """The same rows reordered by `fn` (a function of a [N, ...] tensor), e.g. GGUF's q/k permutation."""
         return Int4Groups(fn(self.q), fn(self.scale), fn(self.zero))
+
+    def to_blocks(self) -> QuantBlocks:
+        """The same codes as the CPU block kernels' 4-bit form, w = q * scale + min (min = zero - 8 scale)."""
+        return QuantBlocks(self.q, self.scale, self.zero - 8 * self.scale)
 
     def dequantize(self, rounded: bool = True) -> torch.Tensor:  # [N, K] float32
         """The weights the int4 kernels use (scale and zero `rounded` to bf16), or the exact ones."""
@@ -218,18 +231,37 @@ def quantized_linear(method: str, linear: nn.Linear, group_size: int,
     return Int4Linear(Int4Groups.from_weight(weight, group_size), linear.bias, weight.device)
 
 
+def quantized_blocks(method: str, weight: torch.Tensor, group_size: int,
+                     groups: Int4Groups | None = None) -> QuantBlocks:
+    """The linear's weight quantized as the CPU block kernels take it (engine.block_panels): int8 per
+    output channel as 8-bit codes under one scale a row, int4 groups as 4-bit codes with a scale and
+    a min a group. Scales are bfloat16-exact, so code * scale is exact in float32 and the kernels
+    compute the `dequantize()`d weights' products exactly."""
+    if method == "int4":
+        return (groups or Int4Groups.from_weight(weight, group_size)).to_blocks()
+    q, scale = quantize_int8(weight)
+    per_block = scale[:, None].expand(q.shape[0], q.shape[1] // PANEL_BLOCK[8]).contiguous()
+    return QuantBlocks(q, per_block, torch.zeros_like(per_block))
+
+
 def quantize_model(model: nn.Module, spec: QuantizationSpec, prequantized: dict[str, Int4Groups] | None = None,
-                   device: torch.device | None = None) -> int:
+                   device: torch.device | None = None, blocks: bool = False) -> int:
     """Replace the decoder's projections (and lm_head as the spec says) by quantized linears;
     returns how many. `prequantized`: module name -> int4 codes to use instead of quantizing its
-    weight (placed on `device`)."""
+    weight (placed on `device`). `blocks` (CPU float32 with the kernels): as block panels for the
+    CPU kernels (`PackedLinear`), a mixture's experts too; else torch's int8/int4 linears."""
     prequantized = prequantized or {}
-    targets = [(name, module, spec.method_for(name)) for name, module in model.named_modules()
-               if isinstance(module, nn.Linear) and spec.method_for(name)]
+    targets = [(name, module, spec.method_for(name, experts=blocks)) for name, module in model.named_modules()
+               if isinstance(module, nn.Linear) and spec.method_for(name, experts=blocks)]
     replaced = 0
     for name, module, method in targets:
         groups = prequantized.get(name) if method == "int4" else None
         size = groups.group_size if groups is not None else spec.group_size
+        if blocks and module.in_features % (PANEL_BLOCK[8] if method == "int8" else size) == 0:
+            weight = module.weight.detach() if groups is None else None  # GGUF codes: the weight may be on meta
+            model.set_submodule(name, PackedLinear(module, quantized_blocks(method, weight, size, groups)))
+            replaced += 1
+            continue
         if not can_quantize(method, module, size):
             log.warning("layer left unquantized: its shape does not fit the int4 kernel", layer=name,
                         shape=tuple(module.weight.shape), group_size=size)

@@ -9,9 +9,10 @@ import shutil
 
 import openai
 import pytest
+import torch
 
 from config import ConfigError, GalleyConfig, ModelSpec, load_config, with_overrides
-from engine.quantization import Int8Linear
+from engine.packed_linear import PackedLinear
 from services.deployments.options import OPTIONS
 from storage.registry import ModelVersion
 from tests.api.test_auth import assert_error
@@ -78,7 +79,7 @@ async def test_a_rolled_out_version_serves_with_its_options(make_stack, versions
     served = stack.router.find("tiny2")
     assert served.max_model_len == 64 and served.tool_parser == "hermes"
     engine = served.replicas[0].worker.engines[served.replicas[0].engine_id]
-    assert any(isinstance(m, Int8Linear) for m in engine.runner.model.modules())
+    assert any(isinstance(m, PackedLinear) and m.panels.dtype == torch.int8 for m in engine.runner.model.modules())
     assert engine.speculative.method == "ngram"
 
     sdk = openai.AsyncOpenAI(base_url=str(stack.client.session._base_url) + "v1", api_key=stack.key,

@@ -72,12 +72,16 @@ def test_an_adapter_on_a_layer_of_experts_is_refused(generic_models):
 
 @pytest.mark.parametrize("family, method", [("qwen3moe", "int4"), ("mixtral", "int8")])
 def test_quantized_moe_greedy_equals_hf_on_the_same_quantized_weights(generic_models, family, method):
-    """Attention quantized as on the dense families; the experts and the router stay float (as transformers'
-    3D expert weights do on the generic backend)."""
+    """On CPU in float32 the experts are quantized with the attention (block kernels, inside `moe_mlp`); the
+    router stays float. On the generic backend (torch's int kernels) transformers' 3-D experts stay float."""
     from engine.quantization import Int4Linear, Int8Linear
-    from tests.engine.test_quantization import assert_greedy_equals_fake_quantized_hf
+    from tests.engine.test_quantization import assert_greedy_equals_fake_quantized_hf, code_bits
 
     assert_greedy_equals_fake_quantized_hf(generic_models[family], method, backend="native")
+    bits = {"int4": 4, "int8": 8}[method]
     layer = load_model(str(generic_models[family]), quantization=method).model.layers[1]
-    assert isinstance(layer.self_attn.qkv_proj, (Int4Linear, Int8Linear))
-    assert not any(isinstance(m, (Int4Linear, Int8Linear)) for m in layer.mlp.modules())
+    assert code_bits(layer.self_attn.qkv_proj) == bits
+    assert all(code_bits(linear) == bits for e in layer.mlp.experts for linear in (e.gate_up_proj, e.down_proj))
+    assert code_bits(layer.mlp.gate) is None
+    generic = load_model(str(generic_models[family]), quantization=method, backend="generic").model
+    assert any(isinstance(m, (Int4Linear, Int8Linear)) for m in generic.modules())

@@ -1,11 +1,12 @@
 """Weight-only int8/int4 (`engine.quantization`, the `quantization` model option).
 
 The reference for a quantized model is Hugging Face running the same quantized weights
-de-quantized to float32 ("fake-quantized"), with the two roundings our kernels do at every
-quantized linear (input and output in bfloat16) added as hooks: then the only difference left is
-the kernels' summation order, and greedy tokens must be equal, except at a tie of bf16 logits
-(adjacent bf16 values; seen once, Qwen3 int8, where HF's cached and uncached forwards disagree
-too). The real SmolLM2 still answers.
+de-quantized to float32 ("fake-quantized"). On CPU in float32 the native decoder runs them on the
+block kernels (`engine.block_panels`), which compute with exactly those weights in float32: greedy
+tokens must be equal. Torch's int kernels (the generic backend, CUDA) round their input and output
+to bfloat16: those roundings are added to the reference as hooks, and greedy tokens must be equal
+except at a tie of bf16 logits (adjacent bf16 values; seen once, Qwen3 int8, where HF's cached and
+uncached forwards disagree too). The real SmolLM2 still answers.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from transformers import AutoModelForCausalLM
 from config import ConfigError, model_spec
 from engine.gguf import int4_groups, unpermute
 from engine.loader import ModelLoadError, load_model
+from engine.packed_linear import PackedLinear
 from engine.quantization import (
     COMPUTE_DTYPE,
     Int4Groups,
@@ -33,7 +35,7 @@ from engine.types import SamplingParams
 from launch import EngineConfig, EngineLoader, build_engine, start_workers, weights_bytes
 from services.deployments.options import check_options
 from storage.registry import ModelVersion
-from tests.engine.test_reference import prompts
+from tests.engine.test_reference import generate_greedy, prompts
 from tests.helpers import assert_all_blocks_free, run_to_completion
 from tests.models import FAMILIES
 
@@ -107,21 +109,33 @@ def test_gguf_4bit_blocks_repack_exactly(qtype):
     torch.testing.assert_close(permuted, unpermute(groups.dequantize(), 2))
 
 
-def fake_quantized_hf(path, spec: QuantizationSpec):
-    """HF on the weights our loader quantizes, de-quantized, with the kernels' bf16 roundings."""
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    targets = [m for name, m in model.named_modules() if isinstance(m, nn.Linear)
-               and (name.endswith("_proj") or (spec.lm_head and name == "lm_head"))]
-    for module in targets:
-        w = module.weight.detach()
-        if (spec.lm_head if module is model.lm_head else spec.method) == "int8":
-            q, scale = quantize_int8(w)
-            fake = q.float() * scale[:, None]
-        else:
-            fake = Int4Groups.from_weight(w, spec.group_size).dequantize()
-        module.weight = nn.Parameter(fake, requires_grad=False)  # unties a tied lm_head: the embedding stays
-        module.register_forward_pre_hook(lambda _, args: (args[0].to(COMPUTE_DTYPE).float(),))
-        module.register_forward_hook(lambda _, args, out: out.to(COMPUTE_DTYPE).float())
+def fake_quantized(method: str, weight: torch.Tensor, spec: QuantizationSpec) -> torch.Tensor:
+    """A weight as our loader quantizes it, de-quantized: q * scale (int8, per row), (q - 8) * scale + zero
+    (int4 groups), scales and zeros bf16-exact, so the block kernels' q * scale + (zero - 8 scale) is
+    the same float32 (every step but the last add exact) and torch's kernels' too."""
+    if method == "int8":
+        q, scale = quantize_int8(weight)
+        return q.float() * scale[:, None]
+    return Int4Groups.from_weight(weight, spec.group_size).dequantize()
+
+
+def fake_quantized_hf(path, spec: QuantizationSpec, blocks: bool):
+    """HF on the weights our loader quantizes, de-quantized: on the block kernels' weights (a mixture's
+    experts too), or with torch's int kernels' bf16 roundings as hooks. Mixtures through transformers'
+    per-expert loop, whose adds our experts follow."""
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, experts_implementation="eager").eval()
+    for name, module in list(model.named_modules()):
+        if isinstance(module, nn.Linear) and (name.endswith("_proj") or (spec.lm_head and name == "lm_head")):
+            method = spec.lm_head if module is model.lm_head else spec.method
+            fake = fake_quantized(method, module.weight.detach(), spec)
+            module.weight = nn.Parameter(fake, requires_grad=False)  # unties a tied lm_head: the embedding stays
+            if not blocks:
+                module.register_forward_pre_hook(lambda _, args: (args[0].to(COMPUTE_DTYPE).float(),))
+                module.register_forward_hook(lambda _, args, out: out.to(COMPUTE_DTYPE).float())
+        elif blocks and isinstance(getattr(module, "gate_up_proj", None), nn.Parameter):  # 3-D [experts, out, in]
+            for stacked in (module.gate_up_proj, module.down_proj):
+                for e in range(len(stacked)):
+                    stacked.data[e] = fake_quantized(spec.method, stacked.data[e], spec)
     return model
 
 
@@ -134,12 +148,17 @@ def test_quantized_tiny_model_greedy_equals_fake_quantized_hf(tiny_models, famil
 def assert_greedy_equals_fake_quantized_hf(path, method: str, backend: str = "auto") -> None:
     spec = QuantizationSpec(method)
     loaded = load_model(str(path), quantization=method, backend=backend)
-    assert any(isinstance(m, (Int8Linear, Int4Linear)) for m in loaded.model.modules())
+    blocks = loaded.backend == "native"  # on CPU in float32: the block kernels
+    assert any(isinstance(m, PackedLinear) and not m.panels.is_floating_point() if blocks else
+               isinstance(m, (Int8Linear, Int4Linear)) for m in loaded.model.modules())
     engine = build_engine(loaded, EngineConfig(), num_blocks=64)
     batch = prompts(4, 300)
     ours = run_to_completion(engine, batch, GREEDY)
     assert_all_blocks_free(engine.scheduler.kv)
-    hf = fake_quantized_hf(path, spec)
+    hf = fake_quantized_hf(path, spec, blocks)
+    if blocks:  # the same float32 weights: no rounding of ours to excuse
+        assert ours == [generate_greedy(hf, prompt, GREEDY.max_tokens) for prompt in batch]
+        return
     ties = 0
     for prompt, tokens in zip(batch, ours):
         ids = torch.tensor([prompt])
@@ -155,15 +174,24 @@ def assert_greedy_equals_fake_quantized_hf(path, method: str, backend: str = "au
     assert ties <= 1
 
 
+def code_bits(layer: nn.Module) -> int | None:
+    """A linear's code width on the block kernels (4 or 8); None where its panels are float32."""
+    assert isinstance(layer, PackedLinear)
+    return {torch.uint8: 4, torch.int8: 8}.get(layer.panels.dtype)
+
+
 def test_quantized_model_layout(tiny_models):
+    """On CPU in float32: block panels for the block kernels (int4 codes 4-bit, int8 8-bit)."""
     model = load_model(str(tiny_models["qwen2"]), quantization="int4").model  # tied embeddings, qkv bias
     layer = model.layers[0]
-    assert isinstance(layer.self_attn.qkv_proj, Int4Linear) and layer.self_attn.qkv_proj.bias is not None
-    assert isinstance(layer.mlp.down_proj, Int4Linear) and isinstance(model.lm_head, Int8Linear)  # int8: measured
+    assert code_bits(layer.self_attn.qkv_proj) == 4 and layer.self_attn.qkv_proj.bias is not None
+    assert code_bits(layer.mlp.down_proj) == 4 and code_bits(model.lm_head) == 8  # an int8 lm_head: measured
     assert model.embed_tokens.weight.dtype == torch.float32  # the embedding is not quantized
     nohead = load_model(str(tiny_models["llama"]), quantization=QuantizationSpec("int8", lm_head=None)).model
-    assert isinstance(nohead.layers[1].self_attn.o_proj, Int8Linear)
-    assert not isinstance(nohead.lm_head, (Int8Linear, Int4Linear))  # float, oneDNN-packed on CPU
+    assert code_bits(nohead.layers[1].self_attn.o_proj) == 8
+    assert code_bits(nohead.lm_head) is None  # float32 panels
+    generic = load_model(str(tiny_models["llama"]), quantization="int4", backend="generic").model
+    assert any(isinstance(m, Int4Linear) for m in generic.modules())  # torch's kernels there
 
 
 def test_the_option_is_validated(tmp_path):
@@ -198,8 +226,9 @@ def test_a_registered_version_loads_quantized(tiny_models):
         for worker in workers:
             worker.stop()
     quantized = engines["2"].runner.model
-    assert isinstance(quantized.layers[0].mlp.gate_up_proj, Int8Linear)
-    assert weights_bytes(quantized) < weights_bytes(engines["1"].runner.model) / 2
+    assert code_bits(quantized.layers[0].mlp.gate_up_proj) == 8
+    # 8-bit block panels: 1.5 bytes a weight (a scale and a min a 16-weight row of a block); the embedding stays float
+    assert weights_bytes(quantized) < 0.55 * weights_bytes(engines["1"].runner.model)
 
 
 @needs_smollm2
