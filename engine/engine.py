@@ -123,6 +123,7 @@ class LLMEngine:
             num_steps=self.num_steps,
             num_batched_tokens=self.num_batched_tokens,
             num_step_errors=self.num_step_errors,
+            num_graph_steps=self.runner.graphs.replays if self.runner.graphs is not None else 0,
             waiting_by_class=self.scheduler.waiting.depth_by_class(),
             batch_token_counts=tuple(self.batch_token_counts),
             weights_bytes=self.memory.weights_bytes + sum(self.memory.adapter_bytes.values()),

@@ -39,9 +39,12 @@ if AVAILABLE:
         group: tl.constexpr, head_dim: tl.constexpr, block_size: tl.constexpr,
         HEAD_DIM_PAD: tl.constexpr, KEYS: tl.constexpr,
     ):
-        # One program per (sequence, query head): no constraint on the GQA group size (SmolLM2: 3)
-        seq = tl.program_id(0).to(tl.int64)
-        head = tl.program_id(1)
+        # One program per (query head, sequence): no constraint on the GQA group size (SmolLM2: 3). Heads
+        # vary fastest, so the heads of one group, which read the same K/V tiles, run side by side and can
+        # find them in L2. The (sequence, head) grid before measured ~350 GB/s of K/V on an H200 (64 x 2048
+        # tokens, bf16); this order is not measured yet, and one program per group is the fuller fix
+        head = tl.program_id(0)
+        seq = tl.program_id(1).to(tl.int64)
         kv_head = head // group
         dims = tl.arange(0, HEAD_DIM_PAD)
         dim_ok = dims < head_dim  # padding of a head_dim that is not a power of two
@@ -118,7 +121,7 @@ def paged_decode_attention(
         raise ValueError(f"block_size {block_size} and head_dim {head_dim} must be positive")
     if num_decodes == 0:
         return
-    grid = (num_decodes, num_heads)
+    grid = (num_heads, num_decodes)
     _paged_decode_kernel[grid](
         out, q, k_cache, v_cache, block_tables, context_lens,
         float(scale), int(sliding_window),

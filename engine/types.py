@@ -302,6 +302,7 @@ class EngineStats:
     prefix_cache_blocks: int = 0  # blocks holding a reusable prefix now
     spec_num_draft_tokens: int = 0  # speculative draft tokens verified by the model
     spec_num_accepted_tokens: int = 0  # of those, tokens the model's own sampling agreed with
+    num_graph_steps: int = 0  # decode steps replayed from a CUDA graph (engine/cuda_graphs.py)
 
 
 # Upper bounds of the per-step batch token histogram (`galley_batch_tokens`).

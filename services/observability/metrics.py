@@ -50,6 +50,8 @@ class EngineCollector:
         counters = {
             "num_preemptions": counter("galley_preemptions", "Sequences preempted for KV space"),
             "num_steps": counter("galley_engine_steps", "Engine steps run"),
+            "num_graph_steps": counter("galley_engine_graph_steps", "Engine steps replayed from a CUDA graph "
+                                       "(decode steps on CUDA; the rest ran op by op)"),
             "num_batched_tokens": counter("galley_batched_tokens", "Tokens run through the model"),
             "num_step_errors": counter("galley_engine_step_errors", "Engine steps in which something raised "
                                        "(only the requests it hit ended with an error)"),
@@ -77,6 +79,7 @@ class EngineCollector:
         yield from counters.values()
         yield batch
         yield self._bursts()
+        yield self._cpu_threads()
         yield self._queue_depth()
         yield from device_memory(devices)
 
@@ -92,6 +95,17 @@ class EngineCollector:
                        for bound in BURST_BUCKETS]
             buckets.append(("+Inf", sum(sizes.values())))
             family.add_metric([name], buckets, sum_value=sum(size * n for size, n in sizes.items()))
+        return family
+
+    def _cpu_threads(self) -> GaugeMetricFamily:
+        family = GaugeMetricFamily("galley_cpu_threads", "Threads a CPU worker's steps run on: fewer than the "
+                                   "cores while another process keeps one busy (engine/cpu_share.py)",
+                                   labels=["worker"])
+        workers = {replica.worker.device: replica.worker
+                   for model in self.router.served_models() for replica in model.replicas}
+        for name, worker in sorted(workers.items()):
+            if worker.cpu_share is not None:
+                family.add_metric([name], worker.cpu_share.threads)  # an int, written by the worker thread
         return family
 
     def _queue_depth(self) -> GaugeMetricFamily:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -105,6 +106,8 @@ async def test_metrics_match_a_known_set_of_requests(aiohttp_server, llama_path)
     assert preemptions >= 1  # 2 x 70 tokens > 6 blocks x 16
     assert preemptions == sum(r["preemptions"] for r in records)
     assert m[("galley_batch_tokens_count", replica)] == m[("galley_engine_steps_total", replica)]
+    assert m[("galley_engine_graph_steps_total", replica)] == 0  # no CUDA here: every step ran op by op
+    assert 1 <= m[("galley_cpu_threads", (("worker", "cpu#0"),))] <= os.cpu_count()
     assert m[("galley_batch_tokens_sum", replica)] == m[("galley_batched_tokens_total", replica)]
     assert m[("galley_batch_tokens_bucket", tuple(sorted((*replica, ("le", "+Inf")))))] == \
         m[("galley_engine_steps_total", replica)]

@@ -46,6 +46,7 @@ def test_graphed_decode_steps_match_hf(tiny_models, kernels, family):
     assert replays >= GREEDY.max_tokens - 1  # the decode steps ran through the buffers
     assert run_to_completion(engine, batch, GREEDY) == expected
     assert graphs.replays > replays
+    assert engine.stats().num_graph_steps == graphs.replays  # galley_engine_graph_steps_total
     assert engine.runner.scratch_block == engine.scheduler.kv.num_blocks  # past every block the scheduler owns
     assert_all_blocks_free(engine.scheduler.kv)
 
