@@ -41,7 +41,7 @@ MOE = dict(moe_intermediate_size=384, num_experts_per_tok=2)
 FAMILIES: dict[str, tuple[str, dict, bool]] = {
     "llama": ("LlamaConfig", {}, True),
     "qwen3": ("Qwen3Config", {}, True),
-    "gemma3": ("Gemma3TextConfig", dict(sliding_window=512, query_pre_attn_scalar=64), False),
+    "gemma3": ("Gemma3TextConfig", dict(sliding_window=512, query_pre_attn_scalar=64), True),
     "phi3": ("Phi3Config", dict(pad_token_id=0), True),
     "olmo2": ("Olmo2Config", {}, False),
     "qwen3moe": ("Qwen3MoeConfig", dict(MOE, num_experts=8), True),

@@ -22,6 +22,7 @@ from engine.block_panels import BlockEmbedding, QuantBlocks
 from engine.cpu_kernels import CPU_KERNELS
 from engine.gguf import GGUF_BLOCK, find_gguf, hf_folder_for, is_gguf_file, read_weights
 from engine.load_progress import LoadProgress, ProgressCallback
+from engine.models.gemma3 import GEMMA3_ARCHITECTURES, Gemma3ForCausalLM, gemma3_refusal
 from engine.models.layout import fuse_weights
 from engine.models.llama import SUPPORTED_ARCHITECTURES, LlamaForCausalLM, native_refusal
 from engine.packed_linear import PackedLinear, can_pack, pack_linears
@@ -208,6 +209,9 @@ def load_model(source: str, device: str = "cpu", dtype: str = "auto",
     if backend not in BACKENDS:
         raise ModelLoadError(f"backend {backend!r} is not one of {', '.join(BACKENDS)}")
     refusal = native_refusal(arch, hf_config)
+    if arch in GEMMA3_ARCHITECTURES and not refusal:
+        refusal = gemma3_refusal(hf_config) or ("a GGUF file's Gemma 3 tensors are not mapped natively"
+                                                if gguf_file else None)
     if backend == "native" and refusal:
         raise ModelLoadError(f"{source!r} has no native backend: {refusal} (backend generic serves it)")
     torch_device = torch.device(device)
@@ -216,7 +220,7 @@ def load_model(source: str, device: str = "cpu", dtype: str = "auto",
         model = load_generic(source, path, gguf_file, hf_config, spec, torch_device, torch_dtype, progress)
         return finish_load(path, model, hf_config, torch_dtype, torch_device, progress, arch, "generic")
     with torch.device("meta"):
-        model = LlamaForCausalLM(hf_config)
+        model = (Gemma3ForCausalLM if arch in GEMMA3_ARCHITECTURES else LlamaForCausalLM)(hf_config)
     int4_blocks = spec is not None and spec.gguf_blocks and spec.group_size == GGUF_BLOCK
     # the file's own blocks unless told "none" or quantizing; the CPU float32 kernels read them (where
     # they failed to build, the torch path would de-quantize every block at every step: floats instead)
@@ -245,7 +249,7 @@ def load_model(source: str, device: str = "cpu", dtype: str = "auto",
     if model.shape.tie_word_embeddings and "lm_head.weight" not in blocks:
         model.lm_head.weight = model.embed_tokens.weight
     place_blocks(model, blocks, torch_device)
-    model.rotary = type(model.rotary)(hf_config, model.shape.head_dim).to(torch_device)
+    model.build_rotary(hf_config, torch_device)
     if spec is not None:
         progress.enter("quantizing")
         quantize_model(model, spec, prequantized=int4_codes, device=torch_device,

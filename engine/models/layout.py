@@ -35,7 +35,8 @@ def fuse_weights(hf: dict[str, Any], num_layers: int, tied: bool) -> dict[str, A
                 if f"{p}{name}.{suffix}" in hf:
                     out[f"{p}{name}.{suffix}"] = hf[f"{p}{name}.{suffix}"]
         fuse_expert_weights(hf, p, out)
-        for name in ("input_layernorm", "post_attention_layernorm", "self_attn.q_norm", "self_attn.k_norm"):
+        for name in ("input_layernorm", "post_attention_layernorm", "self_attn.q_norm", "self_attn.k_norm",
+                     "pre_feedforward_layernorm", "post_feedforward_layernorm"):  # the last two: Gemma 3's
             if f"{p}{name}.weight" in hf:
                 out[f"{p}{name}.weight"] = hf[f"{p}{name}.weight"]
     return out

@@ -35,6 +35,7 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3ForCausalLM",
     "Phi3ForCausalLM",  # Phi-3 and Phi-4: q/k/v and gate/up fused in the checkpoint already
     *MOE_ARCHITECTURES,
+    "Gemma3ForCausalLM",  # its own layer: engine/models/gemma3.py
 )
 ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -92,8 +93,8 @@ class DecoderShape:
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         qkv_bias = model_type == "qwen2" or bool(getattr(config, "attention_bias", False))
         sliding = getattr(config, "sliding_window", None)
-        if model_type == "qwen2" and not getattr(config, "use_sliding_window", False):
-            sliding = None
+        if model_type == "qwen2" and not getattr(config, "use_sliding_window", False) or model_type == "gemma3_text":
+            sliding = None  # Gemma 3: a window on some layers only, which its layers apply
         return cls(
             vocab_size=config.vocab_size,
             hidden_size=config.hidden_size,
@@ -103,11 +104,12 @@ class DecoderShape:
             num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
             head_dim=head_dim,
             rms_norm_eps=config.rms_norm_eps,
-            hidden_act=config.hidden_act,
+            hidden_act=getattr(config, "hidden_act", None) or config.hidden_activation,  # Gemma names it so
             qkv_bias=qkv_bias,
             o_bias=model_type not in ("qwen2", "qwen3") and bool(getattr(config, "attention_bias", False)),
             mlp_bias=bool(getattr(config, "mlp_bias", False)),
-            qk_norm=model_type in ("qwen3", "qwen3_moe") or arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text")
+            or arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             sliding_window=sliding,
             max_position_embeddings=config.max_position_embeddings,
@@ -313,6 +315,10 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.fused = True  # one C++ op per decoder layer where the kernels can (False: per op, to compare)
         self._fused_weights: list[tuple] | None = None
+
+    def build_rotary(self, hf_config, device: torch.device) -> None:
+        """The rope tables, rebuilt on `device` once the weights are loaded (built on meta before)."""
+        self.rotary = RotaryEmbedding(hf_config, self.shape.head_dim).to(device)
 
     def forward(
         self,

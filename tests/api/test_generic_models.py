@@ -22,6 +22,7 @@ async def test_generic_models_answer_as_hf_and_say_how_they_run(make_stack, gene
     stack = await make_stack([
         ModelVersion("moe", "1", str(generic_models["qwen3moe"])),
         ModelVersion("gemma", "1", str(generic_models["gemma3"])),
+        ModelVersion("olmo", "1", str(generic_models["olmo2"])),
         ModelVersion("qwen-generic", "1", str(tiny_models["qwen3"]), options={"backend": "generic"}),
         ModelVersion("qwen", "1", str(tiny_models["qwen3"])),
     ])
@@ -29,11 +30,12 @@ async def test_generic_models_answer_as_hf_and_say_how_they_run(make_stack, gene
     cards = {card.id: card.model_extra for card in (await sdk.models.list()).data}
     assert (cards["moe"]["architecture"], cards["moe"]["family"], cards["moe"]["backend"]) == (
         "Qwen3MoeForCausalLM", "qwen3_moe", "native")
-    assert (cards["gemma"]["architecture"], cards["gemma"]["backend"]) == ("Gemma3ForCausalLM", "generic")
+    assert (cards["gemma"]["architecture"], cards["gemma"]["backend"]) == ("Gemma3ForCausalLM", "native")
+    assert (cards["olmo"]["architecture"], cards["olmo"]["backend"]) == ("Olmo2ForCausalLM", "generic")
     assert (cards["qwen-generic"]["backend"], cards["qwen"]["backend"]) == ("generic", "native")
 
     for name, path in (("moe", generic_models["qwen3moe"]), ("gemma", generic_models["gemma3"]),
-                       ("qwen-generic", tiny_models["qwen3"])):
+                       ("olmo", generic_models["olmo2"]), ("qwen-generic", tiny_models["qwen3"])):
         tokenizer = AutoTokenizer.from_pretrained(path)
         hf = AutoModelForCausalLM.from_pretrained(path).eval()
         batch = prompts(3, 300, lengths=[5, 30, 12], seed=2)

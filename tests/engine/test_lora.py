@@ -64,8 +64,8 @@ def run_mixed(engine, batch: list[tuple[list[int], str]], max_tokens: int | None
 
 @pytest.mark.parametrize("base, cpu_kernels, backend", [
     ("llama", True, "native"), ("llama", False, "native"), ("gemma3", True, "generic"), ("qwen3moe", True, "generic"),
-    ("qwen3moe", True, "native"),
-], ids=["native-kernels", "native-torch", "generic-gemma3", "generic-moe", "native-moe"])
+    ("qwen3moe", True, "native"), ("gemma3", True, "native"),
+], ids=["native-kernels", "native-torch", "generic-gemma3", "generic-moe", "native-moe", "native-gemma3"])
 def test_base_and_adapters_in_one_batch_equal_peft(adapters, base, cpu_kernels, backend):
     path, folders = adapters[base]
     engine = build_engine(load_model(str(path), backend=backend),
