@@ -51,6 +51,15 @@ def test_graphed_decode_steps_match_hf(tiny_models, kernels, family):
     assert_all_blocks_free(engine.scheduler.kv)
 
 
+def test_graphed_gemma3_with_sliding_layers_matches_hf(generic_models, kernels):
+    """Gemma 3's sliding-window layers take the window per layer from the same static metadata."""
+    engine = graphed_engine(generic_models["gemma3"], kernels, max_batch=8)
+    batch = prompts(5, 300)  # longer than the window of 8
+    model = hf_model(generic_models["gemma3"], "cpu", "float32")
+    assert run_to_completion(engine, batch, GREEDY) == [generate_greedy(model, p, GREEDY.max_tokens) for p in batch]
+    assert engine.runner.graphs.replays >= GREEDY.max_tokens - 1
+
+
 def test_a_step_wider_than_the_largest_bucket_runs_eagerly(tiny_models, kernels):
     engine = graphed_engine(tiny_models["llama"], kernels, max_batch=2)
     batch = prompts(5, 300)

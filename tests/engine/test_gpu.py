@@ -95,6 +95,13 @@ def test_more_families_on_cuda_match_hf(generic_models, family, dtype):
     check_matches_hf(generic_models[family], "cuda", dtype)
 
 
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("family", ["gemma3", "phi3"])  # native and dense (the experts' routing syncs: eager)
+def test_more_native_families_under_cuda_graphs(generic_models, family):
+    check_matches_hf(generic_models[family], "cuda", "bfloat16", graphs=True)
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_reference_checks_pass_on_cpu(tiny_models, family):
     """What the CUDA test asks, on CPU in float32, so the checks themselves are known to be right."""
