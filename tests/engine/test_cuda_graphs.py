@@ -60,6 +60,23 @@ def test_graphed_gemma3_with_sliding_layers_matches_hf(generic_models, kernels):
     assert engine.runner.graphs.replays >= GREEDY.max_tokens - 1
 
 
+def test_speculative_drafts_run_through_the_graph_buffers(tiny_models, kernels):
+    """A decode with n-gram drafts is 1 + drafts decode rows, each over the cache up to itself: graphable
+    like any decode rows. Greedy and seeded outputs equal the same engine's without graphs."""
+    from tests.engine.test_speculative import NGRAM, SEEDED, repeating_prompts, run
+
+    batch = repeating_prompts(4, seed=21)
+    outputs = []
+    for graphed in (False, True):
+        engine = build_engine(load_model(str(tiny_models["llama"]), dtype="float32"),
+                              EngineConfig(cpu_kernels=False, speculative=NGRAM), num_blocks=128)
+        if graphed:
+            assert engine.runner.capture_graphs(16, 512, kernels.paged_decode_attention) is None
+        outputs.append([o.token_ids for o in run(engine, batch, [GREEDY, SEEDED] * 2)])
+        assert engine.num_draft_tokens > 0
+    assert engine.runner.graphs.replays > 0 and outputs[0] == outputs[1]
+
+
 def test_a_step_wider_than_the_largest_bucket_runs_eagerly(tiny_models, kernels):
     engine = graphed_engine(tiny_models["llama"], kernels, max_batch=2)
     batch = prompts(5, 300)
