@@ -49,6 +49,7 @@ _FILES = (
     "lora.cpp",
     "moe.cpp",
     "decoder_layer.cpp",
+    "gemma_layer.cpp",
     "ops.cpp",
 )
 _LOCAL_INCLUDE = re.compile(r'\s*#include\s+"([^"]+)"\s*$')

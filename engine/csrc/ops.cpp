@@ -24,6 +24,13 @@ TORCH_LIBRARY(galley_cpu, m) {
         "Tensor? decode_context_lens, int[] prefill_bounds, Tensor[] prefill_tables, int num_heads, float eps, "
         "int block_size, float scale, int sliding_window, Tensor[] lora_weights, int[] lora_slices, Tensor? router, "
         "Tensor[] experts, int experts_per_token, bool normalize_experts) -> ()");
+  m.def("gemma_layer(Tensor(a!) x, Tensor cos, Tensor sin, Tensor input_norm, Tensor qkv_panels, Tensor? qkv_bias, "
+        "Tensor q_norm, Tensor k_norm, Tensor o_panels, Tensor? o_bias, Tensor post_attention_norm, "
+        "Tensor pre_feedforward_norm, Tensor gate_up, Tensor? gate_up_bias, Tensor down, Tensor? down_bias, "
+        "Tensor post_feedforward_norm, Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor slot_mapping, int num_decodes, "
+        "Tensor? decode_block_tables, Tensor? decode_context_lens, int[] prefill_bounds, Tensor[] prefill_tables, "
+        "int num_heads, float eps, int block_size, float scale, int sliding_window, Tensor[] lora_weights, "
+        "int[] lora_slices) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(galley_cpu, CPU, m) {
@@ -38,4 +45,5 @@ TORCH_LIBRARY_IMPL(galley_cpu, CPU, m) {
   m.impl("lora_add", lora_add);
   m.impl("moe_mlp", moe_mlp);
   m.impl("decoder_layer", decoder_layer);
+  m.impl("gemma_layer", gemma_layer);
 }

@@ -10,8 +10,8 @@ op by op on CPU float32, LoRA adapters, CUDA graphs) in Gemma 3's layer, as tran
   rope (base, scaling);
 - the embedding is scaled by sqrt(hidden_size), rounded to the model's dtype; the MLP gates by GELU (tanh).
 
-The C++ `decoder_layer` op computes Llama's layer, not this one, so a step runs op by op (each op a
-kernel on CPU float32). What this does not compute (logit soft-capping, bidirectional attention) is
+On CPU float32 each layer is one C++ op (`gemma_layer`, engine/csrc/gemma_layer.cpp: the per-op
+path's kernels in its order, bit for bit). What this does not compute (logit soft-capping, bidirectional attention) is
 refused by `gemma3_refusal`, and the generic backend serves the model.
 """
 
@@ -25,8 +25,16 @@ from torch import nn
 
 from engine.attention import AttentionMetadata
 from engine.lora import LoraStep
-from engine.models.llama import MLP, Attention, DecoderShape, LlamaForCausalLM, RMSNorm, RotaryEmbedding
-from engine.packed_linear import linear
+from engine.models.llama import (
+    FUSED_LINEARS,
+    MLP,
+    Attention,
+    DecoderShape,
+    LlamaForCausalLM,
+    RMSNorm,
+    RotaryEmbedding,
+)
+from engine.packed_linear import PackedLinear, linear
 
 GEMMA3_ARCHITECTURES = ("Gemma3ForCausalLM",)
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -82,6 +90,28 @@ class Gemma3Layer(nn.Module):
         self.mlp = MLP(shape)
         self.post_feedforward_layernorm = GemmaRMSNorm(shape.hidden_size, shape.rms_norm_eps)
 
+    def fused_weights(self) -> tuple | None:
+        """The weights in the order the C++ `gemma_layer` op takes them (norms as 1 + w); None where it cannot
+        run this layer (linears not packed for CPU float32, an activation other than GELU-tanh)."""
+        attn, mlp = self.self_attn, self.mlp
+        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        if not all(isinstance(layer, PackedLinear) for layer in linears) or mlp.act_name != "gelu_pytorch_tanh":
+            return None
+        return (self.input_layernorm.plus_one(), attn.qkv_proj.panels, attn.qkv_proj.bias, attn.q_norm.plus_one(),
+                attn.k_norm.plus_one(), attn.o_proj.panels, attn.o_proj.bias, self.post_attention_layernorm.plus_one(),
+                self.pre_feedforward_layernorm.plus_one(), mlp.gate_up_proj.panels, mlp.gate_up_proj.bias,
+                mlp.down_proj.panels, mlp.down_proj.bias, self.post_feedforward_layernorm.plus_one())
+
+    def fused(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache, meta: AttentionMetadata,
+              weights: tuple, adapters: tuple) -> torch.Tensor:
+        """`forward` as one C++ op (in place of x): the same kernels in the same order."""
+        meta, s = meta.windowed(self.window), self.self_attn.shape
+        step = (meta.slot_mapping, meta.num_decodes, meta.decode_block_tables, meta.decode_context_lens,
+                meta.prefill_bounds, [chunk.block_table for chunk in meta.prefills], s.num_heads, s.rms_norm_eps,
+                meta.block_size, self.self_attn.scale, meta.sliding_window or 0)
+        meta.kernels.gemma_layer(x, cos, sin, *weights, *kv_cache, *step, *adapters)
+        return x
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache, meta: AttentionMetadata,
                 lora: LoraStep | None = None) -> torch.Tensor:
         kernels = meta.kernels
@@ -117,8 +147,8 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = RotaryEmbedding(rope_config(hf_config, FULL), shape.head_dim)
         self.rotary_local = RotaryEmbedding(rope_config(hf_config, SLIDING), shape.head_dim)
-        self.fused = False  # no C++ op computes this layer: op by op
-        self._fused_weights = []
+        self.fused = True  # one C++ op a layer where the kernels can (False: op by op, to compare)
+        self._fused_weights = None
 
     def build_rotary(self, hf_config, device: torch.device) -> None:
         self.rotary = RotaryEmbedding(rope_config(hf_config, FULL), self.shape.head_dim).to(device)
@@ -129,7 +159,15 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         x = self.embed_tokens(input_ids)
         x = x * torch.tensor(self.embed_scale).to(x.dtype)  # Gemma3TextScaledWordEmbedding: the scale in the dtype
         ropes = {FULL: self.rotary(positions, x.dtype), SLIDING: self.rotary_local(positions, x.dtype)}
-        for layer, kind, kv_cache in zip(self.layers, self.layer_types, kv_caches, strict=True):
-            x = layer(x, *ropes[kind], kv_cache, meta, lora)
+        weights = self.fused_weights() if self.fused and meta.kernels is not None else None
+        if weights is not None:
+            s = self.shape
+            adapters = lora.layer_arguments(s.num_layers, FUSED_LINEARS) if lora else [([], [])] * s.num_layers
+            for layer, kind, kv_cache, w, a in zip(self.layers, self.layer_types, kv_caches, weights, adapters,
+                                                   strict=True):
+                x = layer.fused(x, *ropes[kind], kv_cache, meta, w, a)
+        else:
+            for layer, kind, kv_cache in zip(self.layers, self.layer_types, kv_caches, strict=True):
+                x = layer(x, *ropes[kind], kv_cache, meta, lora)
         x = self.norm(x[logits_indices], meta.kernels)
         return linear(self.lm_head, x, meta.kernels).float()

@@ -229,7 +229,7 @@ class MLP(nn.Module):
         self.intermediate_size = shape.intermediate_size
         self.gate_up_proj = nn.Linear(shape.hidden_size, 2 * shape.intermediate_size, bias=shape.mlp_bias)
         self.down_proj = nn.Linear(shape.intermediate_size, shape.hidden_size, bias=shape.mlp_bias)
-        self.act = activation(shape.hidden_act)
+        self.act, self.act_name = activation(shape.hidden_act), shape.hidden_act
         self.silu = shape.hidden_act == "silu"
 
     def forward(self, x: torch.Tensor, kernels: Any = None, lora: LoraStep | None = None,
