@@ -83,13 +83,17 @@ class EngineCollector:
         yield self._queue_depth()
         yield from device_memory(devices)
 
+    def _workers(self) -> list:
+        """(device, worker) of every worker serving a loaded model, by device."""
+        workers = {replica.worker.device: replica.worker
+                   for model in self.router.served_models() for replica in model.replicas}
+        return sorted(workers.items())
+
     def _bursts(self) -> HistogramMetricFamily:
         family = HistogramMetricFamily("galley_worker_burst_requests", "Requests a device worker took together "
                                        "when one woke it from idle, so that they start in one step",
                                        labels=["worker"])
-        workers = {replica.worker.device: replica.worker
-                   for model in self.router.served_models() for replica in model.replicas}
-        for name, worker in sorted(workers.items()):
+        for name, worker in self._workers():
             sizes = dict(worker.burst_sizes)  # written by the worker thread
             buckets = [(str(float(bound)), sum(n for size, n in sizes.items() if size <= bound))
                        for bound in BURST_BUCKETS]
@@ -101,9 +105,7 @@ class EngineCollector:
         family = GaugeMetricFamily("galley_cpu_threads", "Threads a CPU worker's steps run on: fewer than the "
                                    "cores while another process keeps one busy (engine/cpu_share.py)",
                                    labels=["worker"])
-        workers = {replica.worker.device: replica.worker
-                   for model in self.router.served_models() for replica in model.replicas}
-        for name, worker in sorted(workers.items()):
+        for name, worker in self._workers():
             if worker.cpu_share is not None:
                 family.add_metric([name], worker.cpu_share.threads)  # an int, written by the worker thread
         return family

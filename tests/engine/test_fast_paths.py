@@ -348,13 +348,20 @@ def test_fused_layer_kernel_matches_per_op_path(tiny_models, kernels, family, sl
     same logits and the same cache, bit for bit, on a step of decodes beside prefill chunks from
     the start and after a cached prefix (biases: qwen2; q/k norms: qwen3)."""
     model = load_model(str(tiny_models[family]), dtype="float32").model
-    s, block_size, num_blocks = model.shape, 4, 64
+    assert_fused_equals_per_op(model, kernels, "decoder_layer", sliding_window)
+
+
+def assert_fused_equals_per_op(model, kernels, op: str, sliding_window: int | None = None,
+                               every_row: bool = False) -> None:
+    """The model's C++ layer op (`op`, counted: it ran, once a layer) against its per-op path on a
+    `mixed_step`: the same logits (of a few rows, or `every_row`) and the same cache, bit for bit."""
+    s, block_size = model.shape, 4
     torch.manual_seed(0)
-    caches, decodes, chunks, positions, slots, input_ids = mixed_step(s, block_size, num_blocks)
-    logits_at = torch.tensor([0, 1, 2, 3 + 13 - 1, len(slots) - 1])
+    caches, decodes, chunks, positions, slots, input_ids = mixed_step(s, block_size)
+    logits_at = torch.arange(len(slots)) if every_row else torch.tensor([0, 1, 2, 3 + 13 - 1, len(slots) - 1])
     results = []
     for fused in (False, True):
-        model.fused, counting = fused, CountingKernels(kernels, "decoder_layer")
+        model.fused, counting = fused, CountingKernels(kernels, op)
         meta = build_metadata(decodes, chunks, slots, block_size, sliding_window, torch.device("cpu"), counting)
         cache = [(k.clone(), v.clone()) for k, v in caches]
         with torch.inference_mode():

@@ -73,23 +73,6 @@ def test_what_the_native_layer_does_not_compute_goes_generic(gemma3, tmp_path, s
 def test_the_layer_op_matches_the_per_op_path(gemma3, kernels):
     """`gemma_layer` runs the per-op path's kernels (and ATen's GELU) in its order: the same logits and the
     same cache, bit for bit, on decodes beside prefill chunks, through sliding and full layers."""
-    from engine.attention import build_metadata
-    from tests.engine.test_fast_paths import CountingKernels, mixed_step
+    from tests.engine.test_fast_paths import assert_fused_equals_per_op
 
-    model = load_model(str(gemma3), dtype="float32").model
-    s, block_size = model.shape, 4
-    torch.manual_seed(0)
-    caches, decodes, chunks, positions, slots, input_ids = mixed_step(s, block_size)
-    logits_at = torch.tensor([0, 1, 2, 3 + 13 - 1, len(slots) - 1])
-    results = []
-    for fused in (False, True):
-        model.fused, counting = fused, CountingKernels(kernels, "gemma_layer")
-        meta = build_metadata(decodes, chunks, slots, block_size, None, torch.device("cpu"), counting)
-        cache = [(k.clone(), v.clone()) for k, v in caches]
-        with torch.inference_mode():
-            logits = model(input_ids, torch.tensor(positions), cache, meta, logits_at)
-        assert counting.calls == (s.num_layers if fused else 0)
-        results.append((logits, cache))
-    (expected, expected_cache), (got, got_cache) = results
-    assert torch.equal(got, expected)
-    assert all(torch.equal(a, b) for pair, other in zip(got_cache, expected_cache) for a, b in zip(pair, other))
+    assert_fused_equals_per_op(load_model(str(gemma3), dtype="float32").model, kernels, "gemma_layer")

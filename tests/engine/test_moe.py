@@ -8,13 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention import build_metadata
 from engine.loader import load_model
 from engine.lora import AdapterError, PeftAdapter
 from engine.models.moe import SparseMoe
 from engine.types import SamplingParams
 from launch import EngineConfig, build_engine
-from tests.engine.test_fast_paths import CountingKernels, mixed_step
+from tests.engine.test_fast_paths import assert_fused_equals_per_op
 from tests.engine.test_reference import hf_greedy, prompts
 from tests.helpers import assert_all_blocks_free, run_to_completion
 
@@ -41,21 +40,7 @@ def test_fused_moe_layer_matches_per_op_path(generic_models, kernels, family):
     """The C++ layer op with its `moe_mlp` (router, top k, each expert once on its gathered tokens, the
     weighted outputs added in expert order) gives the per-op path's logits and cache, bit for bit."""
     model = load_model(str(generic_models[family]), dtype="float32").model
-    s, block_size, num_blocks = model.shape, 4, 64
-    torch.manual_seed(0)
-    caches, decodes, chunks, positions, slots, input_ids = mixed_step(s, block_size, num_blocks)
-    logits_at = torch.arange(len(slots))
-    results = []
-    for fused in (False, True):
-        model.fused, counting = fused, CountingKernels(kernels, "decoder_layer")
-        meta = build_metadata(decodes, chunks, slots, block_size, None, torch.device("cpu"), counting)
-        cache = [(k.clone(), v.clone()) for k, v in caches]
-        with torch.inference_mode():
-            results.append((model(input_ids, torch.tensor(positions), cache, meta, logits_at), cache))
-        assert counting.calls == (s.num_layers if fused else 0)
-    (expected, expected_cache), (got, got_cache) = results
-    assert torch.equal(got, expected)
-    assert all(torch.equal(a, b) for pair, other in zip(got_cache, expected_cache) for a, b in zip(pair, other))
+    assert_fused_equals_per_op(model, kernels, "decoder_layer", every_row=True)
 
 
 def test_an_adapter_on_a_layer_of_experts_is_refused(generic_models):
