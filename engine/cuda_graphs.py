@@ -47,6 +47,7 @@ class DecodeGraphs:
         pinned = capture  # page-locked host copies: the step's inputs go up without a staging copy of their own
         self.host_inputs = torch.zeros(STEP_INPUTS, n, dtype=torch.long, pin_memory=pinned)
         self.host_tables = torch.full((n, max_blocks), scratch_block, dtype=torch.long, pin_memory=pinned)
+        self.padding = torch.tensor([0, 0, scratch_block * block_size, 1])[:, None]  # id, position, slot, length
         self.metas = {b: AttentionMetadata(
             slot_mapping=self.inputs[2, :b], block_size=block_size, num_decodes=b, decode_block_tables=self.tables[:b],
             decode_context_lens=self.inputs[3, :b], decode_mask=None, prefills=[], sliding_window=sliding_window,
@@ -86,7 +87,7 @@ class DecodeGraphs:
 
     def _pad(self, start: int, end: int) -> None:
         """Rows [start, end) of the host buffers as padding: token 0 at position 0 in the scratch block."""
-        self.host_inputs[:, start:end] = torch.tensor([0, 0, self.scratch_block * self.block_size, 1])[:, None]
+        self.host_inputs[:, start:end] = self.padding
         self.host_tables[start:end, 0] = self.scratch_block
 
     def fits(self, num_rows: int) -> bool:

@@ -226,6 +226,7 @@ def load_model(source: str, device: str = "cpu", dtype: str = "auto",
     # they failed to build, the torch path would de-quantize every block at every step: floats instead)
     block_kernels = can_pack(torch_device, torch_dtype) and not CPU_KERNELS.failed
     keep_blocks = quantization is None and block_kernels
+    quantized_blocks = spec is not None and spec.block_kernels and block_kernels  # int8/int4 on the block kernels
     progress.enter("reading weights")
     checkpoint = (read_weights(gguf_file, hf_config, int4_blocks=int4_blocks, blocks=keep_blocks, progress=progress)
                   if gguf_file else read_checkpoint(path, progress))
@@ -234,8 +235,7 @@ def load_model(source: str, device: str = "cpu", dtype: str = "auto",
     int4_codes: dict[str, Int4Groups] = {}
     for name, weight in list(weights.items()):
         if isinstance(weight, Int4Groups):  # codes for int4 linears; exact floats for the rest
-            experts = block_kernels and spec is not None and spec.block_kernels
-            if spec is not None and spec.method_for(name.removesuffix(".weight"), experts=experts) == "int4":
+            if spec is not None and spec.method_for(name.removesuffix(".weight"), experts=quantized_blocks) == "int4":
                 int4_codes[name.removesuffix(".weight")] = weights.pop(name)
             else:
                 weights[name] = weight.dequantize(rounded=False)
@@ -252,8 +252,7 @@ def load_model(source: str, device: str = "cpu", dtype: str = "auto",
     model.build_rotary(hf_config, torch_device)
     if spec is not None:
         progress.enter("quantizing")
-        quantize_model(model, spec, prequantized=int4_codes, device=torch_device,
-                       blocks=block_kernels and spec.block_kernels)
+        quantize_model(model, spec, prequantized=int4_codes, device=torch_device, blocks=quantized_blocks)
     if can_pack(torch_device, torch_dtype):  # what stays nn.Linear
         progress.enter("building kernels")
         pack_linears(model)
