@@ -26,6 +26,7 @@ from engine.models.gemma3 import GEMMA3_ARCHITECTURES, Gemma3ForCausalLM, gemma3
 from engine.models.layout import fuse_weights
 from engine.models.llama import SUPPORTED_ARCHITECTURES, LlamaForCausalLM, native_refusal
 from engine.packed_linear import PackedLinear, can_pack, pack_linears
+from engine.processors import load_processor
 from engine.quantization import Int4Groups, Int4Linear, Int8Linear, QuantizationSpec, quantize_model
 
 log = structlog.get_logger(__name__)
@@ -366,13 +367,3 @@ def load_generic(source: str, path: Path, gguf_file: Path | None, hf_config, spe
             model.images_refused = str(exc)
             log.warning("serving text only: images are refused", source=source, why=str(exc))
     return model
-
-
-def load_processor(path: Path, architecture: str):
-    """A vision-language model's processor (transformers' AutoProcessor): chat template, images to arrays."""
-    from transformers import AutoProcessor
-
-    try:
-        return AutoProcessor.from_pretrained(path)
-    except (OSError, ValueError, ImportError) as exc:
-        raise ModelLoadError(f"{architecture} takes images, but its processor does not load: {exc}") from exc

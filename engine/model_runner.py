@@ -11,6 +11,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from engine.attention import build_metadata
@@ -127,10 +128,13 @@ class ModelRunner:
         adapter_rows: dict[str, list[tuple[int, int]]] = {}  # adapter -> its slices of the packed rows
         image_rows: list[int] = []  # packed rows that are image tokens of a prompt, and their features
         image_parts: list[torch.Tensor] = []
+        axis_positions: list[tuple[int, np.ndarray]] = []  # (first packed row, [3, n]) of multi-axis rotaries
         for item in ordered:
             seq, start, n = item.seq, item.seq.num_computed_tokens, item.num_new_tokens
             if seq.images is not None and not item.is_decode:
                 self._add_image_rows(seq, start, n, len(input_ids), image_rows, image_parts)
+            if seq.images is not None and getattr(self.model, "rope_args", None) is not None:
+                axis_positions.append((len(input_ids), self._axis_positions(seq, start, n)))
             if seq.adapter:
                 slices, first = adapter_rows.setdefault(seq.adapter, []), len(input_ids)
                 if slices and slices[-1][1] == first:
@@ -159,11 +163,28 @@ class ModelRunner:
         if adapter_rows:  # KeyError for an adapter not loaded here: the engine fails the requests that name it
             lora = LoraStep([(self.adapters[name], slices) for name, slices in adapter_rows.items()])
         images = (as_tensor(image_rows), torch.cat(image_parts)) if image_rows else None
+        position_ids = as_tensor(positions)
+        if axis_positions:  # the step's rows on three axes: text rows the same on each
+            position_ids = position_ids.expand(3, -1).clone()
+            for first, rows in axis_positions:
+                position_ids[:, first:first + rows.shape[1]] = torch.from_numpy(rows)
         logits = self.model(
-            as_tensor(input_ids), as_tensor(positions), self.kv_caches, meta, as_tensor(logits_indices), lora=lora,
+            as_tensor(input_ids), position_ids, self.kv_caches, meta, as_tensor(logits_indices), lora=lora,
             **({"images": images} if images is not None else {}),
         )
         return sampled, logits
+
+    def _axis_positions(self, seq, start: int, n: int) -> np.ndarray:
+        """Tokens start..start+n of a prompt with images under a multi-axis rotary, [3, n]: the prompt's
+        own positions (computed at its first step), then each later token's index plus the offset."""
+        if seq.rope_positions is None:
+            seq.rope_positions = self.model.prompt_positions(seq.token_ids[:seq.num_prompt_tokens], seq.images.arrays)
+        prompt, offset = seq.rope_positions
+        index = np.arange(start, start + n)
+        out = np.repeat((index + offset)[None], 3, axis=0)
+        inside = index < prompt.shape[1]
+        out[:, inside] = prompt[:, index[inside]]
+        return out
 
     def _add_image_rows(self, seq, start: int, n: int, offset: int, rows: list[int], parts: list[torch.Tensor]) -> None:
         """The image tokens among a prefill chunk's prompt tokens (packed from row `offset`) and the

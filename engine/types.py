@@ -175,6 +175,8 @@ class Sequence:
             self.cache_salt = f"images:{','.join(request.images.digests)}\x00{self.cache_salt}"
         self.adapter = request.adapter
         self.images = request.images
+        # a multi-axis rotary's prompt positions and later tokens' offset (the runner's, at its first step)
+        self.rope_positions: tuple[np.ndarray, int] | None = None
         self.block_hashes: list[bytes] = []  # prefix-cache hashes of full blocks, computed as needed
         self.num_cached_blocks = 0  # leading blocks of `block_table` registered in the prefix cache
         self.status = SequenceStatus.WAITING

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -233,9 +234,57 @@ def save_vision_model(family: str, out: Path, seed: int = 0) -> Path:
         processor = transformers.Gemma3Processor(
             image_processor=transformers.Gemma3ImageProcessorPil(size={"height": 32, "width": 32}), tokenizer=tokenizer,
             chat_template=template, image_seq_length=4)
+    elif family in ("qwen2_vl", "qwen2_5_vl"):  # multi-axis rotary positions; 4 image tokens a 32 px square
+        model = qwen_vision_model(family, tokenizer)
+        model.generation_config.eos_token_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
+        model.save_pretrained(out)
+        return save_qwen_processor(family, tokenizer, out)
     else:
         raise ValueError(family)
     model.generation_config.eos_token_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
     model.save_pretrained(out)
     processor.save_pretrained(out)
+    return out
+
+
+QWEN_VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+
+
+def qwen_vision_model(family: str, tokenizer):
+    """Qwen2-VL (`qwen2_vl`) or Qwen2.5-VL (`qwen2_5_vl`, windowed vision attention and a gated MLP):
+    8 px patches merged 2 x 2 into one image token; the text model's rotary split into (time, row,
+    column) sections."""
+    import transformers
+
+    tokenizer.add_special_tokens({"additional_special_tokens": QWEN_VISION_TOKENS})
+    ids = dict(zip(("vision_start_token_id", "vision_end_token_id", "image_token_id", "video_token_id"),
+                   tokenizer.convert_tokens_to_ids(QWEN_VISION_TOKENS)))
+    text_config = dict(COMMON, vocab_size=len(tokenizer), rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]})
+    common = dict(depth=2, num_heads=4, patch_size=8, spatial_merge_size=2, temporal_patch_size=2)
+    if family == "qwen2_vl":
+        config = transformers.Qwen2VLConfig(
+            text_config=text_config, vision_config=dict(common, embed_dim=32, hidden_size=64, mlp_ratio=2), **ids)
+        return transformers.Qwen2VLForConditionalGeneration(config)
+    vision = dict(common, hidden_size=32, intermediate_size=64, out_hidden_size=64, window_size=32,
+                  fullatt_block_indexes=[1])
+    return transformers.Qwen2_5_VLForConditionalGeneration(
+        transformers.Qwen2_5_VLConfig(text_config=text_config, vision_config=vision, **ids))
+
+
+def save_qwen_processor(family: str, tokenizer, out: Path) -> Path:
+    """The processor's parts as Qwen's own folders hold them (`preprocessor_config.json` naming the
+    processor class, `chat_template.json`). Its video part needs torchvision, which has no build for
+    this machine's torch, so galley loads it without one (engine/processors.py)."""
+    import transformers
+
+    template = VISION_TEMPLATE.replace("<image>", "<|vision_start|><|image_pad|><|vision_end|>")
+    images = transformers.Qwen2VLImageProcessorPil(min_pixels=16 * 16, max_pixels=64 * 64, patch_size=8,
+                                                   merge_size=2, temporal_patch_size=2)
+    images.save_pretrained(out)
+    settings = json.loads((out / "preprocessor_config.json").read_text())
+    name = {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor"}[family]
+    (out / "preprocessor_config.json").write_text(json.dumps({**settings, "processor_class": name}))
+    (out / "chat_template.json").write_text(json.dumps({"chat_template": template}))
+    tokenizer.chat_template = template
+    tokenizer.save_pretrained(out)
     return out

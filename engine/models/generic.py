@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 from transformers import AttentionInterface, PreTrainedModel
@@ -176,13 +177,17 @@ class GenericCausalLM(nn.Module):
         # what get_image_features takes of a processor's arrays (not its token types), read once
         self.image_args = (frozenset(inspect.signature(hf_model.model.get_image_features).parameters)
                            if self.image_token_id is not None else frozenset())
+        # a multi-axis rotary's position arguments (Qwen2-VL and kin: see `prompt_positions`), else None
+        rope_index = getattr(hf_model.model, "get_rope_index", None) if self.image_token_id is not None else None
+        self.rope_args = (frozenset(inspect.signature(rope_index).parameters) - {"input_ids", "mm_token_type_ids",
+                          "attention_mask"} if rope_index is not None else None)
         self.processor: Any = None  # a vision-language model's (set by the loader)
         self.images_refused = ""  # or why it serves text only
 
     def forward(
         self,
         input_ids: torch.Tensor,  # [num_tokens]
-        positions: torch.Tensor,  # [num_tokens]
+        positions: torch.Tensor,  # [num_tokens], or [3, num_tokens] for a multi-axis rotary
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
         logits_indices: torch.Tensor,  # [num_samples]
@@ -197,8 +202,8 @@ class GenericCausalLM(nn.Module):
             embeds = self.hf.get_input_embeddings()(input_ids)
             tokens = {"inputs_embeds": embeds.index_copy(0, rows, features.to(embeds.dtype))[None]}
         try:
-            out = self.hf(**tokens, position_ids=positions[None], use_cache=False, logits_to_keep=logits_indices,
-                          galley_step=Step(kv_caches, meta))
+            out = self.hf(**tokens, position_ids=positions.unsqueeze(-2), use_cache=False,
+                          logits_to_keep=logits_indices, galley_step=Step(kv_caches, meta))
         finally:
             self.lora = None
         return out.logits[0].float()
@@ -213,6 +218,19 @@ class GenericCausalLM(nn.Module):
         if isinstance(features, (list, tuple)):
             features = torch.cat(list(features))
         return features.reshape(-1, features.shape[-1])
+
+    def prompt_positions(self, token_ids: list[int], arrays: dict[str, np.ndarray]) -> tuple[np.ndarray, int]:
+        """A multi-axis rotary's positions for a prompt with images, [3, num_tokens]: an image token's
+        (time, row, column) in its image's grid, a text token's next position on all three axes, from
+        the model's own `get_rope_index`; and the offset from index to position of every token after
+        the prompt (negative: an image takes fewer positions than tokens)."""
+        ids = torch.tensor(token_ids)[None]
+        kinds = (ids == self.image_token_id).int()  # text 0, image 1, video 2: as the processor marks them
+        if (video := getattr(self.hf.config, "video_token_id", None)) is not None:
+            kinds[ids == video] = 2
+        kwargs = {name: torch.from_numpy(array) for name, array in arrays.items() if name in self.rope_args}
+        positions, offset = self.hf.model.get_rope_index(ids, mm_token_type_ids=kinds, **kwargs)
+        return positions[:, 0].numpy(), int(offset)
 
     def lora_weights(self, adapter: PeftAdapter, device: torch.device, dtype: torch.dtype) -> dict[str, LoraWeights]:
         """An adapter's weights keyed by the transformers module each adapts (PEFT's own names), each such
@@ -311,9 +329,9 @@ def check_against_reference(model: GenericCausalLM, device: torch.device, dtype:
 def check_images_against_reference(model: GenericCausalLM, processor, device: torch.device, dtype: torch.dtype,
                                    block_size: int = 16, low_precision: bool = False) -> None:
     """UnsupportedModel unless a prompt with an image gives the same logits through the paged path
-    (image features merged into one prefill, causal attention, positions 0..n-1) as through the
-    model's own forward with the image: what a family does differently with image tokens (Gemma 3's
-    bidirectional attention inside an image, Qwen2-VL's multi-axis positions) shows here, at load."""
+    (image features merged into one prefill, causal attention, positions 0..n-1 or the multi-axis
+    rotary's) as through the model's own forward with the image: what a family does differently with
+    image tokens (Gemma 3's bidirectional attention inside an image) shows here, at load."""
     from PIL import Image
 
     chat = [{"role": "user", "content": [{"type": "image", "image": Image.new("RGB", (64, 48), (90, 140, 200))},
@@ -338,7 +356,9 @@ def check_images_against_reference(model: GenericCausalLM, processor, device: to
     caches = empty_caches(model.shape, num_blocks * block_size, device, dtype)
     meta = build_metadata([], [(list(range(num_blocks)), 0, n)], list(range(n)), block_size, None, device)
     rows = (ids == model.image_token_id).nonzero().flatten()
-    paged = model(ids, torch.arange(n, device=device), caches, meta, torch.arange(n, device=device),
+    positions = (torch.arange(n) if model.rope_args is None
+                 else torch.from_numpy(model.prompt_positions(ids.tolist(), arrays)[0]))
+    paged = model(ids, positions.to(device), caches, meta, torch.arange(n, device=device),
                   images=(rows, model.image_features(arrays)))
     if not agrees(paged, reference, dtype, low_precision):
         worst = (paged - reference).abs().max().item()

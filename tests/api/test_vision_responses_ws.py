@@ -11,6 +11,7 @@ import base64
 import openai
 import pytest
 
+from engine.processors import load_processor
 from storage.registry import ModelVersion
 from tests.api.test_deployments import make_stack  # noqa: F401 (fixture)
 from tests.api.test_generic_models import sdk_for
@@ -37,18 +38,14 @@ def input_message(text: str, url: str, **image) -> dict:
 
 
 def hf_answer(llava, history: list[dict]) -> str:
-    from transformers import AutoProcessor
-
-    processor = AutoProcessor.from_pretrained(llava)
+    processor = load_processor(llava, "")
     encoded = processor.apply_chat_template(history, add_generation_prompt=True, tokenize=True, return_dict=True,
                                             return_tensors="np")
     return processor.decode(hf_greedy(llava, encoded), skip_special_tokens=True)
 
 
 def hf_first_answers(llava, images: list) -> list[str]:
-    from transformers import AutoProcessor
-
-    processor = AutoProcessor.from_pretrained(llava)
+    processor = load_processor(llava, "")
     return [processor.decode(hf_greedy(llava, processed(processor, [image], TEXT)), skip_special_tokens=True)
             for image in images]
 

@@ -22,9 +22,10 @@ from tests.models import save_vision_model
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 
 
-@pytest.fixture(scope="module", params=["llava", "idefics3"])
+@pytest.fixture(scope="module", params=["llava", "idefics3", "qwen2_vl", "qwen2_5_vl"])
 def vlm(request, tmp_path_factory):
-    """Each vision family in turn (LLaVA, and Idefics3: SmolVLM's architecture)."""
+    """Each vision family in turn (LLaVA; Idefics3, SmolVLM's architecture; Qwen2-VL and Qwen2.5-VL,
+    whose rotary positions run on three axes)."""
     return save_vision_model(request.param, tmp_path_factory.mktemp(request.param) / "model")
 
 
@@ -99,7 +100,7 @@ def test_prefix_hits_stay_within_the_same_images(vlm):
     reused, and one with the same image must be (and still give HF's tokens)."""
     loaded = load_model(str(vlm))
     engine = build_engine(loaded, EngineConfig(), num_blocks=128)
-    first, second = pictures(2, seed=1)
+    [first], [second] = pictures(1, seed=1), pictures(1, seed=2)  # one size: the same number of image tokens
     text = "Describe this image in a few words, please."
     a, b = processed(loaded.processor, [first], text), processed(loaded.processor, [second], text)
     assert (a["input_ids"] == b["input_ids"]).all()  # the same tokens: only the images differ
