@@ -5,8 +5,9 @@ chunks. Decodes run as one call: the C++ kernel of `engine.cpu_kernels` when the
 passes those ops (it reads the blocks in place), the step's `decode_kernel` where it has one
 (a CUDA graph's Triton kernel, also in place), else one batched SDPA call over keys gathered
 from the paged cache. Each prefill chunk runs its own call (causal, offset by what is
-already cached): the C++ prefill kernel over the blocks in place, else SDPA. The metadata is
-built once per step and shared by all layers.
+already cached): the C++ prefill kernel over the blocks in place, else SDPA. A chunk with
+bidirectional spans (a Gemma 3 image's tokens, which see each other both ways) runs SDPA with its
+mask whatever the kernels. The metadata is built once per step and shared by all layers.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ class PrefillChunk:
     start_pos: int  # the chunk's first position in its sequence (what is already cached before it)
     block_table: torch.Tensor | None  # [num_blocks] to read; None (torch path): the chunk is the whole context
     mask: torch.Tensor | None  # [1, 1, chunk_len, num_blocks * block_size] bool; None: plain causal or kernel
+    # position runs [a, b) whose tokens see each other both ways (`visible_mask`); each ends inside the chunk
+    spans: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass
@@ -58,34 +61,46 @@ class AttentionMetadata:
         return self._windows[sliding_window]
 
     def _rebuilt(self, window: int | None) -> AttentionMetadata:
-        if self.kernels is not None:
-            return replace(self, sliding_window=window, _windows={})
+        if self.kernels is not None:  # the kernels take the window; only chunks with spans have masks
+            prefills = [replace(c, mask=chunk_mask(c, self.block_size, window)) if c.spans else c
+                        for c in self.prefills]
+            return replace(self, sliding_window=window, prefills=prefills, _windows={})
         decode_mask = None
         if self.num_decodes and self.decode_kernel is None:
             width = self.decode_block_tables.shape[1] * self.block_size
             lens = self.decode_context_lens
             decode_mask = visible_mask(lens - 1, width, lens[:, None], window)[:, None, None, :]
-        prefills = []
-        for chunk in self.prefills:
-            n, context_len = chunk.end - chunk.start, chunk.start_pos + chunk.end - chunk.start
-            positions = torch.arange(chunk.start_pos, context_len, device=self.slot_mapping.device)
-            if chunk.block_table is not None:
-                mask = visible_mask(positions, len(chunk.block_table) * self.block_size, context_len, window)
-            else:  # the chunk is its whole sequence: keys are its own tokens
-                mask = visible_mask(positions, n, n, window)
-            prefills.append(replace(chunk, mask=mask[None, None]))
+        prefills = [replace(chunk, mask=chunk_mask(chunk, self.block_size, window, self.slot_mapping.device))
+                    for chunk in self.prefills]
         return replace(self, decode_mask=decode_mask, prefills=prefills, sliding_window=window, _windows={})
 
 
+def chunk_mask(chunk: PrefillChunk, block_size: int, window: int | None,
+               device: torch.device | None = None) -> torch.Tensor:
+    """[1, 1, chunk_len, num_keys] bool: what a prefill chunk's queries see of its keys (its blocks, or
+    its own tokens where it is its whole sequence)."""
+    n, context_len = chunk.end - chunk.start, chunk.start_pos + chunk.end - chunk.start
+    if chunk.block_table is not None:
+        device = chunk.block_table.device
+    positions = torch.arange(chunk.start_pos, context_len, device=device)
+    num_keys = len(chunk.block_table) * block_size if chunk.block_table is not None else n
+    return visible_mask(positions, num_keys, context_len, window, chunk.spans)[None, None]
+
+
 def visible_mask(
-    query_positions: torch.Tensor, num_keys: int, context_len: torch.Tensor | int, sliding_window: int | None
+    query_positions: torch.Tensor, num_keys: int, context_len: torch.Tensor | int, sliding_window: int | None,
+    spans: tuple[tuple[int, int], ...] = (),
 ) -> torch.Tensor:
-    """[num_queries, num_keys] bool: may the query at position p see the key at position k?
+    """[num_queries, num_keys] bool: may the query at position p see the key at position k? Causally,
+    and both ways inside each span [a, b): a query there sees keys up to b - 1 (HF's blockwise mask).
 
     Keys at or past `context_len` are padding of the last block and never visible.
     """
     keys = torch.arange(num_keys, device=query_positions.device)
-    mask = (keys[None, :] <= query_positions[:, None]) & (keys[None, :] < context_len)
+    last = query_positions
+    for a, b in spans:
+        last = torch.where((query_positions >= a) & (query_positions < b), b - 1, last)
+    mask = (keys[None, :] <= last[:, None]) & (keys[None, :] < context_len)
     if sliding_window is not None:
         mask &= query_positions[:, None] - keys[None, :] < sliding_window
     return mask
@@ -99,8 +114,10 @@ def build_metadata(
     sliding_window: int | None,
     device: torch.device,
     kernels: Any = None,
+    prefill_spans: list[tuple[tuple[int, int], ...]] | None = None,
 ) -> AttentionMetadata:
-    """decode_contexts: (block_table, context_len); prefill_chunks: (block_table, start_pos, chunk_len)."""
+    """decode_contexts: (block_table, context_len); prefill_chunks: (block_table, start_pos, chunk_len);
+    prefill_spans: each chunk's bidirectional spans (`visible_mask`), where any has some."""
     decode_tables = decode_lens = decode_mask = None
     if decode_contexts:
         num_blocks = [cdiv(ctx, block_size) for _, ctx in decode_contexts]
@@ -114,17 +131,19 @@ def build_metadata(
 
     prefills = []
     offset = len(decode_contexts)
-    for table, start_pos, chunk_len in prefill_chunks:
+    for i, (table, start_pos, chunk_len) in enumerate(prefill_chunks):
         context_len = start_pos + chunk_len
-        blocks = mask = None
         n = cdiv(context_len, block_size)
-        if kernels is not None:  # the kernel reads the chunk's keys from the cache and masks by position
-            blocks = torch.tensor(table[:n], dtype=torch.long, device=device)
-        elif start_pos > 0 or (sliding_window is not None and context_len > sliding_window):
-            blocks = torch.tensor(table[:n], dtype=torch.long, device=device)
-            positions = torch.arange(start_pos, context_len, device=device)
-            mask = visible_mask(positions, n * block_size, context_len, sliding_window)[None, None]
-        prefills.append(PrefillChunk(offset, offset + chunk_len, start_pos, blocks, mask))
+        chunk = PrefillChunk(offset, offset + chunk_len, start_pos, None, None,
+                             prefill_spans[i] if prefill_spans else ())
+        # the kernel reads the chunk's keys from the cache and masks by position; SDPA reads the blocks
+        # with a mask unless the chunk is its whole (causal) sequence
+        if kernels is not None or chunk.spans or start_pos > 0 or (
+                sliding_window is not None and context_len > sliding_window):
+            chunk.block_table = torch.tensor(table[:n], dtype=torch.long, device=device)
+        if chunk.spans or (kernels is None and chunk.block_table is not None):
+            chunk.mask = chunk_mask(chunk, block_size, sliding_window)
+        prefills.append(chunk)
         offset += chunk_len
 
     return AttentionMetadata(
@@ -190,7 +209,7 @@ def paged_attention(
             q[:nd, :, None, :], keys, values, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True
         ).squeeze(2)
     for chunk in meta.prefills:
-        if meta.kernels is not None:
+        if meta.kernels is not None and chunk.mask is None:
             meta.kernels.paged_prefill_attention(out[chunk.start : chunk.end], q[chunk.start : chunk.end], k_cache,
                                                  v_cache, chunk.block_table, chunk.start_pos, meta.block_size, scale,
                                                  meta.sliding_window or 0)
@@ -223,11 +242,12 @@ def softcapped_attention(
     out = torch.empty_like(q)
     groups = q.shape[1] // k.shape[1]
 
-    def attend(rows: slice, positions: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, context_len) -> None:
+    def attend(rows: slice, positions: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, context_len,
+               spans: tuple[tuple[int, int], ...] = ()) -> None:
         keys, values = (t.repeat_interleave(groups, dim=0) for t in (keys, values))  # [heads, num_keys, head_dim]
         scores = q[rows].transpose(0, 1).float() @ keys.float().transpose(1, 2) * scale  # [heads, n, num_keys]
         scores = softcap * torch.tanh(scores / softcap)
-        visible = visible_mask(positions, keys.shape[1], context_len, meta.sliding_window)
+        visible = visible_mask(positions, keys.shape[1], context_len, meta.sliding_window, spans)
         weights = scores.masked_fill(~visible, float("-inf")).softmax(-1)
         out[rows] = (weights @ values.float()).transpose(0, 1).to(q.dtype)
 
@@ -240,5 +260,6 @@ def softcapped_attention(
         rows = slice(chunk.start, chunk.end)
         context_len = chunk.start_pos + chunk.end - chunk.start
         positions = torch.arange(chunk.start_pos, context_len, device=q.device)
-        attend(rows, positions, *chunk_context(k, v, k_cache, v_cache, chunk, meta.block_size), context_len)
+        attend(rows, positions, *chunk_context(k, v, k_cache, v_cache, chunk, meta.block_size), context_len,
+               chunk.spans)
     return out

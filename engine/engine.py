@@ -155,6 +155,9 @@ class LLMEngine:
         if request.adapter and request.adapter not in self.runner.adapters:
             raise KeyError(f"adapter {request.adapter!r} is not loaded on this engine")
         seq = Sequence(request)
+        spans_of = getattr(self.runner.model, "bidirectional_spans", None)  # a vision-language model's
+        if request.images is not None and spans_of is not None:  # where its prompt's tokens see each other both ways
+            seq.bidirectional_spans = spans_of(seq.token_ids[:seq.num_prompt_tokens])
         if request.params.guided is not None:
             self.guided.add(request.request_id, request.params.guided, request.resume_token_ids)
         text = TextStream.for_params(self.tokenizer, request.params)

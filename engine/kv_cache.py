@@ -77,13 +77,20 @@ class KVCacheManager:
             return 0
         hashes = self.block_hashes(seq, seq.num_tokens - 1)
         blocks = self.pool.lookup(hashes)
-        self.pool.acquire(blocks)
         computing = []
         for block_hash in hashes[len(blocks) :] if in_flight else ():
             block_id = in_flight.get(block_hash)
             if block_id is None:
                 break
             computing.append(block_id)
+        # a hit that ends inside a bidirectional span stops before it: the span's cached tokens saw the
+        # rest of their span, which this prompt need not share (PaliGemma's prompt is one span)
+        end = (len(blocks) + len(computing)) * self.block_size
+        for a, b in seq.bidirectional_spans:
+            if a < end < b:
+                keep = a // self.block_size
+                blocks, computing = blocks[:keep], computing[:max(0, keep - len(blocks))]
+        self.pool.acquire(blocks)
         self.pool.share(computing)
         seq.block_table = blocks + computing
         seq.num_cached_blocks = len(seq.block_table)  # the block's computer registers it, not this one

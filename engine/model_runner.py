@@ -124,6 +124,7 @@ class ModelRunner:
         sampled: list[ScheduledSeq] = []
         decodes: list[tuple[list[int], int]] = []
         prefills: list[tuple[list[int], int, int]] = []
+        prefill_spans: list[tuple[tuple[int, int], ...]] = []  # each prefill's bidirectional spans
         bs = self.block_size
         adapter_rows: dict[str, list[tuple[int, int]]] = {}  # adapter -> its slices of the packed rows
         image_rows: list[int] = []  # packed rows that are image tokens of a prompt, and their features
@@ -149,6 +150,7 @@ class ModelRunner:
                 decodes.extend((seq.block_table, start + 1 + i) for i in range(n))
             else:
                 prefills.append((seq.block_table, start, n))
+                prefill_spans.append(tuple((a, b) for a, b in seq.bidirectional_spans if a < start + n and b > start))
             if item.num_logits:
                 logits_indices.extend(range(len(input_ids) - item.num_logits, len(input_ids)))
                 sampled.append(item)
@@ -157,7 +159,7 @@ class ModelRunner:
             return sampled, self.graphs.run(input_ids, positions, slot_mapping, decodes)
         kernels = self.cpu_kernels.ops if self.cpu_kernels is not None else None
         meta = build_metadata(decodes, prefills, slot_mapping, bs, self.model.shape.sliding_window, self.device,
-                              kernels)
+                              kernels, prefill_spans if any(prefill_spans) else None)
         as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
         lora = None
         if adapter_rows:  # KeyError for an adapter not loaded here: the engine fails the requests that name it

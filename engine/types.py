@@ -177,6 +177,8 @@ class Sequence:
         self.images = request.images
         # a multi-axis rotary's prompt positions and later tokens' offset (the runner's, at its first step)
         self.rope_positions: tuple[np.ndarray, int] | None = None
+        # prompt position runs [a, b) whose tokens see each other both ways (a Gemma 3 image's): set by the engine
+        self.bidirectional_spans: tuple[tuple[int, int], ...] = ()
         self.block_hashes: list[bytes] = []  # prefix-cache hashes of full blocks, computed as needed
         self.num_cached_blocks = 0  # leading blocks of `block_table` registered in the prefix cache
         self.status = SequenceStatus.WAITING
@@ -200,6 +202,17 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
+
+    def chunk_len(self, budget: int) -> int:
+        """How many uncomputed tokens to compute with `budget` tokens left in a step: all that fit, but a
+        chunk never ends inside a bidirectional span (its tokens need each other's keys). It ends before
+        the span, or, where it starts at or in the span, takes the rest of it whatever the budget."""
+        start = self.num_computed_tokens
+        end = start + min(self.num_uncomputed_tokens, budget)
+        for a, b in self.bidirectional_spans:
+            if a < end < b:
+                return (a if a > start else b) - start
+        return end - start
 
     def __repr__(self) -> str:
         return (

@@ -98,7 +98,7 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            num_new = min(seq.num_uncomputed_tokens, budget)
+            num_new = seq.chunk_len(budget)
             while not self.kv.can_allocate(seq, num_new):
                 victim = self.waiting.pick_victim(self.running)
                 budget += self._preempt(victim, batch)
@@ -129,7 +129,7 @@ class Scheduler:
             if seq is None or seq in batch.preempted:
                 return
             self.kv.reuse_prefix(seq, in_flight.blocks)
-            num_new = min(seq.num_uncomputed_tokens, budget)
+            num_new = seq.chunk_len(budget)
             if len(self.running) >= self.config.max_num_seqs or not self.kv.can_allocate(seq, num_new):
                 if not self._preempt_to_admit(seq, num_new, batch):
                     self.kv.free(seq)

@@ -179,12 +179,13 @@ VISION_TEMPLATE = (  # the tests' chat template, with images as content parts (H
 )
 
 
-def save_vision_model(family: str, out: Path, seed: int = 0) -> Path:
+def save_vision_model(family: str, out: Path, seed: int = 0, chat_template: str | None = None) -> Path:
     """A tiny random vision-language model with its processor (32 px images, 8 px patches), saved as
     an HF folder: `llava` (CLIP encoder, Llama text model: 16 image tokens an image), `idefics3`
     (SmolVLM's architecture: SigLIP-style encoder, pixel shuffle to 4 image tokens, framed by
-    `<fake_token_around_image><global-img>`) or `gemma3` (SigLIP, 4 image tokens that attend to each
-    other both ways)."""
+    `<fake_token_around_image><global-img>`), `gemma3` (SigLIP, 4 image tokens that attend to each
+    other both ways), `paligemma` (SigLIP, 16 image tokens, the whole prompt attending both ways),
+    `qwen2_vl` or `qwen2_5_vl` (multi-axis rotary positions). `chat_template` replaces the processor's."""
     import transformers
 
     torch.manual_seed(seed)
@@ -215,7 +216,7 @@ def save_vision_model(family: str, out: Path, seed: int = 0) -> Path:
             image_processor=transformers.Idefics3ImageProcessorPil(
                 do_image_splitting=False, size={"longest_edge": 32}, max_image_size={"longest_edge": 32}),
             tokenizer=tokenizer, image_seq_len=4, chat_template=VISION_TEMPLATE)
-    elif family == "gemma3":  # its image tokens attend to each other both ways: galley serves it text only
+    elif family == "gemma3":  # its image tokens attend to each other both ways
         template = VISION_TEMPLATE.replace("<image>", "<start_of_image>")
         tokenizer.add_special_tokens({"additional_special_tokens": ["<start_of_image>", "<end_of_image>",
                                                                     "<image_soft_token>"]})
@@ -229,11 +230,28 @@ def save_vision_model(family: str, out: Path, seed: int = 0) -> Path:
                                                       sliding_window=8,
                                                       layer_types=["sliding_attention", "full_attention"]),
             vision_config=transformers.SiglipVisionConfig(**vision), mm_tokens_per_image=4,
-            image_token_index=tokenizer.image_token_id, boi_token_index=tokenizer.boi_token_id)
+            image_token_index=tokenizer.image_token_id, boi_token_index=tokenizer.boi_token_id,
+            tie_word_embeddings=False)  # tied to its scaled embeddings, a tiny Gemma repeats its last token
         model = transformers.Gemma3ForConditionalGeneration(config)
+        with torch.no_grad():  # transformers starts the projector and the (1 + w) norms at zero: images unseen
+            for name, weight in model.named_parameters():
+                if "multi_modal_projector" in name or "norm" in name and "vision_tower" not in name:
+                    weight.normal_(0.0, 0.1)
         processor = transformers.Gemma3Processor(
             image_processor=transformers.Gemma3ImageProcessorPil(size={"height": 32, "width": 32}), tokenizer=tokenizer,
             chat_template=template, image_seq_length=4)
+    elif family == "paligemma":  # its whole prompt (image and text) attends both ways: a prefix LM
+        tokenizer.bos_token = "<|im_start|>"  # the processor puts it between the image and the text
+        config = transformers.PaliGemmaConfig(
+            text_config=transformers.GemmaConfig(**dict(COMMON, vocab_size=len(tokenizer)), head_dim=16,
+                                                 tie_word_embeddings=False).to_dict(),
+            vision_config=transformers.SiglipVisionConfig(**vision).to_dict(), image_token_index=image_token,
+            projection_dim=64, tie_word_embeddings=False)
+        model = transformers.PaliGemmaForConditionalGeneration(config)
+        images = transformers.SiglipImageProcessorPil(size={"height": 32, "width": 32})
+        images.image_seq_length = 16
+        processor = transformers.PaliGemmaProcessor(image_processor=images, tokenizer=tokenizer,
+                                                    chat_template=VISION_TEMPLATE)
     elif family in ("qwen2_vl", "qwen2_5_vl"):  # multi-axis rotary positions; 4 image tokens a 32 px square
         model = qwen_vision_model(family, tokenizer)
         model.generation_config.eos_token_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
@@ -243,6 +261,8 @@ def save_vision_model(family: str, out: Path, seed: int = 0) -> Path:
         raise ValueError(family)
     model.generation_config.eos_token_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
     model.save_pretrained(out)
+    if chat_template is not None:
+        processor.chat_template = chat_template
     processor.save_pretrained(out)
     return out
 

@@ -20,6 +20,7 @@ and through the model's own eager attention at load: a model whose logits differ
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -37,6 +38,28 @@ ATTENTION = "galley_paged"  # the attn_implementation name the model is loaded w
 PROBE = "galley_probe"  # records each layer's key and value shapes (and attends to nothing)
 ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
 UNSUPPORTED_ATTENTION_KWARGS = {"s_aux": "attention sinks", "sinks": "attention sinks"}
+
+
+def image_runs(token_ids: list[int], image_token_id: int) -> tuple[tuple[int, int], ...]:
+    """The runs [a, b) of consecutive image tokens: one image's tokens each (HF's `block_sequence_ids`)."""
+    runs: list[list[int]] = []
+    for i, token in enumerate(token_ids):
+        if token != image_token_id:
+            continue
+        if runs and runs[-1][1] == i:
+            runs[-1][1] = i + 1
+        else:
+            runs.append([i, i + 1])
+    return tuple((a, b) for a, b in runs)
+
+
+# How a vision-language family's prompt tokens attend, as bidirectional spans of a prompt; the load's
+# check with an image picks the first rule under which the paged path gives the model's own logits.
+IMAGE_ATTENTION: dict[str, Callable[[list[int], int], tuple[tuple[int, int], ...]]] = {
+    "causal": lambda ids, image_token_id: (),
+    "both ways within each image": image_runs,  # Gemma 3
+    "both ways within the prompt": lambda ids, image_token_id: ((0, len(ids)),),  # PaliGemma's prefix
+}
 
 
 class UnsupportedModel(ValueError):
@@ -182,6 +205,7 @@ class GenericCausalLM(nn.Module):
         self.rope_args = (frozenset(inspect.signature(rope_index).parameters) - {"input_ids", "mm_token_type_ids",
                           "attention_mask"} if rope_index is not None else None)
         self.processor: Any = None  # a vision-language model's (set by the loader)
+        self.image_attention = "causal"  # a key of IMAGE_ATTENTION: the rule its load's check found
         self.images_refused = ""  # or why it serves text only
 
     def forward(
@@ -231,6 +255,10 @@ class GenericCausalLM(nn.Module):
         kwargs = {name: torch.from_numpy(array) for name, array in arrays.items() if name in self.rope_args}
         positions, offset = self.hf.model.get_rope_index(ids, mm_token_type_ids=kinds, **kwargs)
         return positions[:, 0].numpy(), int(offset)
+
+    def bidirectional_spans(self, prompt: list[int]) -> tuple[tuple[int, int], ...]:
+        """The runs of a prompt with images whose tokens see each other both ways (`IMAGE_ATTENTION`)."""
+        return IMAGE_ATTENTION[self.image_attention](prompt, self.image_token_id)
 
     def lora_weights(self, adapter: PeftAdapter, device: torch.device, dtype: torch.dtype) -> dict[str, LoraWeights]:
         """An adapter's weights keyed by the transformers module each adapts (PEFT's own names), each such
@@ -329,9 +357,9 @@ def check_against_reference(model: GenericCausalLM, device: torch.device, dtype:
 def check_images_against_reference(model: GenericCausalLM, processor, device: torch.device, dtype: torch.dtype,
                                    block_size: int = 16, low_precision: bool = False) -> None:
     """UnsupportedModel unless a prompt with an image gives the same logits through the paged path
-    (image features merged into one prefill, causal attention, positions 0..n-1 or the multi-axis
-    rotary's) as through the model's own forward with the image: what a family does differently with
-    image tokens (Gemma 3's bidirectional attention inside an image) shows here, at load."""
+    (image features merged into one prefill, positions 0..n-1 or the multi-axis rotary's) as through
+    the model's own forward with the image, under one of `IMAGE_ATTENTION`'s rules (kept as the
+    model's `image_attention`): what a family does otherwise with image tokens shows here, at load."""
     from PIL import Image
 
     chat = [{"role": "user", "content": [{"type": "image", "image": Image.new("RGB", (64, 48), (90, 140, 200))},
@@ -353,15 +381,20 @@ def check_images_against_reference(model: GenericCausalLM, processor, device: to
         language_model(hf).set_attn_implementation(ATTENTION)
     n = ids.shape[0]
     num_blocks = -(-n // block_size)
-    caches = empty_caches(model.shape, num_blocks * block_size, device, dtype)
-    meta = build_metadata([], [(list(range(num_blocks)), 0, n)], list(range(n)), block_size, None, device)
     rows = (ids == model.image_token_id).nonzero().flatten()
+    features = model.image_features(arrays)
     positions = (torch.arange(n) if model.rope_args is None
-                 else torch.from_numpy(model.prompt_positions(ids.tolist(), arrays)[0]))
-    paged = model(ids, positions.to(device), caches, meta, torch.arange(n, device=device),
-                  images=(rows, model.image_features(arrays)))
-    if not agrees(paged, reference, dtype, low_precision):
-        worst = (paged - reference).abs().max().item()
-        raise UnsupportedModel(f"{type(hf).__name__} gives other logits for a prompt with an image through the paged "
-                               f"attention than through its own forward (max difference {worst:.3g}): its image "
-                               "tokens attend or are positioned in a way galley does not compute yet")
+                 else torch.from_numpy(model.prompt_positions(ids.tolist(), arrays)[0])).to(device)
+    worst = []
+    for rule, spans_of in IMAGE_ATTENTION.items():  # one prefill under each rule, until one gives HF's logits
+        caches = empty_caches(model.shape, num_blocks * block_size, device, dtype)
+        meta = build_metadata([], [(list(range(num_blocks)), 0, n)], list(range(n)), block_size, None, device,
+                              prefill_spans=[spans_of(ids.tolist(), model.image_token_id)])
+        paged = model(ids, positions, caches, meta, torch.arange(n, device=device), images=(rows, features))
+        if agrees(paged, reference, dtype, low_precision):
+            model.image_attention = rule
+            return
+        worst.append(f"{rule}: {(paged - reference).abs().max().item():.3g}")
+    raise UnsupportedModel(f"{type(hf).__name__} gives other logits for a prompt with an image through the paged "
+                           f"attention than through its own forward (max difference {', '.join(worst)}): its image "
+                           "tokens attend or are positioned in a way galley does not compute yet")

@@ -16,7 +16,7 @@ from engine.processors import load_processor
 from storage.registry import ModelVersion
 from tests.api.test_deployments import make_stack  # noqa: F401 (fixture)
 from tests.api.test_generic_models import sdk_for
-from tests.engine.test_vision import hf_greedy, pictures, png, processed
+from tests.engine.test_vision import TEXT_ONLY_TEMPLATE, hf_greedy, pictures, png, processed
 from tests.models import save_vision_model
 
 
@@ -105,14 +105,16 @@ async def test_images_for_a_text_model_and_too_many_images_are_refused(make_stac
 
 
 async def test_a_model_served_text_only_says_why_its_images_are_refused(make_stack, tmp_path):  # noqa: F811
-    stack = await make_stack([ModelVersion("gemma", "1", str(save_vision_model("gemma3", tmp_path / "gemma3")))])
+    path = save_vision_model("llava", tmp_path / "llava", chat_template=TEXT_ONLY_TEMPLATE)
+    stack = await make_stack([ModelVersion("textonly", "1", str(path))])
     sdk = sdk_for(stack)
-    assert (await sdk.models.retrieve("gemma")).model_extra["modalities"] == ["text"]
+    assert (await sdk.models.retrieve("textonly")).model_extra["modalities"] == ["text"]
     with pytest.raises(openai.BadRequestError) as caught:
-        await sdk.chat.completions.create(model="gemma", messages=[user("What is it?", data_url(pictures(1)[0]))],
+        await sdk.chat.completions.create(model="textonly", messages=[user("What is it?", data_url(pictures(1)[0]))],
                                           max_tokens=4)
-    assert "other logits for a prompt with an image" in caught.value.body["message"]
-    text = await sdk.chat.completions.create(model="gemma", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+    assert "cannot render a chat with an image" in caught.value.body["message"]
+    text = await sdk.chat.completions.create(model="textonly", messages=[{"role": "user", "content": "hi"}],
+                                             max_tokens=4)
     assert text.usage.completion_tokens >= 1  # text still served
     await sdk.close()
 

@@ -105,6 +105,29 @@ def test_reuse_leaves_the_last_token_to_compute():
     assert_all_blocks_free(kv)
 
 
+def test_a_hit_never_ends_inside_a_span_that_attends_both_ways_nor_does_a_chunk():
+    """Tokens of a bidirectional span saw the rest of their span: a hit that ends inside one stops
+    at the block before it, and a chunk that would end inside one ends before it or takes all of it."""
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    first = seq_of(list(range(1, 17)))  # 4 full blocks, all cached
+    kv.allocate(first, 16)
+    first.num_computed_tokens = 16
+    kv.cache_full_blocks(first)
+    kv.free(first)
+    for spans, hit in ((((6, 14),), 16), (((10, 20),), 8), (((0, 17),), 0), (((16, 17),), 16), (((12, 17),), 12)):
+        seq = seq_of(list(range(1, 18)))
+        seq.bidirectional_spans = spans
+        assert kv.reuse_prefix(seq) == hit, spans  # the plain hit: 16 tokens, ending past or inside the span
+        kv.free(seq)
+    assert_all_blocks_free(kv)
+    seq = seq_of(list(range(1, 30)))
+    seq.bidirectional_spans = ((6, 14), (20, 24))
+    seq.num_computed_tokens = 2
+    assert [seq.chunk_len(budget) for budget in (3, 4, 8, 13, 20, 30)] == [3, 4, 4, 13, 18, 27]
+    seq.num_computed_tokens = 6  # at the span's start: all of it, over the budget
+    assert [seq.chunk_len(budget) for budget in (1, 8, 10)] == [8, 8, 10]
+
+
 def first_blocks(kv: KVCacheManager, n: int) -> list[int]:
     return kv.pool.lookup(prefix_hashes(list(range(1, 13)), 4, ""))[:n]
 

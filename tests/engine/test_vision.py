@@ -1,8 +1,10 @@
 """Vision-language models on the generic backend (issue 35): the text model over our paged cache, the
 vision encoder through the model's own `get_image_features`, image features replacing the prompt's
 image-token embeddings chunk by chunk. Greedy tokens equal HF `generate` with the same processor's
-inputs (tiny random LLaVA and Idefics3, SmolVLM's architecture), batched with text-only requests,
-chunked through the image tokens, and with prefix hits that never cross images."""
+inputs (tiny random LLaVA; Idefics3, SmolVLM's architecture; Qwen2-VL and Qwen2.5-VL, multi-axis
+rotary positions; Gemma 3, whose image tokens see each other both ways; PaliGemma, whose whole
+prompt does), batched with text-only requests, chunked through the image tokens, and with prefix
+hits that never cross images."""
 
 from __future__ import annotations
 
@@ -20,12 +22,17 @@ from tests.helpers import assert_all_blocks_free
 from tests.models import save_vision_model
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+TEXT_ONLY_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}"
+                      "{{ m['content'] }}{% else %}{{ m['content'][-1]['text'] }}{% endif %}<|im_end|>\n{% endfor %}"
+                      "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-@pytest.fixture(scope="module", params=["llava", "idefics3", "qwen2_vl", "qwen2_5_vl"])
+FAMILIES = ["llava", "idefics3", "qwen2_vl", "qwen2_5_vl", "gemma3", "paligemma"]
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
 def vlm(request, tmp_path_factory):
-    """Each vision family in turn (LLaVA; Idefics3, SmolVLM's architecture; Qwen2-VL and Qwen2.5-VL,
-    whose rotary positions run on three axes)."""
+    """Each vision family in turn."""
     return save_vision_model(request.param, tmp_path_factory.mktemp(request.param) / "model")
 
 
@@ -42,8 +49,11 @@ def conversation(images: list, text: str) -> list[dict]:
 
 
 def processed(processor, images: list, text: str) -> dict:
-    return processor.apply_chat_template(conversation(images, text), add_generation_prompt=True, tokenize=True,
-                                         return_dict=True, return_tensors="np")
+    """The processor's inputs for a chat with `images`; with none, the tokenizer's (as galley renders a
+    text-only chat: PaliGemma's processor insists on images)."""
+    render = processor.apply_chat_template if images else processor.tokenizer.apply_chat_template
+    return dict(render(conversation(images, text), add_generation_prompt=True, tokenize=True, return_dict=True,
+                       return_tensors="np"))
 
 
 def request(request_id: str, encoded: dict, images: list) -> GenerationRequest:
@@ -109,22 +119,36 @@ def test_prefix_hits_stay_within_the_same_images(vlm):
     got = run(engine, [request("b", b, [second])])
     assert got["b"] == hf_greedy(vlm, b) and engine.scheduler.kv.num_hit_tokens == 0  # a's blocks not reused
     got = run(engine, [request("a2", a, [first])])
-    assert got["a2"] == hf_greedy(vlm, a) and engine.scheduler.kv.num_hit_tokens > 0  # the same image: reused
+    assert got["a2"] == hf_greedy(vlm, a)
+    # the same image: reused, except where the whole prompt is one span (its last token is recomputed)
+    prompt_span = loaded.model.image_attention == "both ways within the prompt"
+    assert (engine.scheduler.kv.num_hit_tokens > 0) != prompt_span
 
 
-def test_a_family_whose_image_tokens_attend_both_ways_serves_text_only_saying_why(tmp_path):
-    """Gemma 3's image tokens see each other in both directions; the paged attention is causal. The
-    load's check with an image finds the difference, so the model serves text (equal to HF) and its
-    images are refused with that reason, never answered wrong."""
-    from transformers import AutoModelForCausalLM
-
-    from tests.engine.test_reference import generate_greedy
-
-    path = save_vision_model("gemma3", tmp_path / "gemma3")
+@pytest.mark.parametrize("family, rule", [("gemma3", "both ways within each image"),
+                                          ("paligemma", "both ways within the prompt")])
+def test_spans_that_attend_both_ways_are_computed_whole_and_cached_only_whole(family, rule, tmp_path):
+    """A step budget smaller than an image (Gemma 3: 4 tokens) or a prompt (PaliGemma) still computes
+    each span in one chunk, over the budget; a second question about the same image never reuses
+    blocks whose tokens saw the first question (PaliGemma's prompt is one span). Both equal HF."""
+    path = save_vision_model(family, tmp_path / family)
     loaded = load_model(str(path))
-    assert loaded.processor is None and "other logits for a prompt with an image" in loaded.images_refused
+    assert loaded.model.image_attention == rule
+    engine = build_engine(loaded, EngineConfig(max_num_batched_tokens=3), num_blocks=64)
+    [image] = pictures(1, seed=4)
+    for name, text in (("first", "What is in the picture?"), ("second", "What is in the frame?")):
+        encoded = processed(loaded.processor, [image], text)
+        assert run(engine, [request(name, encoded, [image])])[name] == hf_greedy(path, encoded), name
+    assert_all_blocks_free(engine.scheduler.kv)
+
+
+def test_a_processor_that_cannot_render_images_serves_text_only_saying_why(tmp_path):
+    """A folder whose chat template has no place for images: the load's check with an image fails,
+    so the model serves text (equal to HF) and its images are refused with that reason."""
+    path = save_vision_model("llava", tmp_path / "llava", chat_template=TEXT_ONLY_TEMPLATE)
+    loaded = load_model(str(path))
+    assert loaded.processor is None and "cannot render a chat with an image" in loaded.images_refused
     engine = build_engine(loaded, EngineConfig(), num_blocks=64)
     prompt = loaded.tokenizer.encode("Just text, no image here.")
     got = run(engine, [GenerationRequest("text", prompt, GREEDY)])["text"]
-    hf = AutoModelForCausalLM.from_pretrained(path).eval()
-    assert got == generate_greedy(hf, prompt, GREEDY.max_tokens)
+    assert got == hf_greedy(path, {"input_ids": np.array([prompt])})
