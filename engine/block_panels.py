@@ -7,10 +7,12 @@ decoding stream reads all of it per token: memory bandwidth, not arithmetic, set
 per weight; the kernels (`engine/csrc/block_gemm.h`) de-quantize each block in L1 just before its
 FMAs.
 
-Exactly the de-quantized model: every format here is w = code * scale + min with code * scale
+The de-quantized model's weights: every format here is w = code * scale + min with code * scale
 exact in float32 (an fp16 scale, or an fp16 times a 6-bit or int8 sub-scale, times a 4- to 8-bit
-code), so a weight is the float the `gguf` package's numpy kernels give, and the kernels run the
-float panels' FMAs in their order: logits equal the float path's bit for bit (tested).
+code), so a weight is the float the `gguf` package's numpy kernels give. From five rows the kernels
+run the float panels' FMAs in their order (the float path's outputs bit for bit); one to four rows
+(decoding a few streams) sum each block's x * code before its scale and min, the same sums in
+another order, equal to float32's rounding (tested; greedy output equals the de-quantized model's).
 
 Formats (`QuantBlocks`, from a tensor's GGUF type in `from_gguf`):
 - 4-bit codes in blocks of 32: Q4_0 (min = -8 scale), Q4_1, Q4_K (a sub-block's scale and min);

@@ -3,13 +3,14 @@
 // each 16 scales, 16 mins (float32, one per feature) and the codes; w = code * scale + min.
 //   Q4: 32 k per block, codes[k][8] bytes: feature i in the low nibble, feature i + 8 in the high
 //   Q8: 16 k per block, codes[k][16] int8
-// A block is de-quantized in registers just before its FMAs (one or two rows), or a group of panels
-// into a thread's float panels that panel_group then runs (more rows: the decoding is shared by every
-// tile). Never in memory as a whole: the weights stay near the file's size, a quarter to a half of
-// float32's bytes per token. Every format's code * scale is exact in float32 (module docstring of
-// engine.block_panels), so a weight is the float the `gguf` package de-quantizes to, also as one
-// FMA, and the FMAs run in the float tiles' order: each output equals the de-quantized model's, bit
-// for bit, at any row count.
+// One to four rows read each block's codes in registers and sum x_k * code_k, then take the block's
+// scale and min once (block_tile: one FMA a weight and row, not three). More rows de-quantize a
+// group of panels into a thread's float panels that panel_group then runs (the decoding shared by
+// every tile). Never in memory as a whole: the weights stay near the file's size, a quarter to a half
+// of float32's bytes per token. Every format's code * scale is exact in float32 (module docstring of
+// engine.block_panels), so a weight is the float the `gguf` package de-quantizes to: from five rows
+// each output equals the de-quantized model's bit for bit (the float tiles' FMAs in their order);
+// one to four rows sum the same products in another order, equal to float32's rounding.
 #pragma once
 
 #include "common.h"
@@ -30,12 +31,17 @@ inline __m256 scaled(__m256 codes, const uint8_t* block, int64_t half) {
 struct Q4 {
   static constexpr int64_t K = 32;
 #if defined(CPU_CAPABILITY_AVX2)
-  // the 16 weights of row k of the block as two vectors (features 0-7, 8-15): each byte widened to a
-  // 32-bit lane, then its low and high nibbles
-  static inline void weights(const uint8_t* block, int64_t k, __m256& w0, __m256& w1) {
+  // the 16 codes of row k of the block as floats in two vectors (features 0-7, 8-15): each byte
+  // widened to a 32-bit lane, then its low and high nibbles
+  static inline void codes(const uint8_t* block, int64_t k, __m256& c0, __m256& c1) {
     const __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + 128 + k * 8)));
-    w0 = scaled(_mm256_cvtepi32_ps(_mm256_and_si256(c, _mm256_set1_epi32(0x0F))), block, 0);
-    w1 = scaled(_mm256_cvtepi32_ps(_mm256_srli_epi32(c, 4)), block, 1);
+    c0 = _mm256_cvtepi32_ps(_mm256_and_si256(c, _mm256_set1_epi32(0x0F)));
+    c1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(c, 4));
+  }
+  static inline void weights(const uint8_t* block, int64_t k, __m256& w0, __m256& w1) {
+    codes(block, k, w0, w1);
+    w0 = scaled(w0, block, 0);
+    w1 = scaled(w1, block, 1);
   }
 #else
   static float weight(const uint8_t* block, int64_t k, int64_t j) {
@@ -49,11 +55,15 @@ struct Q4 {
 struct Q8 {
   static constexpr int64_t K = 16;
 #if defined(CPU_CAPABILITY_AVX2)
+  static inline void codes(const uint8_t* block, int64_t k, __m256& c0, __m256& c1) {
+    const uint8_t* row = block + 128 + k * 16;
+    c0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row))));
+    c1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + 8))));
+  }
   static inline void weights(const uint8_t* block, int64_t k, __m256& w0, __m256& w1) {
-    const __m128i* codes = reinterpret_cast<const __m128i*>(block + 128 + k * 16);
-    w0 = scaled(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(codes))), block, 0);
-    w1 = scaled(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
-        reinterpret_cast<const __m128i*>(block + 128 + k * 16 + 8)))), block, 1);
+    codes(block, k, w0, w1);
+    w0 = scaled(w0, block, 0);
+    w1 = scaled(w1, block, 1);
   }
 #else
   static float weight(const uint8_t* block, int64_t k, int64_t j) {
@@ -79,24 +89,51 @@ void decode(float* out, const uint8_t* block) {
 #endif
 }
 
-// rows [0, MR) of y against panel p (MR <= SMALL_ROWS): the FMAs of tile<MR, 1>, each block's weights
-// de-quantized just before (AVX2: in registers, row k by row k; else into a buffer in L1)
+// rows [0, MR) of y against panel p (MR <= SMALL_ROWS). AVX2: factored per block, sum_k x_k w_k =
+// scale * sum_k x_k code_k + min * sum_k x_k, so a weight costs its code's conversion and one FMA a
+// row, not the two FMAs of de-quantizing it first; `xsums` [MR][K / F::K] holds each block's sum of
+// x. Else the FMAs of tile<MR, 1> over each block de-quantized into a buffer in L1.
 template <class F, int64_t MR>
-void block_tile(float* y, const float* x, const uint8_t* panel, const float* bias, int64_t K, int64_t N, int64_t p) {
-  const int64_t n0 = p * 16, count = std::min<int64_t>(16, N - n0);
+void block_tile(float* y, const float* x, const float* xsums, const uint8_t* panel, const float* bias, int64_t K,
+                int64_t N, int64_t p) {
+  const int64_t n0 = p * 16, count = std::min<int64_t>(16, N - n0), nb = K / F::K;
 #if defined(CPU_CAPABILITY_AVX2)
   __m256 acc[MR][2];
   for (auto& r : acc) r[0] = r[1] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < K / F::K; ++b) {
+  for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* block = panel + b * BLOCK_BYTES;
     const float* xb = x + b * F::K;
-    for (int64_t k = 0; k < F::K; ++k) {
-      __m256 w0, w1;
-      F::weights(block, k, w0, w1);
-      for (int64_t m = 0; m < MR; ++m) {
-        const __m256 xv = _mm256_broadcast_ss(xb + m * K + k);
-        acc[m][0] = _mm256_fmadd_ps(xv, w0, acc[m][0]);
-        acc[m][1] = _mm256_fmadd_ps(xv, w1, acc[m][1]);
+    // U interleaved sums per vector: one row's FMAs would otherwise wait on each other's latency
+    constexpr int64_t U = MR == 1 ? 4 : 2;
+    __m256 dot[MR][2 * U];
+#pragma GCC unroll 2
+    for (int64_t m = 0; m < MR; ++m)
+#pragma GCC unroll 8
+      for (int64_t i = 0; i < 2 * U; ++i) dot[m][i] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < F::K; k += U) {
+#pragma GCC unroll 4
+      for (int64_t u = 0; u < U; ++u) {
+        __m256 c0, c1;
+        F::codes(block, k + u, c0, c1);
+#pragma GCC unroll 2
+        for (int64_t m = 0; m < MR; ++m) {
+          const __m256 xv = _mm256_broadcast_ss(xb + m * K + k + u);
+          dot[m][2 * u] = _mm256_fmadd_ps(xv, c0, dot[m][2 * u]);
+          dot[m][2 * u + 1] = _mm256_fmadd_ps(xv, c1, dot[m][2 * u + 1]);
+        }
+      }
+    }
+    const float* scale = reinterpret_cast<const float*>(block);
+#pragma GCC unroll 2
+    for (int64_t m = 0; m < MR; ++m) {
+      const __m256 xs = _mm256_broadcast_ss(xsums + m * nb + b);
+#pragma GCC unroll 2
+      for (int64_t h = 0; h < 2; ++h) {
+        __m256 sum = dot[m][h];
+#pragma GCC unroll 4
+        for (int64_t u = 1; u < U; ++u) sum = _mm256_add_ps(sum, dot[m][2 * u + h]);
+        acc[m][h] = _mm256_fmadd_ps(sum, _mm256_loadu_ps(scale + 8 * h), acc[m][h]);
+        acc[m][h] = _mm256_fmadd_ps(xs, _mm256_loadu_ps(scale + 16 + 8 * h), acc[m][h]);
       }
     }
   }
@@ -116,13 +153,14 @@ void block_tile(float* y, const float* x, const uint8_t* panel, const float* bia
   }
   for (int64_t m = 0; m < MR; ++m) store_panel(y + m * N + n0, rows[m], bias, n0, count);
 #else
+  (void)xsums;
   alignas(64) float row[16];
   constexpr int64_t W = Vec::size(), NV = 16 / W;
   alignas(64) float w[F::K * 16];
   Vec acc[MR][NV];
   for (auto& r : acc)
     for (auto& a : r) a = Vec(0.f);
-  for (int64_t b = 0; b < K / F::K; ++b) {
+  for (int64_t b = 0; b < nb; ++b) {
     decode<F>(w, panel + b * BLOCK_BYTES);
     const float* xb = x + b * F::K;
     for (int64_t k = 0; k < F::K; ++k)
@@ -151,11 +189,14 @@ void block_gemm(float* y, const float* x, const uint8_t* blocks, const float* bi
                 int64_t N) {
   const int64_t P = (N + 15) / 16, panel_bytes = K / F::K * BLOCK_BYTES;
   if (M <= SMALL_ROWS) {  // each panel decoded per pair of rows, block by block, beside its FMAs
+    const int64_t nb = K / F::K;
+    std::vector<float> xsums(M * nb);  // each row's sum over each block's k
+    for (int64_t i = 0; i < M * nb; ++i) xsums[i] = std::accumulate(x + i * F::K, x + (i + 1) * F::K, 0.f);
     at::parallel_for(0, P, 1, [&](int64_t first, int64_t last) {
       for (int64_t p = first; p < last; ++p)
         for (int64_t m = 0; m < M; m += 2)
-          (M - m == 1 ? block_tile<F, 1> : block_tile<F, 2>)(y + m * N, x + m * K, blocks + p * panel_bytes, bias,
-                                                             K, N, p);
+          (M - m == 1 ? block_tile<F, 1> : block_tile<F, 2>)(y + m * N, x + m * K, xsums.data() + m * nb,
+                                                             blocks + p * panel_bytes, bias, K, N, p);
     });
     return;
   }

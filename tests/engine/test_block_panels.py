@@ -65,9 +65,12 @@ def test_block_embedding_looks_up_de_quantized_rows():
 
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q5_K", "Q8_0", "Q6_K", "mixed"])
 @pytest.mark.parametrize("bias", [False, True])
-def test_block_kernels_equal_the_float_kernels_bit_for_bit(kernels, qtype, bias):
+def test_block_kernels_equal_the_float_kernels(kernels, qtype, bias):
     """Every row count the kernels split differently (one to four rows in registers, a tile, the packed
-    8-row pass of the float path, chunks of 128), outputs not a whole number of panels."""
+    8-row pass of the float path, chunks of 128), outputs not a whole number of panels. From five rows
+    the blocks are de-quantized into float panels: bit for bit the float kernels' outputs. One to four
+    rows take each block's dot product with its codes, then its scale and min (fewer FMAs a weight):
+    the same sums in another order, equal to float32's rounding."""
     torch.manual_seed(0)
     in_features = 256
     if qtype == "mixed":
@@ -83,7 +86,11 @@ def test_block_kernels_equal_the_float_kernels_bit_for_bit(kernels, qtype, bias)
         got, expected = torch.empty(rows, 60), torch.empty(rows, 60)
         kernels.panel_linear(got, x, block_panels, b)
         kernels.panel_linear(expected, x, float_panels, b)
-        assert torch.equal(got, expected), rows
+        if rows <= 4:
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6 * expected.abs().max().item())
+            assert not torch.equal(got, expected), rows  # the factored sums ran
+        else:
+            assert torch.equal(got, expected), rows
     reference = torch.nn.functional.linear(x, weight, b)  # only the order of the sums differs
     torch.testing.assert_close(expected, reference, rtol=1e-4, atol=1e-5 * reference.abs().max().item())
 
@@ -96,7 +103,8 @@ def test_block_mlp_equals_the_float_mlp(kernels):
         got, expected = torch.empty(rows, 128), torch.empty(rows, 128)
         kernels.silu_mlp(got, x, gate_up.to_panels(), None, down.to_panels(), None)
         kernels.silu_mlp(expected, x, to_panels(gate_up.dequantize()), None, to_panels(down.dequantize()), None)
-        assert torch.equal(got, expected), rows
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6 * expected.abs().max().item())
+        assert torch.equal(got, expected) == (rows > 4), rows
 
 
 def test_packed_linear_over_blocks_runs_without_the_kernels():
