@@ -102,6 +102,17 @@ def test_more_native_families_under_cuda_graphs(generic_models, family):
     check_matches_hf(generic_models[family], "cuda", "bfloat16", graphs=True)
 
 
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("family", ["llava", "qwen2_vl", "gemma3"])  # causal, multi-axis positions, both ways
+def test_vision_on_cuda_matches_hf(tmp_path, family, dtype):
+    from tests.engine.test_vision import check_images_match_hf
+    from tests.models import save_vision_model
+
+    check_images_match_hf(save_vision_model(family, tmp_path / family), "cuda", dtype)
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_reference_checks_pass_on_cpu(tiny_models, family):
     """What the CUDA test asks, on CPU in float32, so the checks themselves are known to be right."""

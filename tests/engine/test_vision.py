@@ -69,11 +69,13 @@ def png(image) -> bytes:
     return out.getvalue()
 
 
-def hf_greedy(path, encoded: dict) -> list[int]:
+def hf_greedy(path, encoded: dict, device: str = "cpu", dtype: torch.dtype = torch.float32) -> list[int]:
     from transformers import AutoModelForImageTextToText
 
-    model = AutoModelForImageTextToText.from_pretrained(path).eval()
-    inputs = {k: torch.from_numpy(v) for k, v in encoded.items()}
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype).to(device).eval()
+    inputs = {k: torch.from_numpy(v).to(device) for k, v in encoded.items()}
+    if "pixel_values" in inputs:
+        inputs["pixel_values"] = inputs["pixel_values"].to(dtype)
     with torch.inference_mode():
         out = model.generate(**inputs, max_new_tokens=GREEDY.max_tokens, do_sample=False, eos_token_id=None)
     return out[0, inputs["input_ids"].shape[1]:].tolist()
@@ -89,9 +91,12 @@ def run(engine, requests: list[GenerationRequest]) -> dict[str, list[int]]:
     return outputs
 
 
-def test_image_prompts_match_hf_batched_chunked_and_beside_text_prompts(vlm):
-    loaded = load_model(str(vlm))
-    assert loaded.backend == "generic" and loaded.processor is not None
+def check_images_match_hf(path, device: str = "cpu", dtype: str = "float32") -> None:
+    """Prompts with one and two images beside a text prompt, chunked through the image tokens: greedy
+    tokens equal HF `generate` on the same processor's inputs, device and dtype (tests/engine/test_gpu.py
+    runs this on CUDA)."""
+    loaded = load_model(str(path), device=device, dtype=dtype)
+    assert loaded.backend == "generic" and loaded.processor is not None, loaded.images_refused
     engine = build_engine(loaded, EngineConfig(max_num_batched_tokens=12), num_blocks=128)  # chunks cut image runs
     images = pictures(3)
     cases = {"one": ([images[0]], "What is in the picture?"), "two": (images[1:], "Compare them."),
@@ -99,10 +104,14 @@ def test_image_prompts_match_hf_batched_chunked_and_beside_text_prompts(vlm):
     encoded = {name: processed(loaded.processor, ims, text) for name, (ims, text) in cases.items()}
     got = run(engine, [request(name, encoded[name], cases[name][0]) for name in cases])
     for name in cases:
-        assert got[name] == hf_greedy(vlm, encoded[name]), name
+        assert got[name] == hf_greedy(path, encoded[name], device, getattr(torch, dtype)), name
     assert got["one"] != got["other"]  # the same text, another image: the image is seen
     assert_all_blocks_free(engine.scheduler.kv)
     assert not engine.runner.image_features  # nothing held once the prompts are in the cache
+
+
+def test_image_prompts_match_hf_batched_chunked_and_beside_text_prompts(vlm):
+    check_images_match_hf(vlm)
 
 
 def test_prefix_hits_stay_within_the_same_images(vlm):
