@@ -24,6 +24,8 @@ Other types (Q2_K, Q3_K, IQ*, F16, ...) are de-quantized to float32 as before. A
 Panels (`to_panels`), what the kernels read: [ceil(N / 16), K / block, 384] bytes, per panel of 16
 output features and block of K: 16 scales, 16 mins (float32), then the codes, k-major: 4-bit
 [32][8] bytes (feature i in the low nibble, i + 8 in the high; dtype uint8), 8-bit [16][16] (int8).
+8-bit codes with no mins in blocks of 32 (Q8_0, a tied lm_head's usual type) drop the mins and take
+32 k a block: 16 scales, then [32][16] codes, 576 bytes (int8), 1.125 bytes a weight instead of 1.5.
 """
 
 from __future__ import annotations
@@ -37,16 +39,20 @@ from torch import nn
 
 PANEL = 16
 BLOCK_BYTES = 384
+SCALED_BLOCK_BYTES = 576  # 8-bit codes without mins: 16 scales, 32 k of codes
 PANEL_BLOCK = {4: 32, 8: 16}  # k per panel block, by code width
+SCALED_BLOCK = 32  # k per panel block of 8-bit codes without mins
 # the GGUF types kept, by the width of their codes here (5-bit codes take the 8-bit form)
 FORMAT_BITS = {"Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q5_0": 8, "Q5_1": 8, "Q5_K": 8, "Q8_0": 8, "Q6_K": 8}
 FORMATS = tuple(FORMAT_BITS)
 
 
 def panel_bytes_per_weight(qtype: str) -> float:
-    """What a weight of `qtype` takes in the kernels' panels (0.75 bytes for 4-bit codes, 1.5 for 8)."""
-    bits = FORMAT_BITS[qtype]
-    return BLOCK_BYTES / (PANEL_BLOCK[bits] * PANEL)
+    """What a weight of `qtype` takes in the kernels' panels (0.75 bytes for 4-bit codes, 1.125 for
+    Q8_0's, 1.5 for other 8-bit codes)."""
+    if qtype == "Q8_0":
+        return SCALED_BLOCK_BYTES / (SCALED_BLOCK * PANEL)
+    return BLOCK_BYTES / (PANEL_BLOCK[FORMAT_BITS[qtype]] * PANEL)
 
 
 @dataclass
@@ -96,8 +102,14 @@ class QuantBlocks:
     def can_pack(self) -> bool:
         return self.block % PANEL_BLOCK[self.bits] == 0
 
+    def scaled_only(self) -> bool:
+        """8-bit codes with no mins in blocks of 32 or more: the smaller 8-bit panels."""
+        return self.bits == 8 and self.block % SCALED_BLOCK == 0 and not self.min.any()
+
     def to_panels(self) -> torch.Tensor:
         """The kernels' layout (module docstring): uint8 for 4-bit codes, int8 for 8-bit."""
+        if self.scaled_only():
+            return self._scaled_panels()
         b = self.with_block(PANEL_BLOCK[self.bits])
         n, k = b.codes.shape
         p, nb = -(-n // PANEL), b.scale.shape[1]
@@ -115,11 +127,25 @@ class QuantBlocks:
         packed = torch.cat([floats(b.scale), floats(b.min), codes.reshape(p, nb, -1)], dim=2).contiguous()
         return packed if self.bits == 4 else packed.view(torch.int8)
 
+    def _scaled_panels(self) -> torch.Tensor:
+        b = self.with_block(SCALED_BLOCK)
+        n, k = b.codes.shape
+        p, nb = -(-n // PANEL), b.scale.shape[1]
+        pad = p * PANEL - n
+        codes = torch.cat([b.codes.view(torch.uint8), b.codes.new_zeros(pad, k).view(torch.uint8)])
+        codes = codes.view(p, PANEL, nb, SCALED_BLOCK).permute(0, 2, 3, 1).reshape(p, nb, -1)  # [P, nb, 32 * 16]
+        scale = torch.cat([b.scale.float(), b.scale.new_zeros(pad, nb)]).view(p, PANEL, nb).transpose(1, 2)
+        return torch.cat([scale.contiguous().view(torch.uint8), codes], dim=2).contiguous().view(torch.int8)
+
 
 def panels_to_float(panels: torch.Tensor) -> torch.Tensor:
     """Block panels -> float panels [P, K, 16] (the torch path, before or without the kernels)."""
     raw = panels.view(torch.uint8)
-    p, nb, _ = raw.shape
+    p, nb, size = raw.shape
+    if size == SCALED_BLOCK_BYTES:
+        scale = raw[..., :64].contiguous().view(torch.float32)[:, :, None, :]
+        codes = raw[..., 64:].view(torch.int8).reshape(p, nb, SCALED_BLOCK, PANEL)
+        return (codes.float() * scale).reshape(p, -1, PANEL)
     scale, min_ = (raw[..., i:i + 64].contiguous().view(torch.float32)[:, :, None, :] for i in (0, 64))
     if panels.dtype == torch.uint8:
         codes = raw[..., 128:].reshape(p, nb, 32, 8)

@@ -1,8 +1,9 @@
 // Linears over a GGUF file's own quantized blocks (`engine.block_panels`), the way llama.cpp keeps
-// them: the panels of panel_gemm.h (16 output features each), cut along K into blocks of 384 bytes,
-// each 16 scales, 16 mins (float32, one per feature) and the codes; w = code * scale + min.
-//   Q4: 32 k per block, codes[k][8] bytes: feature i in the low nibble, feature i + 8 in the high
-//   Q8: 16 k per block, codes[k][16] int8
+// them: the panels of panel_gemm.h (16 output features each), cut along K into blocks, each 16
+// scales, 16 mins (float32, one per feature) and the codes; w = code * scale + min.
+//   Q4: 32 k per block of 384 bytes, codes[k][8] bytes: feature i in the low nibble, i + 8 in the high
+//   Q8: 16 k per block of 384 bytes, codes[k][16] int8
+//   Q8S: 32 k per block of 576 bytes, no mins (Q8_0: w = code * scale), codes[k][16] int8
 // One to four rows read each block's codes in registers and sum x_k * code_k, then take the block's
 // scale and min once (block_tile: one FMA a weight and row, not three). More rows de-quantize a
 // group of panels into a thread's float panels that panel_group then runs (the decoding shared by
@@ -18,7 +19,8 @@
 
 namespace {
 
-constexpr int64_t BLOCK_BYTES = 384;
+constexpr int64_t BLOCK_BYTES = 384;  // Q4's and Q8's
+constexpr int64_t Q8S_BYTES = 576;
 
 #if defined(CPU_CAPABILITY_AVX2)
 // w = code * scale + min as one FMA: code * scale is exact, so this rounds as the multiply, then add
@@ -29,7 +31,8 @@ inline __m256 scaled(__m256 codes, const uint8_t* block, int64_t half) {
 #endif
 
 struct Q4 {
-  static constexpr int64_t K = 32;
+  static constexpr int64_t K = 32, BYTES = BLOCK_BYTES;
+  static constexpr bool MINS = true;
 #if defined(CPU_CAPABILITY_AVX2)
   // the 16 codes of row k of the block as floats in two vectors (features 0-7, 8-15): each byte
   // widened to a 32-bit lane, then its low and high nibbles
@@ -53,7 +56,8 @@ struct Q4 {
 };
 
 struct Q8 {
-  static constexpr int64_t K = 16;
+  static constexpr int64_t K = 16, BYTES = BLOCK_BYTES;
+  static constexpr bool MINS = true;
 #if defined(CPU_CAPABILITY_AVX2)
   static inline void codes(const uint8_t* block, int64_t k, __m256& c0, __m256& c1) {
     const uint8_t* row = block + 128 + k * 16;
@@ -69,6 +73,29 @@ struct Q8 {
   static float weight(const uint8_t* block, int64_t k, int64_t j) {
     const float* scale = reinterpret_cast<const float*>(block);
     return static_cast<float>(reinterpret_cast<const int8_t*>(block + 128)[k * 16 + j]) * scale[j] + scale[16 + j];
+  }
+#endif
+};
+
+struct Q8S {
+  static constexpr int64_t K = 32, BYTES = Q8S_BYTES;
+  static constexpr bool MINS = false;
+#if defined(CPU_CAPABILITY_AVX2)
+  static inline void codes(const uint8_t* block, int64_t k, __m256& c0, __m256& c1) {
+    const uint8_t* row = block + 64 + k * 16;
+    c0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row))));
+    c1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + 8))));
+  }
+  static inline void weights(const uint8_t* block, int64_t k, __m256& w0, __m256& w1) {
+    codes(block, k, w0, w1);
+    const float* scale = reinterpret_cast<const float*>(block);
+    w0 = _mm256_mul_ps(w0, _mm256_loadu_ps(scale));
+    w1 = _mm256_mul_ps(w1, _mm256_loadu_ps(scale + 8));
+  }
+#else
+  static float weight(const uint8_t* block, int64_t k, int64_t j) {
+    return static_cast<float>(reinterpret_cast<const int8_t*>(block + 64)[k * 16 + j]) *
+           reinterpret_cast<const float*>(block)[j];
   }
 #endif
 };
@@ -101,7 +128,7 @@ void block_tile(float* y, const float* x, const float* xsums, const uint8_t* pan
   __m256 acc[MR][2];
   for (auto& r : acc) r[0] = r[1] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* block = panel + b * BLOCK_BYTES;
+    const uint8_t* block = panel + b * F::BYTES;
     const float* xb = x + b * F::K;
     // U interleaved sums per vector: one row's FMAs would otherwise wait on each other's latency
     constexpr int64_t U = MR == 1 ? 4 : 2;
@@ -133,7 +160,7 @@ void block_tile(float* y, const float* x, const float* xsums, const uint8_t* pan
 #pragma GCC unroll 4
         for (int64_t u = 1; u < U; ++u) sum = _mm256_add_ps(sum, dot[m][2 * u + h]);
         acc[m][h] = _mm256_fmadd_ps(sum, _mm256_loadu_ps(scale + 8 * h), acc[m][h]);
-        acc[m][h] = _mm256_fmadd_ps(xs, _mm256_loadu_ps(scale + 16 + 8 * h), acc[m][h]);
+        if constexpr (F::MINS) acc[m][h] = _mm256_fmadd_ps(xs, _mm256_loadu_ps(scale + 16 + 8 * h), acc[m][h]);
       }
     }
   }
@@ -161,7 +188,7 @@ void block_tile(float* y, const float* x, const float* xsums, const uint8_t* pan
   for (auto& r : acc)
     for (auto& a : r) a = Vec(0.f);
   for (int64_t b = 0; b < nb; ++b) {
-    decode<F>(w, panel + b * BLOCK_BYTES);
+    decode<F>(w, panel + b * F::BYTES);
     const float* xb = x + b * F::K;
     for (int64_t k = 0; k < F::K; ++k)
       for (int64_t v = 0; v < NV; ++v) {
@@ -187,7 +214,7 @@ constexpr int64_t SMALL_ROWS = 4;
 template <class F>
 void block_gemm(float* y, const float* x, const uint8_t* blocks, const float* bias, int64_t M, int64_t K,
                 int64_t N) {
-  const int64_t P = (N + 15) / 16, panel_bytes = K / F::K * BLOCK_BYTES;
+  const int64_t P = (N + 15) / 16, panel_bytes = K / F::K * F::BYTES;
   if (M <= SMALL_ROWS) {  // each panel decoded per pair of rows, block by block, beside its FMAs
     const int64_t nb = K / F::K;
     std::vector<float> xsums(M * nb);  // each row's sum over each block's k
@@ -209,16 +236,20 @@ void block_gemm(float* y, const float* x, const uint8_t* blocks, const float* bi
         const int64_t p = g * GROUP_PANELS, np = std::min(GROUP_PANELS, P - p);
         for (int64_t j = 0; j < np; ++j)
           for (int64_t b = 0; b < K / F::K; ++b)
-            decode<F>(panels.data() + (j * K + b * F::K) * 16, blocks + (p + j) * panel_bytes + b * BLOCK_BYTES);
+            decode<F>(panels.data() + (j * K + b * F::K) * 16, blocks + (p + j) * panel_bytes + b * F::BYTES);
         panel_group(rows, y + m0 * N, x + m0 * K, panels.data(), bias, K, N, p, np, nullptr, 0);
       }
     });
   }
 }
 
-// K of a weight's panels: float [P, K, 16] or blocks [P, K / block k, 384]
+// a weight's block format from its panels: uint8 Q4; int8 Q8, or Q8S by its block's bytes
+bool is_q8s(const at::Tensor& weight) { return weight.scalar_type() == at::kChar && weight.size(2) == Q8S_BYTES; }
+
+// K of a weight's panels: float [P, K, 16] or blocks [P, K / block k, block bytes]
 int64_t panel_inputs(const at::Tensor& weight) {
-  const int64_t per_row = weight.scalar_type() == at::kByte ? Q4::K : weight.scalar_type() == at::kChar ? Q8::K : 1;
+  const int64_t per_row = weight.scalar_type() == at::kByte ? Q4::K
+                          : weight.scalar_type() == at::kChar ? (is_q8s(weight) ? Q8S::K : Q8::K) : 1;
   return weight.size(1) * per_row;
 }
 
@@ -228,8 +259,10 @@ void weight_gemm(float* y, const float* x, const at::Tensor& weight, const float
   switch (weight.scalar_type()) {
     case at::kFloat: return panel_gemm(y, x, weight.data_ptr<float>(), bias, M, K, N);
     case at::kByte: return block_gemm<Q4>(y, x, static_cast<const uint8_t*>(weight.data_ptr()), bias, M, K, N);
-    case at::kChar: return block_gemm<Q8>(y, x, static_cast<const uint8_t*>(weight.data_ptr()), bias, M, K, N);
-    default: TORCH_CHECK(false, "weights must be float32 panels, uint8 Q4 or int8 Q8 blocks");
+    case at::kChar:
+      return (is_q8s(weight) ? block_gemm<Q8S> : block_gemm<Q8>)(y, x, static_cast<const uint8_t*>(weight.data_ptr()),
+                                                                 bias, M, K, N);
+    default: TORCH_CHECK(false, "weights must be float32 panels, uint8 Q4 or int8 Q8/Q8S blocks");
   }
 }
 

@@ -7,7 +7,8 @@
 
 namespace {
 
-// panels for N outputs over K inputs: float32 [P, K, 16], or blocks [P, K / 32 (Q4) or K / 16 (Q8), 384];
+// panels for N outputs over K inputs: float32 [P, K, 16], or blocks [P, K / 32 (Q4, Q8S) or K / 16 (Q8),
+// 384 or 576 (Q8S)];
 // the bias, if any, as a pointer
 const float* check_panels(const at::Tensor& panels, const c10::optional<at::Tensor>& bias, int64_t K, int64_t N) {
   TORCH_CHECK(panels.device().is_cpu() && panels.is_contiguous() && panels.dim() == 3 &&
@@ -15,9 +16,10 @@ const float* check_panels(const at::Tensor& panels, const c10::optional<at::Tens
   if (panels.scalar_type() == at::kFloat) {
     TORCH_CHECK(panels.size(1) == K && panels.size(2) == 16, "float panels of the wrong shape");
   } else {
-    const int64_t block_k = panels.scalar_type() == at::kByte ? Q4::K : Q8::K;
     TORCH_CHECK(panels.scalar_type() == at::kByte || panels.scalar_type() == at::kChar, "panels: float32, or blocks");
-    TORCH_CHECK(K % block_k == 0 && panels.size(1) == K / block_k && panels.size(2) == BLOCK_BYTES,
+    const bool q8s = is_q8s(panels);
+    const int64_t block_k = panels.scalar_type() == at::kByte ? Q4::K : q8s ? Q8S::K : Q8::K;
+    TORCH_CHECK(K % block_k == 0 && panels.size(1) == K / block_k && panels.size(2) == (q8s ? Q8S_BYTES : BLOCK_BYTES),
                 "blocks of the wrong shape");
   }
   if (!bias.has_value() || !bias->defined()) return nullptr;

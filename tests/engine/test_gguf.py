@@ -173,10 +173,10 @@ def test_the_header_walk_finds_the_tensors_gguf_reader_finds():
         (t.name, t.tensor_type, int(t.n_bytes), t.data.shape, t.data.dtype) for t in reader.tensors]
     assert all(np.array_equal(a.data, b.data) for a, b in zip(ours, reader.tensors))
     # the pre-load memory estimate, for the file and for its folder: every element as a float32, or (the
-    # default) the Q4_1 and Q8_0 tensors as block panels (0.75 and 1.5 bytes a weight), the norms as floats
+    # default) the Q4_1 and Q8_0 tensors as block panels (0.75 and 1.125 bytes a weight), the norms as floats
     float32_bytes = 4 * sum(int(t.n_elements) for t in reader.tensors)
     assert checkpoint_bytes(file, keep_blocks=False) == float32_bytes > 5 * file.stat().st_size
-    per_weight = {"Q4_1": 0.75, "Q8_0": 1.5, "F32": 4}
+    per_weight = {"Q4_1": 0.75, "Q8_0": 1.125, "F32": 4}
     blocks_bytes = int(sum(int(t.n_elements) * per_weight[t.tensor_type.name] for t in reader.tensors))
     assert checkpoint_bytes(file) == checkpoint_bytes(file.parent) == blocks_bytes < 1.5 * file.stat().st_size
     # a version's pre-load estimate takes the form load_model will use: blocks only on CPU in float32, unset
