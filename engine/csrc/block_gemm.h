@@ -55,50 +55,39 @@ struct Q4 {
 #endif
 };
 
-struct Q8 {
-  static constexpr int64_t K = 16, BYTES = BLOCK_BYTES;
-  static constexpr bool MINS = true;
+// 8-bit codes[k][16] after the block's scales, and its mins where it has them: Q8 (16 k, mins) and
+// Q8S (Q8_0: 32 k, no mins, w = code * scale)
+template <int64_t KB, int64_t BYTES_, bool MINS_>
+struct Int8Blocks {
+  static constexpr int64_t K = KB, BYTES = BYTES_, CODES = MINS_ ? 128 : 64;
+  static constexpr bool MINS = MINS_;
 #if defined(CPU_CAPABILITY_AVX2)
   static inline void codes(const uint8_t* block, int64_t k, __m256& c0, __m256& c1) {
-    const uint8_t* row = block + 128 + k * 16;
+    const uint8_t* row = block + CODES + k * 16;
     c0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row))));
     c1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + 8))));
   }
   static inline void weights(const uint8_t* block, int64_t k, __m256& w0, __m256& w1) {
     codes(block, k, w0, w1);
-    w0 = scaled(w0, block, 0);
-    w1 = scaled(w1, block, 1);
+    if constexpr (MINS) {
+      w0 = scaled(w0, block, 0);
+      w1 = scaled(w1, block, 1);
+    } else {
+      const float* scale = reinterpret_cast<const float*>(block);
+      w0 = _mm256_mul_ps(w0, _mm256_loadu_ps(scale));
+      w1 = _mm256_mul_ps(w1, _mm256_loadu_ps(scale + 8));
+    }
   }
 #else
   static float weight(const uint8_t* block, int64_t k, int64_t j) {
     const float* scale = reinterpret_cast<const float*>(block);
-    return static_cast<float>(reinterpret_cast<const int8_t*>(block + 128)[k * 16 + j]) * scale[j] + scale[16 + j];
+    const float w = static_cast<float>(reinterpret_cast<const int8_t*>(block + CODES)[k * 16 + j]) * scale[j];
+    return MINS ? w + scale[16 + j] : w;
   }
 #endif
 };
-
-struct Q8S {
-  static constexpr int64_t K = 32, BYTES = Q8S_BYTES;
-  static constexpr bool MINS = false;
-#if defined(CPU_CAPABILITY_AVX2)
-  static inline void codes(const uint8_t* block, int64_t k, __m256& c0, __m256& c1) {
-    const uint8_t* row = block + 64 + k * 16;
-    c0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row))));
-    c1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + 8))));
-  }
-  static inline void weights(const uint8_t* block, int64_t k, __m256& w0, __m256& w1) {
-    codes(block, k, w0, w1);
-    const float* scale = reinterpret_cast<const float*>(block);
-    w0 = _mm256_mul_ps(w0, _mm256_loadu_ps(scale));
-    w1 = _mm256_mul_ps(w1, _mm256_loadu_ps(scale + 8));
-  }
-#else
-  static float weight(const uint8_t* block, int64_t k, int64_t j) {
-    return static_cast<float>(reinterpret_cast<const int8_t*>(block + 64)[k * 16 + j]) *
-           reinterpret_cast<const float*>(block)[j];
-  }
-#endif
-};
+using Q8 = Int8Blocks<16, BLOCK_BYTES, true>;
+using Q8S = Int8Blocks<32, Q8S_BYTES, false>;
 
 // a block's weights as float panel rows: out[k][16] for its F::K k
 template <class F>
