@@ -91,19 +91,19 @@ def visible_mask(
     query_positions: torch.Tensor, num_keys: int, context_len: torch.Tensor | int, sliding_window: int | None,
     spans: tuple[tuple[int, int], ...] = (),
 ) -> torch.Tensor:
-    """[num_queries, num_keys] bool: may the query at position p see the key at position k? Causally,
-    and both ways inside each span [a, b): a query there sees keys up to b - 1 (HF's blockwise mask).
+    """[num_queries, num_keys] bool: may the query at position p see the key at position k? Causally
+    (within the sliding window, if any), and both ways inside each span [a, b), whatever the window:
+    HF ORs its blockwise mask over the causal and sliding ones (`block_sequence_ids`).
 
     Keys at or past `context_len` are padding of the last block and never visible.
     """
-    keys = torch.arange(num_keys, device=query_positions.device)
-    last = query_positions
-    for a, b in spans:
-        last = torch.where((query_positions >= a) & (query_positions < b), b - 1, last)
-    mask = (keys[None, :] <= last[:, None]) & (keys[None, :] < context_len)
+    q, k = query_positions[:, None], torch.arange(num_keys, device=query_positions.device)[None, :]
+    mask = k <= q
     if sliding_window is not None:
-        mask &= query_positions[:, None] - keys[None, :] < sliding_window
-    return mask
+        mask &= q - k < sliding_window
+    for a, b in spans:
+        mask |= (q >= a) & (q < b) & (k >= a) & (k < b)
+    return mask & (k < context_len)
 
 
 def build_metadata(

@@ -333,8 +333,10 @@ def load_generic(source: str, path: Path, gguf_file: Path | None, hf_config, spe
     progress.enter("reading weights")
     where = (gguf_file.parent, {"gguf_file": gguf_file.name}) if gguf_file else (path, {})
     try:
-        if vision:  # the vision encoder keeps transformers' attention; the text model gets ours
-            hf = AutoModelForImageTextToText.from_pretrained(where[0], dtype=dtype, attn_implementation="sdpa",
+        if vision:  # the vision encoder keeps transformers' attention; the text model gets ours. Asked for
+            # by sub-config: "sdpa" for the whole model fails where the text model has none (Gemma 2's, PaliGemma 2)
+            attention = {"text_config": ATTENTION} if "text_config" in hf_config.sub_configs else "sdpa"
+            hf = AutoModelForImageTextToText.from_pretrained(where[0], dtype=dtype, attn_implementation=attention,
                                                              **where[1])
             language_model(hf).set_attn_implementation(ATTENTION)
         else:

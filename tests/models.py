@@ -185,6 +185,7 @@ def save_vision_model(family: str, out: Path, seed: int = 0, chat_template: str 
     (SmolVLM's architecture: SigLIP-style encoder, pixel shuffle to 4 image tokens, framed by
     `<fake_token_around_image><global-img>`), `gemma3` (SigLIP, 4 image tokens that attend to each
     other both ways), `paligemma` (SigLIP, 16 image tokens, the whole prompt attending both ways),
+    `paligemma2` (the same with Gemma 2's soft-capped text model),
     `qwen2_vl` or `qwen2_5_vl` (multi-axis rotary positions). `chat_template` replaces the processor's."""
     import transformers
 
@@ -240,11 +241,17 @@ def save_vision_model(family: str, out: Path, seed: int = 0, chat_template: str 
         processor = transformers.Gemma3Processor(
             image_processor=transformers.Gemma3ImageProcessorPil(size={"height": 32, "width": 32}), tokenizer=tokenizer,
             chat_template=template, image_seq_length=4)
-    elif family == "paligemma":  # its whole prompt (image and text) attends both ways: a prefix LM
+    elif family in ("paligemma", "paligemma2"):  # its whole prompt (image and text) attends both ways: a prefix LM
         tokenizer.bos_token = "<|im_start|>"  # the processor puts it between the image and the text
+        gemma = dict(COMMON, vocab_size=len(tokenizer), head_dim=16, tie_word_embeddings=False)
+        if family == "paligemma2":  # Gemma 2's text model: scores and logits soft-capped (low caps: tanh bends
+            # the tiny model's scores), every other layer a sliding window shorter than the prompt
+            text_config = transformers.Gemma2Config(**gemma, sliding_window=8, attn_logit_softcapping=1.0,
+                                                    final_logit_softcapping=3.0, query_pre_attn_scalar=16)
+        else:
+            text_config = transformers.GemmaConfig(**gemma)
         config = transformers.PaliGemmaConfig(
-            text_config=transformers.GemmaConfig(**dict(COMMON, vocab_size=len(tokenizer)), head_dim=16,
-                                                 tie_word_embeddings=False).to_dict(),
+            text_config=text_config.to_dict(),
             vision_config=transformers.SiglipVisionConfig(**vision).to_dict(), image_token_index=image_token,
             projection_dim=64, tie_word_embeddings=False)
         model = transformers.PaliGemmaForConditionalGeneration(config)

@@ -3,8 +3,8 @@ vision encoder through the model's own `get_image_features`, image features repl
 image-token embeddings chunk by chunk. Greedy tokens equal HF `generate` with the same processor's
 inputs (tiny random LLaVA; Idefics3, SmolVLM's architecture; Qwen2-VL and Qwen2.5-VL, multi-axis
 rotary positions; Gemma 3, whose image tokens see each other both ways; PaliGemma, whose whole
-prompt does), batched with text-only requests, chunked through the image tokens, and with prefix
-hits that never cross images."""
+prompt does, and PaliGemma 2, the same over Gemma 2's soft-capped attention), batched with
+text-only requests, chunked through the image tokens, and with prefix hits that never cross images."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from engine.attention import visible_mask
 from engine.loader import load_model
 from engine.types import GenerationRequest, ImageInputs, SamplingParams
 from launch import EngineConfig, build_engine
@@ -27,7 +28,7 @@ TEXT_ONLY_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if
                       "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-FAMILIES = ["llava", "idefics3", "qwen2_vl", "qwen2_5_vl", "gemma3", "paligemma"]
+FAMILIES = ["llava", "idefics3", "qwen2_vl", "qwen2_5_vl", "gemma3", "paligemma", "paligemma2"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -135,7 +136,8 @@ def test_prefix_hits_stay_within_the_same_images(vlm):
 
 
 @pytest.mark.parametrize("family, rule", [("gemma3", "both ways within each image"),
-                                          ("paligemma", "both ways within the prompt")])
+                                          ("paligemma", "both ways within the prompt"),
+                                          ("paligemma2", "both ways within the prompt")])
 def test_spans_that_attend_both_ways_are_computed_whole_and_cached_only_whole(family, rule, tmp_path):
     """A step budget smaller than an image (Gemma 3: 4 tokens) or a prompt (PaliGemma) still computes
     each span in one chunk, over the budget; a second question about the same image never reuses
@@ -149,6 +151,26 @@ def test_spans_that_attend_both_ways_are_computed_whole_and_cached_only_whole(fa
         encoded = processed(loaded.processor, [image], text)
         assert run(engine, [request(name, encoded, [image])])[name] == hf_greedy(path, encoded), name
     assert_all_blocks_free(engine.scheduler.kv)
+
+
+@pytest.mark.parametrize("window", [None, 3, 6])
+def test_span_masks_equal_hfs_blockwise_mask_over_its_causal_and_sliding_ones(window):
+    """`visible_mask` against transformers' own mask functions (masking_utils: the blockwise overlay ORed
+    over the causal or sliding-window one), for spans shorter and longer than the window."""
+    from transformers import masking_utils as hf
+
+    spans, n = ((2, 6), (7, 8), (9, 17)), 20
+    groups = torch.full((1, n), -1)
+    for i, (a, b) in enumerate(spans):
+        groups[0, a:b] = i
+    base = hf.causal_mask_function if window is None else hf.sliding_window_causal_mask_function(window)
+    reference = hf.or_masks(base, hf.blockwise_overlay(groups))
+    zero = torch.tensor(0)
+    expected = reference(zero, zero, torch.arange(n)[:, None], torch.arange(n)[None, :]).expand(n, n)
+    for first in (0, 9):  # a whole prompt, and a chunk from position 9 over the cached keys before it
+        got = visible_mask(torch.arange(first, n), n, n, window, spans)
+        assert torch.equal(got, expected[first:]), (window, first)
+    assert not visible_mask(torch.arange(n), n, n - 2, window, spans)[:, n - 2:].any()  # padding never seen
 
 
 def test_a_processor_that_cannot_render_images_serves_text_only_saying_why(tmp_path):
