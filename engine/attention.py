@@ -245,17 +245,21 @@ def softcapped_attention(
     def attend(rows: slice, positions: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, context_len,
                spans: tuple[tuple[int, int], ...] = ()) -> None:
         keys, values = (t.repeat_interleave(groups, dim=0) for t in (keys, values))  # [heads, num_keys, head_dim]
-        scores = q[rows].transpose(0, 1).float() @ keys.float().transpose(1, 2) * scale  # [heads, n, num_keys]
-        scores = softcap * torch.tanh(scores / softcap)
+        # in the model's dtype up to the softmax, which is float32, as HF's eager attention rounds (bfloat16)
+        scores = q[rows].transpose(0, 1) @ keys.transpose(1, 2) * scale  # [heads, n, num_keys]
+        scores = torch.tanh(scores / softcap) * softcap
         visible = visible_mask(positions, keys.shape[1], context_len, meta.sliding_window, spans)
-        weights = scores.masked_fill(~visible, float("-inf")).softmax(-1)
-        out[rows] = (weights @ values.float()).transpose(0, 1).to(q.dtype)
+        weights = scores.masked_fill(~visible, float("-inf")).softmax(-1, dtype=torch.float32).to(q.dtype)
+        out[rows] = (weights @ values).transpose(0, 1)
 
     for i in range(meta.num_decodes):
         context_len = int(meta.decode_context_lens[i])
         table = meta.decode_block_tables[i, : cdiv(context_len, meta.block_size)]
-        keys, values = (gather_blocks(c, table, meta.block_size) for c in (k_cache, v_cache))
-        attend(slice(i, i + 1), meta.decode_context_lens[i : i + 1] - 1, keys, values, context_len)
+        # only the window's keys, as HF's sliding cache holds them: a sum over more (zero-weighted) values
+        # rounds otherwise in bfloat16
+        first = max(0, context_len - meta.sliding_window) if meta.sliding_window else 0
+        keys, values = (gather_blocks(c, table, meta.block_size)[:, first:context_len] for c in (k_cache, v_cache))
+        attend(slice(i, i + 1), meta.decode_context_lens[i : i + 1] - 1 - first, keys, values, context_len - first)
     for chunk in meta.prefills:
         rows = slice(chunk.start, chunk.end)
         context_len = chunk.start_pos + chunk.end - chunk.start
