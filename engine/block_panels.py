@@ -108,9 +108,8 @@ class QuantBlocks:
 
     def to_panels(self) -> torch.Tensor:
         """The kernels' layout (module docstring): uint8 for 4-bit codes, int8 for 8-bit."""
-        if self.scaled_only():
-            return self._scaled_panels()
-        b = self.with_block(PANEL_BLOCK[self.bits])
+        scaled = self.scaled_only()
+        b = self.with_block(SCALED_BLOCK if scaled else PANEL_BLOCK[self.bits])
         n, k = b.codes.shape
         p, nb = -(-n // PANEL), b.scale.shape[1]
         pad = p * PANEL - n  # zero codes, scales and mins: w = 0 past the last feature
@@ -124,18 +123,9 @@ class QuantBlocks:
         codes = per_panel(b.codes.view(torch.uint8)).view(p, PANEL, nb, k // nb).permute(0, 2, 3, 1)  # [P, nb, k, 16]
         if self.bits == 4:
             codes = codes[..., :8] | codes[..., 8:] << 4
-        packed = torch.cat([floats(b.scale), floats(b.min), codes.reshape(p, nb, -1)], dim=2).contiguous()
+        heads = [floats(b.scale)] if scaled else [floats(b.scale), floats(b.min)]
+        packed = torch.cat([*heads, codes.reshape(p, nb, -1)], dim=2).contiguous()
         return packed if self.bits == 4 else packed.view(torch.int8)
-
-    def _scaled_panels(self) -> torch.Tensor:
-        b = self.with_block(SCALED_BLOCK)
-        n, k = b.codes.shape
-        p, nb = -(-n // PANEL), b.scale.shape[1]
-        pad = p * PANEL - n
-        codes = torch.cat([b.codes.view(torch.uint8), b.codes.new_zeros(pad, k).view(torch.uint8)])
-        codes = codes.view(p, PANEL, nb, SCALED_BLOCK).permute(0, 2, 3, 1).reshape(p, nb, -1)  # [P, nb, 32 * 16]
-        scale = torch.cat([b.scale.float(), b.scale.new_zeros(pad, nb)]).view(p, PANEL, nb).transpose(1, 2)
-        return torch.cat([scale.contiguous().view(torch.uint8), codes], dim=2).contiguous().view(torch.int8)
 
 
 def panels_to_float(panels: torch.Tensor) -> torch.Tensor:
