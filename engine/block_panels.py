@@ -45,12 +45,13 @@ SCALED_BLOCK = 32  # k per panel block of 8-bit codes without mins
 # the GGUF types kept, by the width of their codes here (5-bit codes take the 8-bit form)
 FORMAT_BITS = {"Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q5_0": 8, "Q5_1": 8, "Q5_K": 8, "Q8_0": 8, "Q6_K": 8}
 FORMATS = tuple(FORMAT_BITS)
+SCALED_FORMATS = ("Q5_0", "Q8_0")  # 8-bit codes, no mins, blocks of 32: the scaled panels (`scaled_only`)
 
 
 def panel_bytes_per_weight(qtype: str) -> float:
     """What a weight of `qtype` takes in the kernels' panels (0.75 bytes for 4-bit codes, 1.125 for
-    Q8_0's, 1.5 for other 8-bit codes)."""
-    if qtype == "Q8_0":
+    8-bit codes without mins in blocks of 32, 1.5 for other 8-bit codes)."""
+    if qtype in SCALED_FORMATS:
         return SCALED_BLOCK_BYTES / (SCALED_BLOCK * PANEL)
     return BLOCK_BYTES / (PANEL_BLOCK[FORMAT_BITS[qtype]] * PANEL)
 

@@ -11,7 +11,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
-from engine.block_panels import FORMATS, BlockEmbedding, QuantBlocks, from_gguf, panels_to_float
+from engine.block_panels import FORMATS, BlockEmbedding, QuantBlocks, from_gguf, panel_bytes_per_weight, panels_to_float
 from engine.packed_linear import PackedLinear, to_panels
 
 # where each format keeps its float16 scales in a block's bytes (the rest are codes and sub-scales)
@@ -42,6 +42,7 @@ def test_each_format_reads_as_the_gguf_package_dequantizes_it(qtype):
     # the panels the kernels read hold the same floats (the torch path's view of them)
     float_panels = panels_to_float(blocks.to_panels())
     assert torch.equal(float_panels, to_panels(expected))
+    assert blocks.to_panels().numel() == panel_bytes_per_weight(qtype) * 48 * 512  # the pre-load estimate's figure
     assert from_gguf(data, "Q3_K") is None  # other types stay floats
 
 
